@@ -1,0 +1,58 @@
+"""Write files that another party reads so that they appear whole or not at all.
+
+Every file the daemon or a pipeline hands over (job spec, result, mask, report, status) is
+written to a temporary name in the same directory, flushed, and renamed into place: a reader
+never sees half a file, and a crash leaves at most a stray ``.tmp-*`` file that nobody reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+TMP_PREFIX = ".tmp-"
+
+
+@contextlib.contextmanager
+def atomic_writer(path: Path, *, mode: str = "wb", fsync: bool = True) -> Iterator[IO[bytes]]:
+    """Yield a file object whose content replaces ``path`` when the block exits cleanly."""
+    path = Path(path)
+    fd, tmp_name = tempfile.mkstemp(prefix=TMP_PREFIX + path.name + ".", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; others read what we hand over
+        with os.fdopen(fd, mode) as handle:
+            yield handle
+            handle.flush()
+            if fsync:
+                os.fsync(handle.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+        raise
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (os.umask can only be read by setting)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
+def write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> None:
+    """Replace ``path`` with ``data`` atomically."""
+    with atomic_writer(path, fsync=fsync) as handle:
+        handle.write(data)
+
+
+def write_text(path: Path, text: str, *, fsync: bool = True) -> None:
+    """Replace ``path`` with UTF-8 ``text`` atomically."""
+    write_bytes(path, text.encode("utf-8"), fsync=fsync)

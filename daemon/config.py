@@ -1,0 +1,140 @@
+"""The daemon's configuration: loaded once at the edge, validated all at once, typed.
+
+``config.toml`` at the top of the repository is the documented default. Relative paths are
+resolved against the directory of the file that names them. Unknown keys are refused with the
+valid keys listed; every problem is reported in one go.
+"""
+
+from __future__ import annotations
+
+import enum
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal
+
+import pydantic
+from pydantic import Field
+
+from daemon.errors import ConfigError
+from daemon.validation import problems
+
+Seconds = Annotated[float, Field(gt=0, le=7 * 24 * 3600)]
+
+
+class _Section(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+
+class ObserverMode(enum.Enum):
+    AUTO = "auto"  # polling on network filesystems (from the mount table), inotify elsewhere
+    INOTIFY = "inotify"
+    POLLING = "polling"
+
+
+class DaemonSection(_Section):
+    state_dir: Path = Path("var/state")
+    tick_seconds: Seconds = 1.0
+    heartbeat_seconds: Seconds = 5.0
+    rescan_seconds: Seconds = 300.0
+    shutdown_grace_seconds: Annotated[float, Field(ge=0, le=3600)] = 30.0
+    log_format: Literal["auto", "json", "console"] = "auto"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @property
+    def database(self) -> Path:
+        return self.state_dir / "watchd.sqlite"
+
+
+class RootSection(_Section):
+    path: Path
+    observer: ObserverMode = ObserverMode.AUTO
+    poll_seconds: Seconds = 2.0
+
+
+class IntakeSection(_Section):
+    settle_seconds: Annotated[float, Field(ge=0, le=86400)] = 5.0
+    timeout_seconds: Seconds = 24 * 3600.0
+    check_seconds: Seconds = 2.0
+    max_manifest_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 16 << 20
+
+
+class PlannerSection(_Section):
+    shard_size: Annotated[int, Field(ge=1, le=100_000)] = 64
+    max_attempts: Annotated[int, Field(ge=1, le=20)] = 3
+
+
+class LocalExecutorSection(_Section):
+    max_parallel: Annotated[int, Field(ge=1, le=256)] = 2
+    cpus_per_job: Annotated[int, Field(ge=1, le=256)] = 1
+    python: str = ""  # interpreter that runs the pipelines; empty: the daemon's own
+
+
+class ExecutorSection(_Section):
+    kind: Literal["local"] = "local"
+    local: LocalExecutorSection = LocalExecutorSection()
+
+
+class RegistrySection(_Section):
+    path: Path = Path("var/registry")
+
+
+class JobsSection(_Section):
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+
+
+class Config(_Section):
+    daemon: DaemonSection = DaemonSection()
+    roots: tuple[RootSection, ...]
+    intake: IntakeSection = IntakeSection()
+    planner: PlannerSection = PlannerSection()
+    executor: ExecutorSection = ExecutorSection()
+    registry: RegistrySection = RegistrySection()
+    jobs: JobsSection = JobsSection()
+    source: Path = Field(default=Path("config.toml"), exclude=True)
+
+
+def load_config(path: Path) -> Config:
+    """Read, validate and resolve ``path``; raise ConfigError listing every problem."""
+    path = Path(path).absolute()
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(str(path), ["file not found"]) from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(str(path), [str(exc)]) from None
+    return parse_config(data, source=path)
+
+
+def parse_config(data: dict[str, object], *, source: Path) -> Config:
+    """Validate a parsed TOML document; relative paths are taken from ``source``'s folder."""
+    if "source" in data:
+        raise ConfigError(str(source), ["unknown key 'source'"])
+    try:
+        config = Config.model_validate({**data, "source": source})
+    except pydantic.ValidationError as exc:
+        raise ConfigError(str(source), [f"{w}: {m}" for w, m in problems(exc, Config)]) from None
+    return _resolved(config, source.parent)
+
+
+def _resolved(config: Config, base: Path) -> Config:
+    def absolute(p: Path) -> Path:
+        return p if p.is_absolute() else (base / p).resolve()
+
+    roots = tuple(r.model_copy(update={"path": absolute(r.path)}) for r in config.roots)
+    seen: set[Path] = set()
+    clashes = [] if roots else ["roots: at least one drop root is needed"]
+    for i, root in enumerate(roots):
+        if root.path in seen:
+            clashes.append(f"roots[{i}].path: {root.path} is listed twice")
+        seen.add(root.path)
+    if clashes:
+        raise ConfigError(str(config.source), clashes)
+    return config.model_copy(
+        update={
+            "roots": roots,
+            "daemon": config.daemon.model_copy(
+                update={"state_dir": absolute(config.daemon.state_dir)}
+            ),
+            "registry": config.registry.model_copy(update={"path": absolute(config.registry.path)}),
+        }
+    )

@@ -1,0 +1,59 @@
+"""The deliberate errors of watchd: one root, a subclass per kind. Anything else is a bug."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from daemon.jobspec import Problem
+
+
+class WatchdError(Exception):
+    """Root of every error watchd raises on purpose; the CLI prints it as one ``Error:`` line."""
+
+
+class ConfigError(WatchdError):
+    """The configuration file is invalid; carries every problem found, with its location."""
+
+    def __init__(self, source: str, problems: Sequence[str]) -> None:
+        self.source = source
+        self.problems = tuple(problems)
+        listed = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{source}: {len(self.problems)} problem(s)\n{listed}")
+
+
+class ManifestError(WatchdError):
+    """A manifest is invalid; carries every problem found, each with its location and a hint."""
+
+    def __init__(self, problems: Sequence[Problem]) -> None:
+        self.problems = tuple(problems)
+        super().__init__("; ".join(p.render() for p in self.problems))
+
+
+class IllegalTransition(WatchdError):
+    """A state change that the transition table does not allow."""
+
+
+class SubmissionError(WatchdError):
+    """An executor refused or failed to take a job."""
+
+
+class ExecutorUnavailable(WatchdError):
+    """The executor cannot be reached or used at all (for now)."""
+
+
+class CommandFailed(WatchdError):
+    """A subprocess ended badly; carries what an operator needs to see why."""
+
+    def __init__(self, command: Sequence[str], returncode: int, stdout: str, stderr: str) -> None:
+        self.command = tuple(command)
+        self.returncode = returncode
+        self.stdout = stdout
+        self.stderr = stderr
+        tail = (stderr or stdout).strip().splitlines()[-3:]
+        super().__init__(
+            f"{' '.join(self.command)} exited with {returncode}: {' | '.join(tail) or 'no output'}"
+        )
+
+
+class NotFound(WatchdError):
+    """A batch, job or other record asked for by an operator does not exist."""

@@ -1,0 +1,71 @@
+"""Executors run job specs: locally as subprocesses, or on a cluster. One Protocol, the same
+command everywhere: ``python -m pipelines.<name> JOB_DIR``.
+
+Submitting is idempotent by job directory: an executor asked to submit a job it already runs
+returns the existing handle instead of starting a second copy.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from daemon.config import Config
+
+
+class Phase(enum.Enum):
+    """What the executor says of a job it was given."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    ENDED = "ended"
+    UNKNOWN = "unknown"  # no record of it: forgotten by the executor, or never started
+
+
+@dataclass(frozen=True)
+class Submission:
+    job_id: int
+    name: str
+    module: str  # e.g. "pipelines.infer"
+    job_dir: Path
+    cpus: int = 1
+    gpus: int = 0
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Status:
+    phase: Phase
+    exit_code: int | None = None
+
+
+class Executor(Protocol):
+    name: str
+
+    def slots(self) -> int | None:
+        """How many jobs may run at once (None: the executor queues without limit)."""
+
+    def submit(self, submissions: Sequence[Submission]) -> list[str]:
+        """Start these jobs (or find them already started); their handles, in order."""
+
+    def poll(self, handles: Sequence[str]) -> dict[str, Status]:
+        """The status of many jobs in one go; a handle it does not know is UNKNOWN."""
+
+    def cancel(self, handles: Sequence[str]) -> None:
+        """Ask these jobs to stop; they end as seen by a later poll."""
+
+    def close(self) -> None:
+        """Release what the executor holds; running jobs keep running."""
+
+
+def make_executor(config: Config, environ: Mapping[str, str]) -> Executor:
+    """The executor the configuration names; ``environ`` is passed on to the jobs."""
+    env = {**environ, "WANDB_MODE": config.jobs.wandb_mode, "PYTHONUNBUFFERED": "1"}
+    from daemon.executors.local import LocalExecutor
+
+    local = config.executor.local
+    return LocalExecutor(max_parallel=local.max_parallel, python=local.python, env=env)

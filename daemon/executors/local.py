@@ -1,0 +1,105 @@
+"""The local executor: jobs as subprocesses of this machine, at most ``max_parallel`` at once.
+
+Each job runs in its own session, so it outlives a daemon that is stopped or killed; a handle
+``local:PID:START`` names the process for good (the start time tells a reused pid apart), and
+``launch.json`` in the job directory lets a restarted daemon find a job it started before.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from daemon import atomicfile
+from daemon.errors import SubmissionError
+from daemon.executors import Phase, Status, Submission
+from daemon.jobspec import LOG_FILE
+from daemon.subprocesses import process_start_ticks, signal_group, spawn
+
+LAUNCH_FILE = "launch.json"
+
+
+class LocalExecutor:
+    name = "local"
+
+    def __init__(
+        self, *, max_parallel: int, python: str = "", env: Mapping[str, str] | None = None
+    ) -> None:
+        self.max_parallel = max_parallel
+        self.python = python or sys.executable
+        self.env = dict(env or {})
+        self._children: dict[str, subprocess.Popen[bytes]] = {}
+
+    def slots(self) -> int | None:
+        return self.max_parallel
+
+    def submit(self, submissions: Sequence[Submission]) -> list[str]:
+        return [self._adopt(s) or self._start(s) for s in submissions]
+
+    def _start(self, sub: Submission) -> str:
+        command = [self.python, "-m", sub.module, str(sub.job_dir)]
+        env = {**self.env, **sub.env, "OMP_NUM_THREADS": str(sub.cpus)}
+        try:
+            proc = spawn(command, cwd=sub.job_dir, log_path=sub.job_dir / LOG_FILE, env=env)
+        except OSError as exc:
+            raise SubmissionError(f"cannot start {sub.name}: {exc}") from exc
+        ticks = process_start_ticks(proc.pid)
+        handle = f"local:{proc.pid}:{ticks if ticks is not None else 0}"
+        self._children[handle] = proc
+        record = {"handle": handle, "pid": proc.pid, "command": command}
+        atomicfile.write_text(sub.job_dir / LAUNCH_FILE, json.dumps(record))
+        return handle
+
+    def _adopt(self, sub: Submission) -> str | None:
+        """The handle of this job's process if an earlier daemon started it and it still runs."""
+        try:
+            handle = json.loads((sub.job_dir / LAUNCH_FILE).read_text())["handle"]
+        except (OSError, ValueError, KeyError):
+            return None
+        return handle if _alive(handle) else None
+
+    def poll(self, handles: Sequence[str]) -> dict[str, Status]:
+        return {h: self._status(h) for h in handles}
+
+    def _status(self, handle: str) -> Status:
+        proc = self._children.get(handle)
+        if proc is None:
+            return Status(Phase.RUNNING) if _alive(handle) else Status(Phase.UNKNOWN)
+        code = proc.poll()
+        if code is None:
+            return Status(Phase.RUNNING)
+        del self._children[handle]
+        return Status(Phase.ENDED, code)
+
+    def cancel(self, handles: Sequence[str]) -> None:
+        for handle in handles:
+            if _alive(handle):
+                signal_group(_pid(handle), signal.SIGTERM)
+
+    def close(self) -> None:
+        """Forget the children: they keep running and a later daemon re-adopts them."""
+        self._children.clear()
+
+
+def _pid(handle: str) -> int:
+    return int(handle.split(":")[1])
+
+
+def _alive(handle: str) -> bool:
+    try:
+        _, pid, ticks = handle.split(":")
+    except ValueError:
+        return False
+    return process_start_ticks(int(pid)) == int(ticks)
+
+
+def from_path(path: Path) -> str | None:
+    """The handle recorded in a job directory, if any (for watchctl)."""
+    try:
+        return str(json.loads((path / LAUNCH_FILE).read_text())["handle"])
+    except (OSError, ValueError, KeyError):
+        return None

@@ -1,0 +1,214 @@
+"""Intake: a batch folder was touched; read its manifest and record what it means.
+
+The same folder with the same manifest content as its latest revision is the same batch,
+whatever the rescans, restarts or repeated drops. A changed manifest becomes a new revision
+(also one changed back to an earlier revision's content: its owner wants it run again); an
+active older revision is cancelled through an intent, as an operator's cancel would be. A
+manifest that does not parse becomes a failed batch with every problem listed, unless it was
+written moments ago (it may still be being written): then it is looked at again once it has
+settled.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from daemon.errors import ManifestError
+from daemon.jobspec import Problem
+from daemon.manifest import MANIFEST_NAME, RESULTS_DIR, Manifest, manifest_sha256, parse_manifest
+from daemon.states import BatchState
+from daemon.store import Batch, NewBatch, Store
+from daemon.watcher import stat_signature
+
+log = structlog.get_logger("watchd.intake")
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """Look at this folder again at ``at``: its manifest is invalid but still fresh."""
+
+    root: Path
+    folder: str
+    at: float
+
+
+class Intake:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        max_manifest_bytes: int,
+        settle_seconds: float,
+        on_batch: Callable[[Batch], None],
+    ) -> None:
+        self.store = store
+        self.max_bytes = max_manifest_bytes
+        self.settle = settle_seconds
+        self.on_batch = on_batch
+        self.known: dict[tuple[Path, str], str] = {}  # (root, folder) → manifest stat signature
+
+    def remember(self, root: Path) -> None:
+        """Load what is known of a root's manifests, so unchanged ones are not read again."""
+        for folder, signature in self.store.manifest_stats(str(root)).items():
+            self.known[(root, folder)] = signature
+
+    def changed(self, root: Path, folder: str, signature: str) -> bool:
+        return self.known.get((root, folder)) != signature
+
+    def look(self, root: Path, folder: str, now: float) -> Deferred | None:
+        """Read the folder's manifest if it changed; record a batch (or a failure) for it."""
+        path = root / folder
+        try:
+            st = os.lstat(path / MANIFEST_NAME)
+        except OSError:
+            return None  # no manifest (yet), or the folder is gone
+        signature = stat_signature(st)
+        if not self.changed(root, folder, signature):
+            return None
+        refusal = _refusal(root, folder, st)
+        if refusal is not None:
+            self._record_refusal(root, folder, signature, refusal, now)
+            return None
+        try:
+            data = _read(path / MANIFEST_NAME, self.max_bytes)
+        except OSError as exc:
+            log.warning("manifest unreadable", root=str(root), folder=folder, error=str(exc))
+            return None
+        return self._take(root, folder, signature, data, st.st_mtime, now)
+
+    def _take(
+        self, root: Path, folder: str, signature: str, data: bytes, mtime: float, now: float
+    ) -> Deferred | None:
+        sha = manifest_sha256(data)
+        latest = self.store.latest_revision(str(root), folder)
+        if latest is not None and latest.manifest_sha256 == sha:
+            self.store.set_manifest_stat(latest.id, signature)
+            self.known[(root, folder)] = signature
+            log.info("manifest unchanged", batch_id=latest.id, folder=folder)
+            self.on_batch(latest)  # the folder may be a fresh copy: give it its status file again
+            return None
+        try:
+            manifest: Manifest | None = parse_manifest(data, max_bytes=self.max_bytes)
+            problems: tuple[Problem, ...] = ()
+        except ManifestError as exc:
+            if now - mtime < self.settle:
+                return Deferred(root, folder, mtime + self.settle)
+            manifest, problems = None, exc.problems
+        self._record(root, folder, signature, data, sha, manifest, problems, now)
+        return None
+
+    def _record(
+        self,
+        root: Path,
+        folder: str,
+        signature: str,
+        data: bytes,
+        sha: str,
+        manifest: Manifest | None,
+        problems: tuple[Problem, ...],
+        now: float,
+    ) -> None:
+        previous = self.store.latest_revision(str(root), folder)
+        new = NewBatch(
+            root=str(root),
+            folder=folder,
+            manifest_sha256=sha,
+            manifest_text=data.decode("utf-8", "replace"),
+            manifest_stat=signature,
+            kind=manifest.kind.value if manifest else None,
+            title=manifest.title if manifest else "",
+            owner=manifest.owner_name if manifest else "",
+            contact=manifest.owner_email if manifest else None,
+            run_dir=str(root / folder / RESULTS_DIR / _run_name(now, sha)),
+        )
+        with self.store.atomic():
+            if manifest is not None:
+                batch = self.store.create_batch(new, BatchState.WAITING, "manifest accepted", now)
+            else:
+                batch = self.store.create_batch(
+                    new, BatchState.FAILED, "manifest refused", now, problems
+                )
+            if previous is not None:
+                self._supersede(previous, batch, now)
+        self.known[(root, folder)] = signature
+        log.info(
+            "batch recorded",
+            batch_id=batch.id,
+            folder=folder,
+            revision=batch.revision,
+            state=batch.state.value,
+            problems=[p.render() for p in problems],
+        )
+        self.on_batch(batch)
+
+    def _supersede(self, previous: Batch, batch: Batch, now: float) -> None:
+        self.store.note(
+            batch.id,
+            f"manifest changed: revision {batch.revision} replaces {previous.revision}",
+            now,
+        )
+        if not previous.state.terminal:
+            self.store.add_intent(
+                "cancel", previous.id, now, f"watchd (superseded by revision {batch.revision})"
+            )
+
+    def _record_refusal(
+        self, root: Path, folder: str, signature: str, problem: Problem, now: float
+    ) -> None:
+        """A folder or manifest we must not read: record the refusal without reading it."""
+        sha = hashlib.sha256(f"refused:{signature}".encode()).hexdigest()
+        latest = self.store.latest_revision(str(root), folder)
+        if latest is None or latest.manifest_sha256 != sha:
+            self._record(root, folder, signature, b"", sha, None, (problem,), now)
+        self.known[(root, folder)] = signature
+
+
+def _refusal(root: Path, folder: str, st: os.stat_result) -> Problem | None:
+    """Why a folder's manifest must not be read at all, or None."""
+    real_root = os.path.realpath(root)
+    real_folder = os.path.realpath(root / folder)
+    if os.path.islink(root / folder) or os.path.dirname(real_folder) != real_root:
+        return Problem(
+            f"batch folder '{folder}'",
+            f"is a link to {real_folder}, outside the drop root",
+            "copy the folder itself onto the share",
+        )
+    if stat.S_ISLNK(st.st_mode):
+        return Problem(MANIFEST_NAME, "is a symbolic link", "copy the manifest file itself")
+    if not stat.S_ISREG(st.st_mode):
+        return Problem(MANIFEST_NAME, "is not a regular file")
+    return None
+
+
+def _read(path: Path, max_bytes: int) -> bytes:
+    """At most ``max_bytes + 1`` bytes: enough for the parser to say the manifest is too big.
+
+    Opened without following links and without blocking, then checked again, so a manifest
+    swapped for a link or a FIFO after the first look is never read (nor waited on).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return handle.read(max_bytes + 1)
+
+
+def _run_name(now: float, sha: str) -> str:
+    stamp = dt.datetime.fromtimestamp(now, dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    return f"{stamp}-{sha[:8]}"
+
+
+def inside_root(root: Path, folder: str) -> bool:
+    """Whether ``root/folder`` is a real folder directly inside ``root`` (safe to write into)."""
+    path = root / folder
+    return not os.path.islink(path) and os.path.dirname(os.path.realpath(path)) == os.path.realpath(
+        root
+    )

@@ -1,0 +1,180 @@
+"""The contract between the daemon and the programs that jobs run.
+
+A job is ``python -m pipelines.<pipeline> JOB_DIR``. The daemon writes ``JOB_DIR/spec.json``
+(a :class:`JobSpec`, JSON, never a pickle) before it submits; the pipeline writes
+``JOB_DIR/result.json`` (a :class:`JobResult`) as its last act, atomically. The local and the
+Slurm executor launch the identical command, and an operator can run it by hand.
+
+The result file, not the executor's exit status, is the truth of what a job did: a cluster
+forgets finished jobs and a restarted daemon has no exit status for a process it did not start.
+A job that ended without a result file crashed (killed, out of memory) and may be retried.
+
+This module is pure data and JSON; the pipelines import it, the daemon writes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SPEC_VERSION = 1
+SPEC_FILE = "spec.json"
+RESULT_FILE = "result.json"
+LOG_FILE = "log.txt"
+
+
+class Pipeline(enum.Enum):
+    """The programs a job can run: ``python -m pipelines.<value>``."""
+
+    TRAIN = "train"
+    INFER = "infer"
+    REPORT = "report"
+
+    @property
+    def module(self) -> str:
+        return f"pipelines.{self.value}"
+
+
+class ErrorKind(enum.Enum):
+    """Why a job failed; decides whether running it again can help."""
+
+    INPUT = "input"  # the data or the manifest is wrong: the owner must act, no retry
+    MODEL = "model"  # the named model is missing or refused: no retry
+    INTERNAL = "internal"  # a bug or a resource problem: retried up to the attempt limit
+
+    @property
+    def retryable(self) -> bool:
+        return self is ErrorKind.INTERNAL
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """One input of a batch, as the manifest lists it (paths relative to the batch folder)."""
+
+    path: str
+    size: int | None = None
+    sha256: str | None = None
+    role: str = "image"  # "image" or "mask" (ground truth, training only)
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A model in the registry: a name and a version number, ``latest`` or ``best``."""
+
+    name: str
+    version: str = "latest"
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int = 0
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class Resources:
+    cpus: int = 1
+    gpus: int = 0
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything a pipeline needs, with absolute paths; written by the daemon as spec.json."""
+
+    job_id: int
+    job_name: str
+    pipeline: Pipeline
+    attempt: int
+    batch_id: int
+    batch_revision: int
+    batch_kind: str
+    batch_dir: str
+    run_dir: str
+    manifest_sha256: str
+    inputs: tuple[InputFile, ...]
+    model: ModelRef
+    registry_dir: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+    shard: Shard = Shard()
+    resources: Resources = Resources()
+    title: str = ""
+    spec_version: int = SPEC_VERSION
+
+    @property
+    def job_dir(self) -> Path:
+        return Path(self.run_dir) / "jobs" / self.job_name
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        data["pipeline"] = self.pipeline.value
+        data["params"] = dict(self.params)
+        return json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSpec:
+        data = json.loads(text)
+        if data.get("spec_version") != SPEC_VERSION:
+            raise ValueError(f"unsupported job spec version {data.get('spec_version')!r}")
+        data["pipeline"] = Pipeline(data["pipeline"])
+        data["inputs"] = tuple(InputFile(**item) for item in data["inputs"])
+        data["model"] = ModelRef(**data["model"])
+        data["shard"] = Shard(**data["shard"])
+        data["resources"] = Resources(**data["resources"])
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong, said so that the data owner can act: where, what, and what to do."""
+
+    where: str
+    message: str
+    hint: str = ""
+
+    def render(self) -> str:
+        text = f"{self.where}: {self.message}" if self.where else self.message
+        return f"{text} — {self.hint}" if self.hint else text
+
+
+@dataclass(frozen=True)
+class JobError:
+    kind: ErrorKind
+    message: str
+    problems: tuple[Problem, ...] = ()
+    traceback: str = ""
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """What a pipeline reports when it ends; written last, atomically, as result.json."""
+
+    ok: bool
+    pipeline: str
+    finished_at: str
+    summary: Mapping[str, Any] = field(default_factory=dict)
+    error: JobError | None = None
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        data["summary"] = dict(self.summary)
+        if self.error is not None:
+            data["error"]["kind"] = self.error.kind.value
+        return json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> JobResult:
+        data = json.loads(text)
+        error = data.get("error")
+        if error is not None:
+            data["error"] = JobError(
+                kind=ErrorKind(error["kind"]),
+                message=error["message"],
+                problems=tuple(Problem(**p) for p in error.get("problems", ())),
+                traceback=error.get("traceback", ""),
+            )
+        return cls(**data)

@@ -1,0 +1,388 @@
+"""The batch manifest: parse and validate its text. Pure: bytes in, a Manifest or every problem out.
+
+The format is documented in docs/manifest.md, with a JSON schema beside it
+(docs/manifest.schema.json, generated from the models below by ``watchctl manifest --schema``).
+A manifest can never make the daemon read or write outside its batch folder: every path is
+relative, has no ``..``, and stays out of what watchd itself writes there.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import posixpath
+import re
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+import pydantic
+from pydantic import AfterValidator, Field
+
+from daemon.errors import ManifestError
+from daemon.jobspec import InputFile, ModelRef, Problem
+from daemon.validation import problems
+
+MANIFEST_NAME = "manifest.toml"
+STATUS_NAME = "watchd-status.txt"
+RESULTS_DIR = "results"
+FORMAT_VERSION = 1
+MAX_INPUTS = 1_000_000
+
+NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+SHA256_RE = r"^[0-9a-fA-F]{64}$"
+
+
+class Kind(enum.Enum):
+    TRAINING = "training"
+    INFERENCE = "inference"
+
+
+class Role(enum.Enum):
+    IMAGE = "image"
+    MASK = "mask"  # ground truth for training, paired with the image of the same file stem
+
+
+class _Strict(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, strict=False)
+
+
+class TrainingParams(_Strict):
+    """Parameters of a training batch; every one has a default and bounds."""
+
+    epochs: Annotated[int, Field(ge=1, le=500)] = 20
+    batch_size: Annotated[int, Field(ge=1, le=256)] = 8
+    learning_rate: Annotated[float, Field(gt=0, le=1)] = 1e-3
+    val_fraction: Annotated[float, Field(ge=0.05, le=0.5)] = 0.2
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
+    depth: Annotated[int, Field(ge=2, le=6)] = 3
+    width: Annotated[int, Field(ge=4, le=128)] = 16
+    patience: Annotated[int, Field(ge=1, le=100)] = 5
+
+
+class InferenceParams(_Strict):
+    """Parameters of an inference batch."""
+
+    threshold: Annotated[float, Field(gt=0, lt=1)] = 0.5
+    min_object_area: Annotated[int, Field(ge=0, le=10**8)] = 0
+
+
+PARAMS_BY_KIND: Mapping[Kind, type[_Strict]] = {
+    Kind.TRAINING: TrainingParams,
+    Kind.INFERENCE: InferenceParams,
+}
+
+
+class OwnerModel(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=200)]
+    email: Annotated[str, Field(pattern=r"^[^@\s]+@[^@\s]+$", max_length=200)] | None = None
+
+
+def _model_name(value: str) -> str:
+    if not re.match(NAME_RE, value):
+        raise ValueError(
+            "must be 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    return value
+
+
+def _sha256(value: str) -> str:
+    if not re.match(SHA256_RE, value):
+        raise ValueError("must be 64 hexadecimal digits (the output of sha256sum)")
+    return value.lower()
+
+
+class ModelSection(_Strict):
+    name: Annotated[str, AfterValidator(_model_name)]
+    version: str | int | None = None
+
+
+class FileEntry(_Strict):
+    path: Annotated[str, Field(min_length=1, max_length=4096)]
+    size: Annotated[int, Field(ge=0)] | None = None
+    sha256: Annotated[str, AfterValidator(_sha256)] | None = None
+    role: Role = Role.IMAGE
+
+
+class PatternEntry(_Strict):
+    glob: Annotated[str, Field(min_length=1, max_length=4096)]
+    role: Role = Role.IMAGE
+    count: Annotated[int, Field(ge=1, le=MAX_INPUTS)] | None = None
+
+
+class ManifestModel(_Strict):
+    """The manifest document as written (the JSON schema in docs/ is generated from this)."""
+
+    watchd: Literal[1]
+    kind: Kind
+    title: Annotated[str, Field(max_length=500)] = ""
+    owner: OwnerModel
+    model: ModelSection
+    params: dict[str, Any] = {}
+    files: Annotated[list[FileEntry], Field(max_length=MAX_INPUTS)] = []
+    patterns: Annotated[list[PatternEntry], Field(max_length=1000)] = []
+
+
+@dataclass(frozen=True)
+class Pattern:
+    glob: str
+    role: str
+    count: int | None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A valid manifest: what the planner and the jobs need, with defaults filled in."""
+
+    sha256: str
+    kind: Kind
+    title: str
+    owner_name: str
+    owner_email: str | None
+    model: ModelRef
+    params: Mapping[str, Any]
+    files: tuple[InputFile, ...]
+    patterns: tuple[Pattern, ...] = ()
+    raw: str = field(default="", repr=False, compare=False)
+
+    @property
+    def images(self) -> tuple[InputFile, ...]:
+        return tuple(f for f in self.files if f.role == Role.IMAGE.value)
+
+
+def manifest_sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def parse_manifest(data: bytes, *, max_bytes: int = 16 << 20) -> Manifest:
+    """Parse and validate a manifest; raise ManifestError carrying every problem found."""
+    text = _decode(data, max_bytes)
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ManifestError(
+            [Problem(MANIFEST_NAME, f"not valid TOML: {exc}", "fix the syntax at that line")]
+        ) from None
+    if not document:
+        raise ManifestError([Problem(MANIFEST_NAME, "is empty", _HINT_DOCS)])
+    found = _path_problems(document)
+    try:
+        model = ManifestModel.model_validate(document)
+    except pydantic.ValidationError as exc:
+        raise ManifestError(_located(problems(exc, ManifestModel), document) + found) from None
+    found += _check_semantics(model)
+    params, param_problems = _params(model)
+    found.extend(param_problems)
+    if found:
+        raise ManifestError(found)
+    return _to_manifest(model, params, manifest_sha256(data), text)
+
+
+_HINT_DOCS = "see docs/manifest.md, or let `watchctl manifest FOLDER` write one"
+
+
+def _decode(data: bytes, max_bytes: int) -> str:
+    if len(data) > max_bytes:
+        raise ManifestError(
+            [
+                Problem(
+                    MANIFEST_NAME,
+                    f"is {_spaced(len(data))} bytes, more than the {_spaced(max_bytes)} allowed",
+                    "list the inputs with [[patterns]] instead of one [[files]] entry each",
+                )
+            ]
+        )
+    if not data.strip():
+        raise ManifestError([Problem(MANIFEST_NAME, "is empty", _HINT_DOCS)])
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ManifestError(
+            [
+                Problem(
+                    MANIFEST_NAME,
+                    f"is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})",
+                    "save the manifest as UTF-8",
+                )
+            ]
+        ) from None
+
+
+def _spaced(n: int) -> str:
+    return f"{n:,}".replace(",", " ")
+
+
+def _located(found: Sequence[tuple[str, str]], document: Mapping[str, Any]) -> list[Problem]:
+    result = []
+    for where, message in found:
+        hint = _HINT_DOCS if "unknown key" in message or "required" in message else ""
+        result.append(_file_problem(where, message, hint, document))
+    return result
+
+
+def _file_problem(where: str, message: str, hint: str, document: Mapping[str, Any]) -> Problem:
+    """For ``files[3].size`` say ``files[3] 'img.png'`` then ``size: ...``: the owner sees which."""
+    match = re.match(r"^files\[(\d+)\](?:\.(.+))?$", where)
+    files = document.get("files")
+    if not match or not isinstance(files, list):
+        return Problem(f"{MANIFEST_NAME}, {where}", message, hint)
+    index = int(match.group(1))
+    entry = files[index] if index < len(files) else None
+    path = entry.get("path") if isinstance(entry, dict) else None
+    named = f"{MANIFEST_NAME}, files[{index}]" + (f" '{path}'" if isinstance(path, str) else "")
+    return Problem(named, f"{match.group(2)}: {message}" if match.group(2) else message, hint)
+
+
+def check_relative_path(path: str) -> str | None:
+    """Why ``path`` may not name an input inside a batch folder, or None if it may."""
+    if "\x00" in path:
+        return "contains a NUL character"
+    if "\\" in path:
+        return "contains a backslash; use / between folders"
+    if path.startswith("/") or re.match(r"^[A-Za-z]:", path):
+        return "is an absolute path; name files relative to the batch folder"
+    parts = path.split("/")
+    if ".." in parts:
+        return "goes up with '..'; inputs must be inside the batch folder"
+    normal = posixpath.normpath(path)
+    if normal in (".", "") or path.endswith("/"):
+        return "does not name a file"
+    top = normal.split("/")[0]
+    if top == RESULTS_DIR:
+        return f"is inside '{RESULTS_DIR}/', which watchd writes"
+    if normal in (MANIFEST_NAME, STATUS_NAME):
+        return "is a file of watchd's, not an input"
+    return None
+
+
+def _entries(document: Mapping[str, Any], key: str, field_name: str) -> list[tuple[int, str]]:
+    items = document.get(key)
+    if not isinstance(items, list):
+        return []
+    return [
+        (i, item[field_name])
+        for i, item in enumerate(items)
+        if isinstance(item, dict) and isinstance(item.get(field_name), str)
+    ]
+
+
+def _path_problems(document: Mapping[str, Any]) -> list[Problem]:
+    """Unsafe, duplicate or reserved paths; run on the raw document so it reports even when
+    other keys are wrong."""
+    found: list[Problem] = []
+    seen: dict[str, int] = {}
+    for i, path in _entries(document, "files", "path"):
+        where = f"{MANIFEST_NAME}, files[{i}] '{path}'"
+        reason = check_relative_path(path)
+        if reason:
+            found.append(Problem(where, f"path {reason}"))
+            continue
+        normal = posixpath.normpath(path)
+        if normal in seen:
+            found.append(Problem(where, f"is listed twice (also files[{seen[normal]}])"))
+        seen.setdefault(normal, i)
+    for i, glob in _entries(document, "patterns", "glob"):
+        reason = check_relative_path(glob)
+        if reason:
+            found.append(Problem(f"{MANIFEST_NAME}, patterns[{i}] '{glob}'", f"glob {reason}"))
+    return found
+
+
+def _check_semantics(model: ManifestModel) -> list[Problem]:
+    found: list[Problem] = []
+    for i, entry in enumerate(model.files):
+        if entry.size == 0:
+            found.append(
+                Problem(
+                    f"{MANIFEST_NAME}, files[{i}] '{entry.path}'",
+                    "has size 0: an empty file is not an image",
+                )
+            )
+    if not model.files and not model.patterns:
+        found.append(
+            Problem(f"{MANIFEST_NAME}", "lists no inputs", "add [[files]] or [[patterns]] entries")
+        )
+    found.extend(_check_model(model))
+    if model.kind is Kind.TRAINING and not model.patterns:
+        found.extend(pairing_problems(_inputs(model)))
+    return found
+
+
+def _check_model(model: ManifestModel) -> list[Problem]:
+    where = f"{MANIFEST_NAME}, model.version"
+    version = model.model.version
+    if model.kind is Kind.TRAINING:
+        if version is not None:
+            return [Problem(where, "is chosen by the registry for a training batch", "remove it")]
+        return []
+    if version is None or version in ("latest", "best"):
+        return []
+    text = str(version)
+    if not text.isdigit() or int(text) < 1:
+        return [Problem(where, f"'{version}' is not 'latest', 'best' or a version number")]
+    return []
+
+
+def pairing_problems(inputs: Sequence[InputFile]) -> list[Problem]:
+    """Training needs a mask for every image and an image for every mask, paired by file stem."""
+    images = {_stem(f.path): f for f in inputs if f.role == Role.IMAGE.value}
+    masks = {_stem(f.path): f for f in inputs if f.role == Role.MASK.value}
+    found = [
+        Problem(f"{MANIFEST_NAME}, image '{f.path}'", "has no mask with the same file name")
+        for stem, f in images.items()
+        if stem not in masks
+    ]
+    found += [
+        Problem(f"{MANIFEST_NAME}, mask '{f.path}'", "has no image with the same file name")
+        for stem, f in masks.items()
+        if stem not in images
+    ]
+    if not images:
+        found.append(Problem(MANIFEST_NAME, "lists no images", 'add files with role = "image"'))
+    return found[:50]
+
+
+def _stem(path: str) -> str:
+    return posixpath.splitext(posixpath.basename(path))[0]
+
+
+def _params(model: ManifestModel) -> tuple[dict[str, Any], list[Problem]]:
+    schema = PARAMS_BY_KIND[model.kind]
+    try:
+        return schema.model_validate(model.params).model_dump(), []
+    except pydantic.ValidationError as exc:
+        return {}, [
+            Problem(f"{MANIFEST_NAME}, params.{where}", message)
+            for where, message in problems(exc, schema)
+        ]
+
+
+def _inputs(model: ManifestModel) -> tuple[InputFile, ...]:
+    return tuple(
+        InputFile(
+            path=posixpath.normpath(f.path),
+            size=f.size,
+            sha256=f.sha256,
+            role=f.role.value,
+        )
+        for f in model.files
+    )
+
+
+def _to_manifest(model: ManifestModel, params: dict[str, Any], sha: str, text: str) -> Manifest:
+    version = model.model.version
+    return Manifest(
+        sha256=sha,
+        kind=model.kind,
+        title=model.title,
+        owner_name=model.owner.name,
+        owner_email=model.owner.email,
+        model=ModelRef(model.model.name, "latest" if version is None else str(version)),
+        params=params,
+        files=_inputs(model),
+        patterns=tuple(
+            Pattern(posixpath.normpath(p.glob), p.role.value, p.count) for p in model.patterns
+        ),
+        raw=text,
+    )

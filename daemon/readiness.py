@@ -1,0 +1,217 @@
+"""Is a waiting batch ready? Pure: what was seen on disk, the settle record and ``now`` in,
+a verdict out.
+
+A batch is ready when every listed input is a regular file inside the folder at its listed size
+(patterns: at least ``count`` matches, or one), and nothing has changed for the settle period.
+Missing and short files wait, up to the timeout; then the batch fails naming each of them.
+An input that resolves outside the folder or is not a regular file fails the batch at once;
+one that is bigger than listed fails it once the folder has settled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from daemon.inputs import FileSeen, InputsSeen, PatternSeen, Presence
+from daemon.jobspec import InputFile, Problem
+from daemon.manifest import MANIFEST_NAME, Kind, Manifest, pairing_problems
+
+MAX_LISTED = 20
+
+
+@dataclass(frozen=True)
+class Settle:
+    """The fingerprint of what was last seen and since when it has been unchanged."""
+
+    fingerprint: str
+    since: float
+
+
+@dataclass(frozen=True)
+class Ready:
+    inputs: tuple[InputFile, ...]
+
+
+@dataclass(frozen=True)
+class Waiting:
+    problems: tuple[Problem, ...]
+    settle: Settle
+
+
+@dataclass(frozen=True)
+class NotReady:
+    """The batch cannot become ready: fail it with these problems.
+
+    ``watch`` is set when the inputs were merely incomplete at the timeout: the fingerprint of
+    what was there, so that a change later (the missing files arriving) revives the batch.
+    """
+
+    problems: tuple[Problem, ...]
+    reason: str
+    watch: str = ""
+
+
+Verdict = Ready | Waiting | NotReady
+
+
+@dataclass(frozen=True)
+class Timing:
+    settle_seconds: float
+    timeout_seconds: float
+
+
+def assess(
+    manifest: Manifest,
+    seen: InputsSeen,
+    previous: Settle | None,
+    waiting_since: float,
+    now: float,
+    timing: Timing,
+) -> Verdict:
+    """Judge one waiting batch from one observation of its inputs."""
+    if not seen.folder_ok:
+        return NotReady(
+            (Problem("batch folder", "is gone or is not a folder any more"),), "folder removed"
+        )
+    hard, soft = _file_problems(manifest, seen.files)
+    pattern_soft = [p for ps in seen.patterns if (p := _pattern_problem(ps)) is not None]
+    hard += [p for ps in seen.patterns for p in _pattern_hard(ps)]
+    if hard:
+        return NotReady(_capped(hard), "inputs refused")
+    settle = _settle(seen, previous, now)
+    waiting = _capped(soft + pattern_soft)
+    settled = now - settle.since >= timing.settle_seconds
+    if waiting:
+        if now - waiting_since >= timing.timeout_seconds:
+            reason = f"inputs incomplete after {_duration(timing.timeout_seconds)}"
+            return NotReady(waiting, reason, watch=settle.fingerprint)
+        return Waiting(waiting, settle)
+    if not settled:
+        return Waiting((), settle)
+    return _ready_or_wrong(manifest, seen)
+
+
+def _ready_or_wrong(manifest: Manifest, seen: InputsSeen) -> Verdict:
+    wrong = [
+        Problem(
+            f"{MANIFEST_NAME}, files[{i}]",
+            f"'{f.path}' is {_bytes(got.size)}, expected {_bytes(f.size)}",
+            "the file differs from the one the manifest lists; copy it again or fix its size",
+        )
+        for i, (f, got) in enumerate(zip(manifest.files, seen.files, strict=True))
+        if f.size is not None and got.size > f.size
+    ]
+    if wrong:
+        return NotReady(_capped(wrong), "inputs differ from the manifest")
+    inputs = _resolved(manifest, seen)
+    if manifest.kind is Kind.TRAINING and manifest.patterns:
+        unpaired = pairing_problems(inputs)
+        if unpaired:
+            return NotReady(tuple(unpaired), "training images and masks do not pair up")
+    return Ready(inputs)
+
+
+def _file_problems(
+    manifest: Manifest, files: Sequence[FileSeen]
+) -> tuple[list[Problem], list[Problem]]:
+    hard: list[Problem] = []
+    soft: list[Problem] = []
+    for i, (listed, got) in enumerate(zip(manifest.files, files, strict=True)):
+        where = f"{MANIFEST_NAME}, files[{i}]"
+        refused = _refused(where, got)
+        if refused is not None:
+            hard.append(refused)
+        elif got.presence is Presence.MISSING:
+            soft.append(Problem(where, f"'{got.path}' is missing", "not copied yet?"))
+        elif listed.size is not None and got.size < listed.size:
+            soft.append(
+                Problem(
+                    where,
+                    f"'{got.path}' is {_bytes(got.size)}, expected {_bytes(listed.size)}",
+                    "still copying?",
+                )
+            )
+    return hard, soft
+
+
+def _refused(where: str, got: FileSeen) -> Problem | None:
+    if got.presence is Presence.OUTSIDE:
+        return Problem(
+            where,
+            f"'{got.path}' leads outside the batch folder (to {got.detail})",
+            "copy the file itself into the folder instead of a link to it",
+        )
+    if got.presence is Presence.SPECIAL:
+        return Problem(where, f"'{got.path}' is {got.detail}, not a regular file")
+    if got.presence is Presence.UNREADABLE:
+        return Problem(where, f"'{got.path}' cannot be read: {got.detail}", "check its permissions")
+    return None
+
+
+def _pattern_hard(seen: PatternSeen) -> list[Problem]:
+    where = f"{MANIFEST_NAME}, patterns '{seen.pattern.glob}'"
+    return [p for f in seen.matches if (p := _refused(where, f)) is not None]
+
+
+def _pattern_problem(seen: PatternSeen) -> Problem | None:
+    wanted = seen.pattern.count or 1
+    have = sum(1 for f in seen.matches if f.presence is Presence.FILE)
+    if have >= wanted:
+        return None
+    return Problem(
+        f"{MANIFEST_NAME}, patterns '{seen.pattern.glob}'",
+        f"{have} of {wanted} file(s) present",
+        "not copied yet?",
+    )
+
+
+def fingerprint(seen: InputsSeen) -> str:
+    """A digest of what was seen: any file appearing, growing or changing alters it."""
+    digest = hashlib.sha256()
+    everything = list(seen.files) + [f for p in seen.patterns for f in p.matches]
+    for f in everything:
+        digest.update(f"{f.path}\0{f.presence.value}\0{f.size}\0{f.mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def _settle(seen: InputsSeen, previous: Settle | None, now: float) -> Settle:
+    current = fingerprint(seen)
+    if previous is not None and previous.fingerprint == current:
+        return previous
+    return Settle(current, now)
+
+
+def _resolved(manifest: Manifest, seen: InputsSeen) -> tuple[InputFile, ...]:
+    """The concrete input list: listed files, then pattern matches not already listed."""
+    listed = {f.path for f in manifest.files}
+    extra = []
+    for ps in seen.patterns:
+        for f in ps.matches:
+            if f.path not in listed:
+                listed.add(f.path)
+                extra.append(InputFile(f.path, f.size, None, ps.pattern.role))
+    return tuple(manifest.files) + tuple(extra)
+
+
+def _capped(problems: Sequence[Problem]) -> tuple[Problem, ...]:
+    if len(problems) <= MAX_LISTED:
+        return tuple(problems)
+    more = len(problems) - MAX_LISTED
+    return (
+        *problems[:MAX_LISTED],
+        Problem("", f"… and {more:,} more like these".replace(",", " ")),
+    )
+
+
+def _bytes(n: int | None) -> str:
+    return f"{n:,} bytes".replace(",", " ")
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 2 * 3600:
+        return f"{seconds / 3600:.3g} h"
+    if seconds >= 120:
+        return f"{seconds / 60:.3g} min"
+    return f"{seconds:.3g} s"

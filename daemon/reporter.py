@@ -1,0 +1,130 @@
+"""The status file in each batch folder: what the data owner reads at a glance.
+
+``render`` is pure; ``write`` puts the text in place atomically. Plain text, UTF-8, for people:
+the state, progress, each problem with its location and a next step, and the history.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from daemon import atomicfile
+from daemon.jobspec import Problem
+from daemon.manifest import MANIFEST_NAME, STATUS_NAME
+from daemon.states import BatchState, JobState
+from daemon.store import Batch, Event, Job
+
+HEADLINES = {
+    BatchState.WAITING: "WAITING for the inputs to be complete",
+    BatchState.QUEUED: "QUEUED: inputs complete, jobs waiting for their turn",
+    BatchState.RUNNING: "RUNNING",
+    BatchState.DONE: "DONE",
+    BatchState.FAILED: "FAILED",
+    BatchState.CANCELLED: "CANCELLED",
+}
+
+
+@dataclass(frozen=True)
+class StatusInput:
+    batch: Batch
+    jobs: tuple[Job, ...]
+    waiting: tuple[Problem, ...]  # what a waiting batch still waits for
+    events: tuple[Event, ...]
+    settle_seconds: float
+    timeout_seconds: float
+
+
+def render(status: StatusInput, now: float) -> str:
+    b = status.batch
+    lines = [
+        "watchd status of this folder",
+        "",
+        f"State:     {HEADLINES[b.state]}",
+        f"Updated:   {_time(now)}",
+        f"Batch:     #{b.id}, revision {b.revision}, {b.kind or 'unknown kind'}"
+        + (f', "{b.title}"' if b.title else ""),
+    ]
+    if b.owner:
+        lines.append(f"Owner:     {b.owner}" + (f" <{b.contact}>" if b.contact else ""))
+    if status.jobs:
+        lines.append(f"Progress:  {_progress(status.jobs)}")
+    if b.state not in (BatchState.WAITING, BatchState.FAILED) or status.jobs:
+        lines.append(f"Results:   {_relative(b.run_dir, b.path)}{os.sep}")
+    lines += ["", *_body(status)]
+    lines += ["", "History (UTC):", *(_event_line(e) for e in status.events[-30:])]
+    return "\n".join(lines) + "\n"
+
+
+def _body(status: StatusInput) -> list[str]:
+    b = status.batch
+    if b.state is BatchState.WAITING:
+        deadline = _time(b.updated_at + status.timeout_seconds)
+        text = _problem_lines("Still waiting for", status.waiting)
+        return [
+            *text,
+            f"Next step: copy what is missing. The batch starts {status.settle_seconds:g} s "
+            f"after the last input stops changing; if inputs are still incomplete at "
+            f"{deadline} it fails.",
+        ]
+    if b.state is BatchState.DONE:
+        run = _relative(b.run_dir, b.path)
+        return [
+            "Finished. Outputs:",
+            f"  report:   {run}/report.html",
+            f"  summary:  {run}/summary.json",
+            *(
+                [f"  masks:    {run}/masks/", f"  table:    {run}/table.csv"]
+                if b.kind == "inference"
+                else [f"  training: {run}/training/"]
+            ),
+        ]
+    if b.state is BatchState.FAILED:
+        return [
+            f"Why: {b.reason}",
+            *_problem_lines("What went wrong", b.problems),
+            f"Next step: fix what is listed, then save {MANIFEST_NAME} again (a changed manifest "
+            f"starts a new revision), or ask an operator to run `watchctl retry {b.id}`.",
+        ]
+    if b.state is BatchState.CANCELLED:
+        return [f"Why: {b.reason}"]
+    return [f"Latest: {b.reason}"]
+
+
+def _problem_lines(title: str, problems: Sequence[Problem]) -> list[str]:
+    if not problems:
+        return []
+    return [f"{title} ({len(problems)}):", *(f"  - {p.render()}" for p in problems), ""]
+
+
+def _progress(jobs: Sequence[Job]) -> str:
+    done = sum(1 for j in jobs if j.state is JobState.SUCCEEDED)
+    running = sum(1 for j in jobs if j.state.live)
+    failed = sum(1 for j in jobs if j.state is JobState.FAILED)
+    text = f"{done} of {len(jobs)} jobs done, {running} running"
+    return text + (f", {failed} failed" if failed else "")
+
+
+def _event_line(event: Event) -> str:
+    moved = f"{event.from_state or '·'} → {event.to_state}" if event.to_state else "note"
+    who = f" job {event.job_id}" if event.job_id else ""
+    return f"  {_time(event.at)}{who}  {moved}  {event.reason}"
+
+
+def _relative(path: str, base: Path) -> str:
+    try:
+        return Path(path).relative_to(base).as_posix()
+    except ValueError:
+        return path
+
+
+def _time(at: float) -> str:
+    return dt.datetime.fromtimestamp(at, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def write(folder: Path, text: str) -> None:
+    """Replace the folder's status file; raises OSError when the folder cannot be written."""
+    atomicfile.write_text(folder / STATUS_NAME, text, fsync=False)

@@ -1,0 +1,598 @@
+"""The service: the one imperative shell around the pure planner.
+
+Start-up: migrate, start watching, catch up by scanning every root, re-adopt live jobs (their
+handles are in the store; the next poll asks the executor about them). Then tick: drain the
+watcher's events, look at waiting inputs, poll live jobs, plan, act, write status files,
+heartbeat. Signal handlers only set a flag; this thread alone changes state.
+
+Shutdown is bounded and ordered: stop watching, stop submitting, keep recording what running
+jobs report for up to the grace period, then log what was left running (it is re-adopted at
+the next start).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from importlib import metadata
+from pathlib import Path
+
+import structlog
+
+from daemon import atomicfile, inputs, readiness, reporter
+from daemon.config import Config
+from daemon.errors import ExecutorUnavailable, ManifestError, SubmissionError
+from daemon.executors import Executor, Phase, Submission
+from daemon.intake import Deferred, Intake, inside_root
+from daemon.jobspec import RESULT_FILE, SPEC_FILE, JobResult, JobSpec, Problem
+from daemon.manifest import Manifest, parse_manifest
+from daemon.notify import Notifier
+from daemon.planner import (
+    Action,
+    BatchView,
+    Cancel,
+    JobSeen,
+    MoveBatch,
+    MoveJob,
+    PlanJobs,
+    Policy,
+    ResolveIntent,
+    Snapshot,
+    Submit,
+    job_spec,
+    plan,
+)
+from daemon.states import BatchState, JobState
+from daemon.store import Batch, Heartbeat, Job, JobChange, Store
+from daemon.watcher import FolderTouched, RootLost, Watcher, WatchEvent, scan_root
+
+log = structlog.get_logger("watchd")
+
+Clock = Callable[[], float]
+
+
+def code_version() -> str:
+    try:
+        return metadata.version("watchd")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class Service:
+    def __init__(
+        self,
+        config: Config,
+        executor: Executor,
+        *,
+        clock: Clock = time.time,
+        notifier: Notifier | None = None,
+    ) -> None:
+        self.config = config
+        self.executor = executor
+        self.clock = clock
+        self.notifier = notifier or Notifier(None)
+        self.store = Store.open(config.daemon.database)
+        self.events: queue.Queue[WatchEvent] = queue.Queue()
+        self.watcher = Watcher(config.roots, self.events)
+        self.intake = Intake(
+            self.store,
+            max_manifest_bytes=config.intake.max_manifest_bytes,
+            settle_seconds=config.intake.settle_seconds,
+            on_batch=lambda b: self._dirty.add(b.id),
+        )
+        self.policy = Policy(config.planner.shard_size, config.planner.max_attempts, executor.name)
+        self.timing = readiness.Timing(config.intake.settle_seconds, config.intake.timeout_seconds)
+        self.stop_requested = threading.Event()
+        self.force_stop = threading.Event()
+        self._manifests: dict[int, Manifest] = {}
+        self._settle: dict[int, readiness.Settle] = {}
+        self._next_check: dict[int, float] = {}
+        self._waiting: dict[int, tuple[Problem, ...]] = {}
+        self._deferred: list[Deferred] = []
+        self._dirty: set[int] = set()
+        self._lost_roots: set[Path] = set()
+        self._next_rescan = 0.0
+        self._next_beat = 0.0
+        self._started_at = 0.0
+        self._submitting = True
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        now = self.clock()
+        self._started_at = now
+        modes = self.watcher.start()
+        for path, mode in modes.items():
+            log.info("watching", root=str(path), mode=mode.value)
+            self.intake.remember(path)
+        self.catch_up(now)
+        live = self.store.jobs(states=[JobState.SUBMITTED, JobState.RUNNING])
+        if live:
+            log.info("re-adopting jobs", jobs=[j.name for j in live])
+        self._beat(now, force=True)
+        self.notifier.ready(self._status_line())
+        log.info("started", pid=os.getpid(), executor=self.executor.name, live_jobs=len(live))
+
+    def request_stop(self) -> None:
+        """Called from a signal handler: the first asks for a graceful stop, a second forces."""
+        if self.stop_requested.is_set():
+            self.force_stop.set()
+        self.stop_requested.set()
+
+    def run(self) -> None:
+        """Start, tick until asked to stop, shut down within the grace period."""
+        self.start()
+        try:
+            while not self.stop_requested.is_set():
+                self._wait_for_work(self.config.daemon.tick_seconds)
+                if not self.stop_requested.is_set():
+                    self.tick(self.clock())
+        finally:
+            self.shutdown()
+
+    def _wait_for_work(self, timeout: float) -> None:
+        """Sleep until the next tick, waking early when the watcher has news."""
+        try:
+            event = self.events.get(timeout=timeout)
+        except queue.Empty:
+            return
+        self.events.put(event)
+
+    def shutdown(self) -> None:
+        now = self.clock()
+        self.notifier.stopping("stopping: waiting for running jobs")
+        log.info("stopping", grace_seconds=self.config.daemon.shutdown_grace_seconds)
+        self.watcher.stop()
+        self._submitting = False
+        deadline = now + self.config.daemon.shutdown_grace_seconds
+        while self._live_jobs() and self.clock() < deadline and not self.force_stop.is_set():
+            time.sleep(min(0.5, self.config.daemon.tick_seconds))
+            self.tick(self.clock())
+        left = self._live_jobs()
+        if left:
+            log.warning(
+                "left running", jobs=[j.name for j in left], note="re-adopted at next start"
+            )
+        self._beat(self.clock(), force=True, stopped=True)
+        self.executor.close()
+        self.store.close()
+        log.info("stopped")
+
+    def _live_jobs(self) -> list[Job]:
+        return self.store.jobs(states=[JobState.SUBMITTED, JobState.RUNNING])
+
+    def idle(self) -> bool:
+        """Nothing to do and nothing in flight: no active batch, no news, nothing deferred."""
+        return (
+            self.events.empty()
+            and not self._deferred
+            and not self._dirty
+            and not self.store.active_batches()
+        )
+
+    # -- one tick ----------------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        self._drain(now)
+        if now >= self._next_rescan:
+            self.catch_up(now)
+        snapshot = self._snapshot(now)
+        for action in plan(snapshot):
+            self._act_safely(action, now)
+        self._write_statuses(now)
+        self._beat(now)
+
+    def _drain(self, now: float) -> None:
+        touched: dict[tuple[Path, str], None] = {}
+        while True:
+            try:
+                event = self.events.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(event, FolderTouched):
+                touched[(event.root, event.folder)] = None
+            elif isinstance(event, RootLost):
+                self._root_lost(event.root)
+        due = [d for d in self._deferred if d.at <= now]
+        self._deferred = [d for d in self._deferred if d.at > now]
+        for d in due:
+            touched[(d.root, d.folder)] = None
+        for root, folder in touched:
+            self._look(root, folder, now)
+
+    def _look(self, root: Path, folder: str, now: float) -> None:
+        try:
+            deferred = self.intake.look(root, folder, now)
+        except Exception:  # one bad folder never stops the loop
+            log.exception("intake failed", root=str(root), folder=folder)
+            return
+        if deferred is not None:
+            self._deferred.append(deferred)
+
+    def catch_up(self, now: float) -> None:
+        """Scan every root for manifests that events did not announce; re-arm lost roots."""
+        self._next_rescan = now + self.config.daemon.rescan_seconds
+        for root in self.config.roots:
+            if root.path in self._lost_roots or not self.watcher.armed(root.path):
+                if not self.watcher.arm(root):
+                    self._root_lost(root.path)
+                    continue
+                if root.path in self._lost_roots:
+                    self._lost_roots.discard(root.path)
+                    log.info("drop root back", root=str(root.path))
+            started = time.monotonic()
+            try:
+                found = list(scan_root(root.path))
+            except OSError as exc:
+                log.warning("cannot scan drop root", root=str(root.path), error=str(exc))
+                continue
+            for seen in found:
+                if self.intake.changed(root.path, seen.folder, seen.manifest_stat):
+                    self._look(root.path, seen.folder, now)
+            log.debug(
+                "scanned",
+                root=str(root.path),
+                folders=len(found),
+                seconds=round(time.monotonic() - started, 4),
+            )
+
+    def _root_lost(self, root: Path) -> None:
+        if root not in self._lost_roots:
+            self._lost_roots.add(root)
+            log.warning("drop root unavailable", root=str(root), note="retried at each rescan")
+            self._next_rescan = min(self._next_rescan, self.clock() + 5.0)
+
+    # -- the snapshot ------------------------------------------------------------------------
+
+    def _snapshot(self, now: float) -> Snapshot:
+        intents = tuple(self.store.pending_intents())
+        batches = {b.id: b for b in self.store.active_batches()}
+        for intent in intents:
+            if intent.batch_id not in batches:
+                batches[intent.batch_id] = self.store.batch(intent.batch_id)
+        jobs = self.store.jobs(batch_ids=list(batches))
+        by_batch: dict[int, list[Job]] = {}
+        for job in jobs:
+            by_batch.setdefault(job.batch_id, []).append(job)
+        views = tuple(
+            BatchView(b, self._manifest(b), tuple(by_batch.get(b.id, ())), self._verdict(b, now))
+            for b in batches.values()
+        ) + tuple(
+            BatchView(b, self._manifest(b), inputs_changed=True)
+            for b in self.store.batches_watching_inputs()
+            if b.id not in batches and self._inputs_changed(b, now)
+        )
+        live = [j for j in jobs if j.state.live]
+        slots = self.executor.slots()
+        free = None if slots is None else slots - len(live)
+        return Snapshot(
+            now, views, self._observe_jobs(live), intents, free, self.policy, self._submitting
+        )
+
+    def _manifest(self, batch: Batch) -> Manifest | None:
+        if batch.id not in self._manifests and batch.kind is not None:
+            try:
+                self._manifests[batch.id] = parse_manifest(batch.manifest_text.encode())
+            except ManifestError:
+                return None
+        return self._manifests.get(batch.id)
+
+    def _verdict(self, batch: Batch, now: float) -> readiness.Verdict | None:
+        manifest = self._manifest(batch)
+        if batch.state is not BatchState.WAITING or manifest is None:
+            return None
+        if now < self._next_check.get(batch.id, 0.0):
+            return None
+        self._next_check[batch.id] = now + self.config.intake.check_seconds
+        seen = inputs.observe(batch.path, manifest)
+        verdict = readiness.assess(
+            manifest, seen, self._settle.get(batch.id), batch.updated_at, now, self.timing
+        )
+        if isinstance(verdict, readiness.Waiting):
+            self._settle[batch.id] = verdict.settle
+            if verdict.problems != self._waiting.get(batch.id):
+                self._waiting[batch.id] = verdict.problems
+                self._dirty.add(batch.id)
+        return verdict
+
+    def _inputs_changed(self, batch: Batch, now: float) -> bool:
+        """For a batch failed with incomplete inputs: have they changed since? (Looked at every
+        minute at most, never more often than the rescan.)"""
+        manifest = self._manifest(batch)
+        if manifest is None or now < self._next_check.get(batch.id, 0.0):
+            return False
+        self._next_check[batch.id] = now + min(self.config.daemon.rescan_seconds, 60.0)
+        seen = inputs.observe(batch.path, manifest)
+        return seen.folder_ok and readiness.fingerprint(seen) != batch.watch_inputs
+
+    def _observe_jobs(self, live: list[Job]) -> dict[int, JobSeen]:
+        handles = {j.handle: j for j in live if j.handle}
+        if not handles:
+            return {}
+        try:
+            statuses = self.executor.poll(list(handles))
+        except ExecutorUnavailable as exc:
+            log.warning("executor unavailable", error=str(exc))
+            return {}
+        seen = {}
+        for handle, status in statuses.items():
+            job = handles[handle]
+            result = None
+            if status.phase in (Phase.ENDED, Phase.UNKNOWN):
+                result = _read_result(self._job_dir(job))
+            seen[job.id] = JobSeen(job.id, status.phase, status.exit_code, result)
+        return seen
+
+    def _job_dir(self, job: Job) -> Path:
+        return Path(self.store.batch(job.batch_id).run_dir) / "jobs" / job.name
+
+    # -- acting ------------------------------------------------------------------------------
+
+    def _act_safely(self, action: Action, now: float) -> None:
+        try:
+            self._act(action, now)
+        except Exception as exc:  # a bug must not stop the loop: fail that batch, go on
+            batch_id = _batch_of(action, self.store)
+            log.exception("action failed", action=type(action).__name__, batch_id=batch_id)
+            if batch_id is not None:
+                self._fail_batch(batch_id, f"internal error: {exc}", traceback.format_exc(), now)
+
+    def _act(self, action: Action, now: float) -> None:
+        if isinstance(action, MoveBatch):
+            self._move_batch(action, now)
+        elif isinstance(action, MoveJob):
+            change = JobChange(
+                exit_code=action.exit_code,
+                error_kind=action.error_kind,
+                reset_attempts=action.fresh,
+            )
+            job = self.store.transition_job(
+                action.job_id, action.target, action.reason, now, change, action.detail
+            )
+            log.info(
+                "job " + action.target.value,
+                batch_id=job.batch_id,
+                job_id=job.id,
+                job=job.name,
+                reason=action.reason,
+            )
+            self._dirty.add(job.batch_id)
+        elif isinstance(action, PlanJobs):
+            jobs = self.store.create_jobs(action.batch_id, action.jobs, now)
+            log.info("jobs planned", batch_id=action.batch_id, jobs=len(jobs))
+            self._dirty.add(action.batch_id)
+        elif isinstance(action, Submit):
+            self._submit(action.job_ids, now)
+        elif isinstance(action, Cancel):
+            self._cancel(action, now)
+        elif isinstance(action, ResolveIntent):
+            self.store.resolve_intent(action.intent_id, action.outcome, now)
+            log.info("intent applied", intent_id=action.intent_id, outcome=action.outcome)
+
+    def _move_batch(self, action: MoveBatch, now: float) -> None:
+        batch = self.store.transition_batch(
+            action.batch_id,
+            action.target,
+            action.reason,
+            now,
+            problems=action.problems,
+            detail=action.detail,
+            watch_inputs=action.watch_inputs,
+        )
+        log.info(
+            "batch " + batch.state.value,
+            batch_id=batch.id,
+            folder=batch.folder,
+            reason=action.reason,
+            problems=[p.render() for p in action.problems],
+        )
+        self._dirty.add(batch.id)
+        self._settle.pop(batch.id, None)
+        self._waiting.pop(batch.id, None)
+        self._next_check.pop(batch.id, None)
+        if batch.state.terminal and not batch.watch_inputs:
+            self._manifests.pop(batch.id, None)
+
+    def _fail_batch(self, batch_id: int, reason: str, detail: str, now: float) -> None:
+        try:
+            batch = self.store.batch(batch_id)
+            if not batch.state.terminal:
+                self._move_batch(MoveBatch(batch_id, BatchState.FAILED, reason, detail=detail), now)
+        except Exception:
+            log.exception("cannot mark batch failed", batch_id=batch_id)
+
+    def _submit(self, job_ids: Iterable[int], now: float) -> None:
+        ready: list[tuple[int, Submission]] = []
+        for job_id in job_ids:
+            job = self.store.job(job_id)
+            batch = self.store.batch(job.batch_id)
+            manifest = self._manifest(batch)
+            if manifest is None:
+                continue
+            spec = job_spec(
+                job,
+                batch,
+                manifest,
+                self.store.job_inputs(job.id),
+                str(self.config.registry.path),
+                self.config.executor.local.cpus_per_job,
+            )
+            try:
+                finished = _prepare_job_dir(spec)
+            except OSError as exc:
+                self._unwritable(batch, exc, now)
+                continue
+            if finished:  # this attempt ran to its end before a crash: record, do not re-run
+                self.store.transition_job(
+                    job.id,
+                    JobState.SUBMITTED,
+                    "found finished",
+                    now,
+                    JobChange(handle="finished", new_attempt=True),
+                )
+                continue
+            ready.append(
+                (
+                    job.id,
+                    Submission(
+                        job.id,
+                        job.name,
+                        spec.pipeline.module,
+                        spec.job_dir,
+                        spec.resources.cpus,
+                        spec.resources.gpus,
+                    ),
+                )
+            )
+        if not ready:
+            return
+        try:
+            handles = self.executor.submit([s for _, s in ready])
+        except (SubmissionError, ExecutorUnavailable) as exc:
+            log.warning("submission failed; retried next tick", error=str(exc), jobs=len(ready))
+            return
+        for (job_id, sub), handle in zip(ready, handles, strict=True):
+            job = self.store.transition_job(
+                job_id,
+                JobState.SUBMITTED,
+                "submitted",
+                now,
+                JobChange(handle=handle, new_attempt=True),
+            )
+            log.info(
+                "job submitted",
+                batch_id=job.batch_id,
+                job_id=job_id,
+                job=sub.name,
+                handle=handle,
+                attempt=job.attempts,
+            )
+            self._dirty.add(job.batch_id)
+
+    def _unwritable(self, batch: Batch, exc: OSError, now: float) -> None:
+        problem = Problem(
+            "results folder",
+            f"cannot be written: {exc.strerror or exc}",
+            "make the batch folder writable for the watchd service, then ask for a retry",
+        )
+        if not batch.state.terminal:
+            jobs = [j.id for j in self.store.jobs([batch.id]) if not j.state.terminal]
+            self._cancel(Cancel(tuple(jobs), "batch failed"), now)
+            self._move_batch(
+                MoveBatch(batch.id, BatchState.FAILED, "results folder not writable", (problem,)),
+                now,
+            )
+
+    def _cancel(self, action: Cancel, now: float) -> None:
+        jobs = [self.store.job(i) for i in action.job_ids]
+        handles = [j.handle for j in jobs if j.state.live and j.handle]
+        if handles:
+            try:
+                self.executor.cancel(handles)
+            except ExecutorUnavailable as exc:
+                log.warning("cancel not delivered", error=str(exc), handles=handles)
+        for job in jobs:
+            if not job.state.terminal:
+                self.store.transition_job(job.id, JobState.CANCELLED, action.reason, now)
+                self._dirty.add(job.batch_id)
+
+    # -- status files and heartbeat ------------------------------------------------------------
+
+    def _write_statuses(self, now: float) -> None:
+        dirty, self._dirty = self._dirty, set()
+        for batch_id in dirty:
+            batch = self.store.batch(batch_id)
+            latest = self.store.latest_revision(batch.root, batch.folder)
+            if (
+                latest is None
+                or latest.id != batch.id
+                or not inside_root(Path(batch.root), batch.folder)
+            ):
+                continue
+            status = reporter.StatusInput(
+                batch,
+                tuple(self.store.jobs([batch.id])),
+                self._waiting.get(batch.id, ()),
+                tuple(self.store.events(batch.id, limit=30)),
+                self.timing.settle_seconds,
+                self.timing.timeout_seconds,
+            )
+            try:
+                reporter.write(batch.path, reporter.render(status, now))
+            except OSError as exc:
+                log.warning("cannot write status file", batch_id=batch.id, error=str(exc))
+
+    def _beat(self, now: float, *, force: bool = False, stopped: bool = False) -> None:
+        if now < self._next_beat and not force:
+            return
+        self._next_beat = now + self.config.daemon.heartbeat_seconds
+        counts = {s.value: n for s, n in self.store.counts().items()}
+        self.store.beat(
+            Heartbeat(
+                pid=os.getpid(),
+                host=socket.gethostname(),
+                version=code_version(),
+                started_at=self._started_at,
+                beat_at=now,
+                stopped_at=now if stopped else None,
+                info={
+                    "counts": counts,
+                    "executor": self.executor.name,
+                    "roots": {str(r): m.value for r, m in self.watcher.modes.items()},
+                    "lost_roots": sorted(str(r) for r in self._lost_roots),
+                },
+            )
+        )
+        self.notifier.watchdog()
+        self.notifier.status(self._status_line(counts))
+
+    def _status_line(self, counts: dict[str, int] | None = None) -> str:
+        counts = counts or {s.value: n for s, n in self.store.counts().items()}
+        shown = ("waiting", "queued", "running", "failed", "done")
+        return ", ".join(f"{counts.get(s, 0)} {s}" for s in shown)
+
+
+def _read_result(job_dir: Path) -> JobResult | None:
+    try:
+        return JobResult.from_json((job_dir / RESULT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _prepare_job_dir(spec: JobSpec) -> bool:
+    """Write the spec for this attempt; True if this very attempt already finished.
+
+    A result newer than a spec of the same attempt means the job ran to its end and the daemon
+    died before recording it. Otherwise a stale result of an earlier attempt is removed first,
+    so a result found later always belongs to the attempt that was submitted.
+    """
+    job_dir = spec.job_dir
+    job_dir.mkdir(parents=True, exist_ok=True)
+    spec_path, result_path = job_dir / SPEC_FILE, job_dir / RESULT_FILE
+    try:
+        old = JobSpec.from_json(spec_path.read_text(encoding="utf-8"))
+        if (
+            old.attempt == spec.attempt
+            and result_path.stat().st_mtime_ns >= spec_path.stat().st_mtime_ns
+        ):
+            return True
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    result_path.unlink(missing_ok=True)
+    atomicfile.write_text(spec_path, spec.to_json())
+    return False
+
+
+def _batch_of(action: Action, store: Store) -> int | None:
+    if isinstance(action, (MoveBatch, PlanJobs)):
+        return action.batch_id
+    if isinstance(action, MoveJob):
+        return store.job(action.job_id).batch_id
+    if isinstance(action, (Submit, Cancel)) and action.job_ids:
+        return store.job(action.job_ids[0]).batch_id
+    return None

@@ -1,0 +1,629 @@
+"""The store: the only module that touches SQLite. Returns frozen dataclasses, never rows.
+
+WAL mode, so ``watchctl`` reads while the daemon writes; writes take ``BEGIN IMMEDIATE`` so two
+writers queue instead of deadlocking. Every state change is checked against the transition
+table in :mod:`daemon.states` and written in one transaction with its audit event.
+Migrations are versioned and recorded in the same transaction that applies them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+from daemon.errors import IllegalTransition, NotFound
+from daemon.jobspec import InputFile, Pipeline, Problem
+from daemon.states import BatchState, JobState, batch_can_move, job_can_move
+
+MIGRATIONS: tuple[tuple[int, str], ...] = (
+    (
+        1,
+        """
+        CREATE TABLE batches (
+            id INTEGER PRIMARY KEY,
+            root TEXT NOT NULL,
+            folder TEXT NOT NULL,
+            revision INTEGER NOT NULL,
+            manifest_sha256 TEXT NOT NULL,
+            manifest_text TEXT NOT NULL,
+            manifest_stat TEXT NOT NULL DEFAULT '',
+            kind TEXT,
+            title TEXT NOT NULL DEFAULT '',
+            owner TEXT NOT NULL DEFAULT '',
+            contact TEXT,
+            state TEXT NOT NULL,
+            reason TEXT NOT NULL DEFAULT '',
+            problems TEXT NOT NULL DEFAULT '[]',
+            detail TEXT NOT NULL DEFAULT '',
+            run_dir TEXT NOT NULL,
+            watch_inputs TEXT NOT NULL DEFAULT '',
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL,
+            finished_at REAL,
+            UNIQUE (root, folder, revision)
+        );
+        CREATE INDEX batches_state ON batches(state);
+        CREATE TABLE jobs (
+            id INTEGER PRIMARY KEY,
+            batch_id INTEGER NOT NULL REFERENCES batches(id),
+            name TEXT NOT NULL UNIQUE,
+            pipeline TEXT NOT NULL,
+            stage INTEGER NOT NULL,
+            shard_index INTEGER NOT NULL,
+            shard_count INTEGER NOT NULL,
+            inputs TEXT NOT NULL,
+            state TEXT NOT NULL,
+            attempts INTEGER NOT NULL DEFAULT 0,
+            executor TEXT NOT NULL,
+            handle TEXT,
+            exit_code INTEGER,
+            error_kind TEXT,
+            reason TEXT NOT NULL DEFAULT '',
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL,
+            submitted_at REAL,
+            finished_at REAL
+        );
+        CREATE INDEX jobs_batch ON jobs(batch_id);
+        CREATE INDEX jobs_state ON jobs(state);
+        CREATE TABLE events (
+            id INTEGER PRIMARY KEY,
+            at REAL NOT NULL,
+            batch_id INTEGER,
+            job_id INTEGER,
+            from_state TEXT,
+            to_state TEXT,
+            reason TEXT NOT NULL DEFAULT '',
+            detail TEXT NOT NULL DEFAULT ''
+        );
+        CREATE INDEX events_batch ON events(batch_id);
+        CREATE TABLE intents (
+            id INTEGER PRIMARY KEY,
+            at REAL NOT NULL,
+            action TEXT NOT NULL,
+            batch_id INTEGER NOT NULL,
+            requested_by TEXT NOT NULL DEFAULT '',
+            applied_at REAL,
+            outcome TEXT NOT NULL DEFAULT ''
+        );
+        CREATE TABLE heartbeat (
+            id INTEGER PRIMARY KEY CHECK (id = 1),
+            pid INTEGER NOT NULL,
+            host TEXT NOT NULL,
+            version TEXT NOT NULL,
+            started_at REAL NOT NULL,
+            beat_at REAL NOT NULL,
+            stopped_at REAL,
+            info TEXT NOT NULL DEFAULT '{}'
+        );
+        """,
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Batch:
+    id: int
+    root: str
+    folder: str
+    revision: int
+    manifest_sha256: str
+    manifest_text: str = field(repr=False)
+    manifest_stat: str
+    kind: str | None
+    title: str
+    owner: str
+    contact: str | None
+    state: BatchState
+    reason: str
+    problems: tuple[Problem, ...]
+    detail: str = field(repr=False)
+    run_dir: str
+    watch_inputs: str  # failed for incomplete inputs: their fingerprint then ('' otherwise)
+    created_at: float
+    updated_at: float
+    finished_at: float | None
+
+    @property
+    def path(self) -> Path:
+        return Path(self.root) / self.folder
+
+
+@dataclass(frozen=True)
+class NewBatch:
+    root: str
+    folder: str
+    manifest_sha256: str
+    manifest_text: str
+    manifest_stat: str
+    kind: str | None
+    title: str
+    owner: str
+    contact: str | None
+    run_dir: str
+
+
+@dataclass(frozen=True)
+class Job:
+    id: int
+    batch_id: int
+    name: str
+    pipeline: Pipeline
+    stage: int
+    shard_index: int
+    shard_count: int
+    state: JobState
+    attempts: int
+    executor: str
+    handle: str | None
+    exit_code: int | None
+    error_kind: str | None
+    reason: str
+    created_at: float
+    updated_at: float
+    submitted_at: float | None
+    finished_at: float | None
+
+
+@dataclass(frozen=True)
+class NewJob:
+    name: str
+    pipeline: Pipeline
+    stage: int
+    shard_index: int
+    shard_count: int
+    inputs: tuple[InputFile, ...]
+    executor: str
+    inherit_inputs: bool = False  # take the inputs of the batch's stage-0 jobs (the report)
+
+
+@dataclass(frozen=True)
+class Event:
+    id: int
+    at: float
+    batch_id: int | None
+    job_id: int | None
+    from_state: str | None
+    to_state: str | None
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Intent:
+    id: int
+    at: float
+    action: str
+    batch_id: int
+    requested_by: str
+    applied_at: float | None
+    outcome: str
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    pid: int
+    host: str
+    version: str
+    started_at: float
+    beat_at: float
+    stopped_at: float | None
+    info: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class JobChange:
+    """Fields that change with a job's state; None means 'leave as it is'."""
+
+    handle: str | None = None
+    exit_code: int | None = None
+    error_kind: str | None = None
+    new_attempt: bool = False
+    reset_attempts: bool = False
+
+
+class Store:
+    """A handle on the watchd database; one per thread."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        conn = sqlite3.connect(str(self.path), isolation_level=None, timeout=30.0)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA foreign_keys=ON")
+        self.db = sqlite_utils.Database(conn, execute_plugins=False)
+
+    @classmethod
+    def open(cls, path: Path) -> Store:
+        """Open (creating folders and the file as needed) and bring the schema up to date."""
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        store = cls(path)
+        store.migrate()
+        return store
+
+    @classmethod
+    def open_existing(cls, path: Path) -> Store:
+        """Open a database that must already exist (for watchctl: never create one by accident)."""
+        if not Path(path).is_file():
+            raise NotFound(f"no database at {path}: has the daemon ever run with this config?")
+        return cls(path)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def _table(self, name: str) -> sqlite_utils.db.Table:
+        return self.db.table(name)
+
+    def _insert(self, name: str, row: dict[str, Any]) -> int:
+        """Insert one row; its id."""
+        return int(self._table(name).insert(row).last_pk)  # type: ignore[arg-type]
+
+    # -- transactions and schema -------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def atomic(self) -> Iterator[None]:
+        """One write transaction (BEGIN IMMEDIATE); nested blocks become savepoints."""
+        if self.db.conn.in_transaction:
+            with self.db.atomic():
+                yield
+            return
+        self.db.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.db.conn.execute("ROLLBACK")
+            raise
+        self.db.conn.execute("COMMIT")
+
+    def migrate(self) -> list[int]:
+        """Apply the migrations not yet recorded; return the versions applied."""
+        applied = []
+        with self.atomic():
+            self.db.execute(
+                "CREATE TABLE IF NOT EXISTS migrations"
+                " (version INTEGER PRIMARY KEY, applied_at TEXT)"
+            )
+            done = {row[0] for row in self.db.execute("SELECT version FROM migrations")}
+            for version, script in MIGRATIONS:
+                if version in done:
+                    continue
+                for statement in filter(str.strip, script.split(";")):
+                    self.db.execute(statement)
+                self.db.execute("INSERT INTO migrations VALUES (?, datetime('now'))", [version])
+                applied.append(version)
+        return applied
+
+    def schema_version(self) -> int:
+        row = self.db.execute("SELECT max(version) FROM migrations").fetchone()
+        return int(row[0] or 0)
+
+    def integrity(self) -> str:
+        return str(self.db.execute("PRAGMA integrity_check").fetchone()[0])
+
+    # -- batches -----------------------------------------------------------------------------
+
+    def create_batch(
+        self,
+        new: NewBatch,
+        state: BatchState,
+        reason: str,
+        now: float,
+        problems: Sequence[Problem] = (),
+    ) -> Batch:
+        """Record a new revision of a folder's batch, with its creation event."""
+        if not batch_can_move(None, state):
+            raise IllegalTransition(f"a batch cannot start as {state.value}")
+        with self.atomic():
+            revision = self._next_revision(new.root, new.folder)
+            row = {
+                **asdict(new),
+                "revision": revision,
+                "state": state.value,
+                "reason": reason,
+                "problems": _dump_problems(problems),
+                "created_at": now,
+                "updated_at": now,
+                "finished_at": now if state.terminal else None,
+            }
+            batch_id = self._insert("batches", row)
+            self._event(now, batch_id, None, None, state.value, reason)
+        return self.batch(batch_id)
+
+    def _next_revision(self, root: str, folder: str) -> int:
+        row = self.db.execute(
+            "SELECT max(revision) FROM batches WHERE root = ? AND folder = ?", [root, folder]
+        ).fetchone()
+        return int(row[0] or 0) + 1
+
+    def batch(self, batch_id: int) -> Batch:
+        rows = list(self.db.query("SELECT * FROM batches WHERE id = ?", [batch_id]))
+        if not rows:
+            raise NotFound(f"no batch {batch_id}")
+        return _batch(rows[0])
+
+    def latest_revision(self, root: str, folder: str) -> Batch | None:
+        rows = self.db.query(
+            "SELECT * FROM batches WHERE root = ? AND folder = ? ORDER BY revision DESC LIMIT 1",
+            [root, folder],
+        )
+        return next((_batch(r) for r in rows), None)
+
+    def manifest_stats(self, root: str) -> dict[str, str]:
+        """folder → the stat signature of its newest revision's manifest, for one root."""
+        rows = self.db.execute(
+            "SELECT folder, manifest_stat FROM batches b WHERE root = ? AND revision ="
+            " (SELECT max(revision) FROM batches WHERE root = b.root AND folder = b.folder)",
+            [root],
+        )
+        return {folder: stat for folder, stat in rows}
+
+    def batches(
+        self,
+        states: Iterable[BatchState] | None = None,
+        *,
+        limit: int | None = None,
+        newest_first: bool = False,
+    ) -> list[Batch]:
+        sql, params = "SELECT * FROM batches", []
+        if states is not None:
+            wanted = [s.value for s in states]
+            sql += f" WHERE state IN ({','.join('?' * len(wanted))})"
+            params = list(wanted)
+        sql += " ORDER BY id DESC" if newest_first else " ORDER BY id"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        return [_batch(r) for r in self.db.query(sql, params)]
+
+    def active_batches(self) -> list[Batch]:
+        return self.batches([s for s in BatchState if not s.terminal])
+
+    def batches_watching_inputs(self) -> list[Batch]:
+        """Failed batches that go back to waiting when their inputs change."""
+        rows = self.db.query(
+            "SELECT * FROM batches WHERE state = ? AND watch_inputs != ''",
+            [BatchState.FAILED.value],
+        )
+        return [_batch(r) for r in rows]
+
+    def set_manifest_stat(self, batch_id: int, stat: str) -> None:
+        with self.atomic():
+            self.db.execute("UPDATE batches SET manifest_stat = ? WHERE id = ?", [stat, batch_id])
+
+    def transition_batch(
+        self,
+        batch_id: int,
+        target: BatchState,
+        reason: str,
+        now: float,
+        *,
+        problems: Sequence[Problem] = (),
+        detail: str = "",
+        watch_inputs: str = "",
+    ) -> Batch:
+        """Move a batch to ``target`` and append the event, in one transaction."""
+        with self.atomic():
+            current = self.batch(batch_id)
+            if not batch_can_move(current.state, target):
+                raise IllegalTransition(
+                    f"batch {batch_id}: {current.state.value} → {target.value} is not allowed"
+                )
+            self._table("batches").update(
+                batch_id,
+                {
+                    "state": target.value,
+                    "reason": reason,
+                    "problems": _dump_problems(problems),
+                    "detail": detail,
+                    "watch_inputs": watch_inputs,
+                    "updated_at": now,
+                    "finished_at": now if target.terminal else None,
+                },
+            )
+            self._event(now, batch_id, None, current.state.value, target.value, reason, detail)
+        return self.batch(batch_id)
+
+    def counts(self) -> dict[BatchState, int]:
+        rows = self.db.execute("SELECT state, count(*) FROM batches GROUP BY state")
+        found = {BatchState(state): n for state, n in rows}
+        return {state: found.get(state, 0) for state in BatchState}
+
+    # -- jobs --------------------------------------------------------------------------------
+
+    def create_jobs(self, batch_id: int, jobs: Sequence[NewJob], now: float) -> list[Job]:
+        with self.atomic():
+            ids = []
+            for new in jobs:
+                row = {
+                    **asdict(new),
+                    "pipeline": new.pipeline.value,
+                    "inputs": self._inherited_inputs(batch_id)
+                    if new.inherit_inputs
+                    else json.dumps([asdict(f) for f in new.inputs]),
+                    "batch_id": batch_id,
+                    "state": JobState.PENDING.value,
+                    "created_at": now,
+                    "updated_at": now,
+                }
+                del row["inherit_inputs"]
+                job_id = self._insert("jobs", row)
+                self._event(now, batch_id, job_id, None, JobState.PENDING.value, "planned")
+                ids.append(job_id)
+        return [self.job(i) for i in ids]
+
+    def _inherited_inputs(self, batch_id: int) -> str:
+        """The inputs of all the batch's stage-0 jobs as one JSON list, built inside SQLite."""
+        row = self.db.execute(
+            "SELECT json_group_array(json(each.value)) FROM"
+            " (SELECT id, inputs FROM jobs WHERE batch_id = ? AND stage = 0 ORDER BY id) AS j,"
+            " json_each(j.inputs) AS each",
+            [batch_id],
+        ).fetchone()
+        return str(row[0])
+
+    def job(self, job_id: int) -> Job:
+        rows = list(self.db.query(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", [job_id]))
+        if not rows:
+            raise NotFound(f"no job {job_id}")
+        return _job(rows[0])
+
+    def jobs(
+        self, batch_ids: Iterable[int] | None = None, states: Iterable[JobState] | None = None
+    ) -> list[Job]:
+        clauses: list[str] = []
+        params: list[object] = []
+        if batch_ids is not None:
+            ids = list(batch_ids)
+            clauses.append(f"batch_id IN ({','.join('?' * len(ids))})")
+            params += ids
+        if states is not None:
+            wanted = [s.value for s in states]
+            clauses.append(f"state IN ({','.join('?' * len(wanted))})")
+            params += wanted
+        where = f" WHERE {' AND '.join(clauses)}" if clauses else ""
+        sql = f"SELECT {_JOB_COLUMNS} FROM jobs{where} ORDER BY id"
+        return [_job(r) for r in self.db.query(sql, params)]
+
+    def job_inputs(self, job_id: int) -> tuple[InputFile, ...]:
+        row = self.db.execute("SELECT inputs FROM jobs WHERE id = ?", [job_id]).fetchone()
+        if row is None:
+            raise NotFound(f"no job {job_id}")
+        return tuple(InputFile(**item) for item in json.loads(row[0]))
+
+    def transition_job(
+        self,
+        job_id: int,
+        target: JobState,
+        reason: str,
+        now: float,
+        change: JobChange = JobChange(),
+        detail: str = "",
+    ) -> Job:
+        """Move a job to ``target`` with the fields that go with it, and append the event."""
+        with self.atomic():
+            current = self.job(job_id)
+            if not job_can_move(current.state, target):
+                raise IllegalTransition(
+                    f"job {current.name}: {current.state.value} → {target.value} is not allowed"
+                )
+            update: dict[str, Any] = {"state": target.value, "reason": reason, "updated_at": now}
+            if change.handle is not None:
+                update["handle"] = change.handle
+            if change.reset_attempts:
+                update["attempts"] = 0
+            if change.new_attempt:
+                update["attempts"] = current.attempts + 1
+                update["submitted_at"] = now
+            if target is JobState.PENDING:
+                update.update(exit_code=None, error_kind=None, finished_at=None)
+            if target.terminal:
+                update.update(
+                    finished_at=now, exit_code=change.exit_code, error_kind=change.error_kind
+                )
+            self._table("jobs").update(job_id, update)
+            self._event(
+                now, current.batch_id, job_id, current.state.value, target.value, reason, detail
+            )
+        return self.job(job_id)
+
+    # -- events and intents ------------------------------------------------------------------
+
+    def _event(
+        self,
+        now: float,
+        batch_id: int | None,
+        job_id: int | None,
+        from_state: str | None,
+        to_state: str | None,
+        reason: str,
+        detail: str = "",
+    ) -> None:
+        self._table("events").insert(
+            {
+                "at": now,
+                "batch_id": batch_id,
+                "job_id": job_id,
+                "from_state": from_state,
+                "to_state": to_state,
+                "reason": reason,
+                "detail": detail,
+            }
+        )
+
+    def note(self, batch_id: int, reason: str, now: float, detail: str = "") -> None:
+        """Append an event that changes no state (a remark the operator should see)."""
+        with self.atomic():
+            self._event(now, batch_id, None, None, None, reason, detail)
+
+    def events(self, batch_id: int | None = None, *, limit: int = 1000) -> list[Event]:
+        where, params = ("WHERE batch_id = ?", [batch_id]) if batch_id is not None else ("", [])
+        sql = f"SELECT * FROM events {where} ORDER BY id DESC LIMIT {int(limit)}"
+        return [Event(**r) for r in reversed(list(self.db.query(sql, params)))]
+
+    def add_intent(self, action: str, batch_id: int, now: float, requested_by: str) -> Intent:
+        with self.atomic():
+            self.batch(batch_id)  # NotFound for an unknown batch
+            row = {"at": now, "action": action, "batch_id": batch_id, "requested_by": requested_by}
+            intent_id = self._insert("intents", row)
+        return self.intent(intent_id)
+
+    def intent(self, intent_id: int) -> Intent:
+        rows = list(self.db.query("SELECT * FROM intents WHERE id = ?", [intent_id]))
+        if not rows:
+            raise NotFound(f"no intent {intent_id}")
+        return Intent(**rows[0])
+
+    def pending_intents(self) -> list[Intent]:
+        rows = self.db.query("SELECT * FROM intents WHERE applied_at IS NULL ORDER BY id")
+        return [Intent(**r) for r in rows]
+
+    def resolve_intent(self, intent_id: int, outcome: str, now: float) -> None:
+        with self.atomic():
+            self._table("intents").update(intent_id, {"applied_at": now, "outcome": outcome})
+
+    # -- heartbeat ---------------------------------------------------------------------------
+
+    def beat(self, beat: Heartbeat) -> None:
+        with self.atomic():
+            row = asdict(beat)
+            row["info"] = json.dumps(beat.info, sort_keys=True)
+            self._table("heartbeat").upsert({"id": 1, **row}, pk="id")
+
+    def heartbeat(self) -> Heartbeat | None:
+        rows = list(self.db.query("SELECT * FROM heartbeat WHERE id = 1"))
+        if not rows:
+            return None
+        row = rows[0]
+        row.pop("id")
+        row["info"] = json.loads(row["info"])
+        return Heartbeat(**row)
+
+
+_JOB_COLUMNS = ", ".join(
+    f.name
+    for f in Job.__dataclass_fields__.values()  # every column but the inputs
+)
+
+
+def _dump_problems(problems: Sequence[Problem]) -> str:
+    return json.dumps([asdict(p) for p in problems], ensure_ascii=False)
+
+
+def _batch(row: dict[str, Any]) -> Batch:
+    row = dict(row)
+    row["state"] = BatchState(row["state"])
+    row["problems"] = tuple(Problem(**p) for p in json.loads(row["problems"]))
+    return Batch(**row)
+
+
+def _job(row: dict[str, Any]) -> Job:
+    row = dict(row)
+    row["state"] = JobState(row["state"])
+    row["pipeline"] = Pipeline(row["pipeline"])
+    return Job(**row)

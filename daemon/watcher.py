@@ -1,0 +1,265 @@
+"""Notice manifests appearing under the drop roots; put immutable events on the service's queue.
+
+A batch is a folder directly under a drop root holding ``manifest.toml``. Only what is needed
+to see manifests appear is watched: the root itself and each batch folder, never deeper, never
+the image folders inside. inotify where events arrive; where they do not (network
+filesystems), watchdog's polling observer with a listing that stops at the manifest. Events get
+lost (overflow, outages, a daemon that was down), so a catch-up scan runs at start-up and every
+``rescan_seconds``. Watcher threads only enqueue; the service thread decides.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers.api import BaseObserver
+from watchdog.observers.inotify_c import (
+    CallbackId,
+    InotifyConstants,
+    InotifyEvent,
+    InotifyFD,
+    WatchDescriptor,
+)
+from watchdog.observers.polling import PollingObserverVFS
+
+from daemon.config import ObserverMode, RootSection
+from daemon.manifest import MANIFEST_NAME
+from daemon.mounts import choose_mode, filesystem_type
+
+
+@dataclass(frozen=True)
+class FolderTouched:
+    """Something happened to a batch folder or its manifest: look at it."""
+
+    root: Path
+    folder: str
+
+
+@dataclass(frozen=True)
+class RootLost:
+    """A drop root disappeared (deleted, unmounted): watching it stopped until it is back."""
+
+    root: Path
+
+
+WatchEvent = FolderTouched | RootLost
+
+
+@dataclass(frozen=True)
+class FolderSeen:
+    """One batch folder found by a scan, with its manifest's stat signature ('' if none)."""
+
+    folder: str
+    manifest_stat: str
+    is_symlink: bool = False
+
+
+def stat_signature(st: os.stat_result) -> str:
+    return f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def scan_root(root: Path) -> Iterator[FolderSeen]:
+    """Every folder directly under ``root`` that holds a manifest; two stats per folder.
+
+    Never lists a batch folder's content. Raises OSError when the root itself cannot be read.
+    """
+    with os.scandir(root) as entries:
+        candidates = [e for e in entries if e.is_dir(follow_symlinks=True)]
+    for entry in candidates:
+        try:
+            st = os.lstat(os.path.join(entry.path, MANIFEST_NAME))
+        except OSError:
+            continue
+        yield FolderSeen(entry.name, stat_signature(st), entry.is_symlink())
+
+
+class _DepthOneInotify:
+    """inotify watches on a root and on each folder directly under it, none deeper.
+
+    A callback of watchdog's InotifyFD thread, which reads one inotify descriptor for all of
+    them; events go to the queue as FolderTouched.
+    """
+
+    ROOT_MASK = (
+        InotifyConstants.IN_CREATE
+        | InotifyConstants.IN_MOVED_TO
+        | InotifyConstants.IN_DELETE_SELF
+        | InotifyConstants.IN_MOVE_SELF
+        | InotifyConstants.IN_ONLYDIR
+    )
+    FOLDER_MASK = (
+        InotifyConstants.IN_CLOSE_WRITE
+        | InotifyConstants.IN_MOVED_TO
+        | InotifyConstants.IN_ONLYDIR
+        | InotifyConstants.IN_DONT_FOLLOW
+    )
+
+    def __init__(self, fd: InotifyFD, root: Path, events: queue.Queue[WatchEvent]) -> None:
+        self.fd, self.root, self.events = fd, root, events
+        self.id = CallbackId(id(self))
+        self.lock = threading.Lock()
+        self.paths: dict[WatchDescriptor, bytes] = {}
+        self.root_wd = self._add(os.fsencode(root), self.ROOT_MASK)
+        self.alive = True
+        for entry in os.scandir(root):
+            if entry.is_dir(follow_symlinks=False):
+                self._add(os.fsencode(entry.path), self.FOLDER_MASK)
+
+    def _add(self, path: bytes, mask: int) -> WatchDescriptor:
+        wd = self.fd.add_callback(path, mask, self, self.id)  # type: ignore[arg-type]
+        with self.lock:
+            self.paths[wd] = path
+        return wd
+
+    def on_event(self, event: InotifyEvent) -> None:
+        if event.wd == self.root_wd:
+            self._root_event(event)
+            return
+        with self.lock:
+            folder = self.paths.get(event.wd)
+        if folder is not None and event.name == MANIFEST_NAME.encode():
+            self.events.put(FolderTouched(self.root, os.fsdecode(os.path.basename(folder))))
+
+    def _root_event(self, event: InotifyEvent) -> None:
+        if event.is_delete_self or event.is_move_self:
+            self.alive = False
+            self.events.put(RootLost(self.root))
+            return
+        if not event.is_directory or not event.name:
+            return
+        path = os.path.join(os.fsencode(self.root), event.name)
+        try:
+            self._add(path, self.FOLDER_MASK)
+        except OSError:
+            return  # gone again already
+        # The manifest may have been written before the watch was in place: look once.
+        self.events.put(FolderTouched(self.root, os.fsdecode(event.name)))
+
+    def on_watch_deleted(self, wd: WatchDescriptor) -> None:
+        with self.lock:
+            self.paths.pop(wd, None)
+        if wd == self.root_wd and self.alive:
+            self.alive = False
+            self.events.put(RootLost(self.root))
+
+    def on_queue_overflow(self) -> None:
+        # Events were dropped: a scan of the root finds what they would have said.
+        for seen in scan_root(self.root):
+            self.events.put(FolderTouched(self.root, seen.folder))
+
+    def close(self) -> None:
+        with self.lock:
+            wds = list(self.paths)
+            self.paths.clear()
+        self.fd.remove_callbacks([(wd, self.id) for wd in wds])
+
+
+class _ManifestListing:
+    """A listdir for watchdog's polling observer that lists the root's folders and, inside
+    each, only the manifest: a poll costs a few stats per batch, however many images."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = os.fspath(root)
+
+    def __call__(self, path: str | None) -> Iterator[os.DirEntry[str]]:
+        if path is None or os.path.normpath(path) == self.root:
+            with os.scandir(self.root) as entries:
+                yield from [e for e in entries if e.is_dir(follow_symlinks=False)]
+            return
+        if os.path.lexists(os.path.join(path, MANIFEST_NAME)):
+            yield _Named(MANIFEST_NAME)  # type: ignore[misc]
+
+
+@dataclass(frozen=True)
+class _Named:
+    name: str
+
+
+class _PollingHandler(FileSystemEventHandler):
+    def __init__(self, root: Path, events: queue.Queue[WatchEvent]) -> None:
+        self.root, self.events = root, events
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        for raw in (event.src_path, event.dest_path):
+            path = Path(os.fsdecode(raw)) if raw else None
+            if path is None:
+                continue
+            if path == self.root and event.event_type == "deleted":
+                self.events.put(RootLost(self.root))
+            elif path.parent == self.root and event.is_directory:
+                self.events.put(FolderTouched(self.root, path.name))
+            elif path.name == MANIFEST_NAME and path.parent.parent == self.root:
+                self.events.put(FolderTouched(self.root, path.parent.name))
+
+
+class Watcher:
+    """Watches every drop root in the mode its configuration (or its filesystem) calls for."""
+
+    def __init__(self, roots: Sequence[RootSection], events: queue.Queue[WatchEvent]) -> None:
+        self.roots = tuple(roots)
+        self.events = events
+        self.modes: dict[Path, ObserverMode] = {}
+        self._fd: InotifyFD | None = None
+        self._inotify: dict[Path, _DepthOneInotify] = {}
+        self._polling: dict[Path, BaseObserver] = {}
+
+    def start(self) -> dict[Path, ObserverMode]:
+        """Start watching every root that exists now; the mode chosen for each."""
+        for root in self.roots:
+            self.modes[root.path] = choose_mode(root.observer, filesystem_type(root.path))
+            self.arm(root)
+        return dict(self.modes)
+
+    def arm(self, root: RootSection) -> bool:
+        """(Re)start watching ``root``; False if it cannot be watched now (missing, unreadable)."""
+        self._disarm(root.path)
+        mode = self.modes[root.path]
+        try:
+            if mode is ObserverMode.INOTIFY:
+                if self._fd is None:
+                    self._fd = InotifyFD()
+                    self._fd.start()
+                self._inotify[root.path] = _DepthOneInotify(self._fd, root.path, self.events)
+            else:
+                observer = PollingObserverVFS(
+                    os.stat, _ManifestListing(root.path), polling_interval=root.poll_seconds
+                )
+                observer.schedule(
+                    _PollingHandler(root.path, self.events), os.fspath(root.path), recursive=True
+                )
+                observer.start()
+                self._polling[root.path] = observer
+        except OSError:
+            self._disarm(root.path)
+            return False
+        return True
+
+    def armed(self, root: Path) -> bool:
+        if root in self._inotify:
+            return self._inotify[root].alive
+        observer = self._polling.get(root)
+        return observer is not None and all(e.is_alive() for e in observer.emitters)
+
+    def _disarm(self, root: Path) -> None:
+        watch = self._inotify.pop(root, None)
+        if watch is not None:
+            watch.close()
+        observer = self._polling.pop(root, None)
+        if observer is not None:
+            observer.stop()
+            observer.join(timeout=5)
+
+    def stop(self) -> None:
+        """Stop every observer and join its threads (bounded)."""
+        for root in list(self._inotify) + list(self._polling):
+            self._disarm(root)
+        if self._fd is not None:
+            self._fd.stop()
+            self._fd.join(timeout=5)
+            self._fd = None
