@@ -1,0 +1,208 @@
+"""Read input images and write masks.
+
+Inputs are PNG or TIFF, 8- or 16-bit, grey or RGB(A) (converted to grey with the ITU-R 601
+luma weights), returned as float32 in [0, 1] scaled by the integer range (255 or 65535). The
+format is recognised from the file's content, not its name. Each file is read once: the
+sha256 named in the manifest is checked on those same bytes. Whatever is wrong with a file
+becomes an :class:`InputError` with one :class:`Problem` naming it, never a traceback; only an
+I/O error other than "file not found" (the share failing) escapes, so the job is retried.
+
+Masks are written in the format of the input's file name (PNG or TIFF), uint8 0/255,
+atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import tifffile
+from PIL import Image
+
+from daemon.atomicfile import write_bytes
+from daemon.jobspec import InputFile, Problem
+from pipelines.job import InputError
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TIFF_MAGICS = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")
+MASK_FORMATS = {".png": "PNG", ".tif": "TIFF", ".tiff": "TIFF"}
+_LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
+_PNG_ERRORS = (OSError, SyntaxError, ValueError, EOFError, zlib.error, Image.DecompressionBombError)
+_TIFF_ERRORS = (
+    tifffile.TiffFileError,
+    ValueError,
+    KeyError,
+    IndexError,
+    OSError,
+    EOFError,
+    struct.error,
+    zlib.error,
+)
+
+
+class UnreadableImage(Exception):
+    """The bytes are not an image we can use; ``hint`` tells the owner what to do."""
+
+    def __init__(self, message: str, hint: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+
+def where(item: InputFile) -> str:
+    """How a problem names an input: its path in the batch folder."""
+    return f"input '{item.path}'"
+
+
+def _short(digest: str) -> str:
+    return digest[:12] + "…"
+
+
+def read_input(batch_dir: Path, item: InputFile) -> bytes:
+    """The bytes of ``item``, checked against its sha256 when the manifest gives one."""
+    try:
+        data = (batch_dir / item.path).read_bytes()
+    except FileNotFoundError:
+        hint = "it was moved or deleted after the batch was accepted; put it back"
+        raise InputError(
+            "input missing", [Problem(where(item), "the file is gone", hint)]
+        ) from None
+    if item.sha256 is not None:
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != item.sha256.lower():
+            message = f"sha256 is {_short(actual)}, expected {_short(item.sha256.lower())}"
+            hint = "the file changed or was damaged while copying; copy it again"
+            raise InputError("checksum mismatch", [Problem(where(item), message, hint)])
+    return data
+
+
+def read_image(batch_dir: Path, item: InputFile) -> np.ndarray:
+    """Read, verify and decode ``item`` to a float32 (H, W) array in [0, 1]."""
+    data = read_input(batch_dir, item)
+    try:
+        return decode(data)
+    except UnreadableImage as exc:
+        raise InputError("unreadable image", [Problem(where(item), exc.message, exc.hint)]) from exc
+
+
+def decode(data: bytes) -> np.ndarray:
+    """Decode PNG or TIFF bytes to float32 grey in [0, 1]; raise UnreadableImage otherwise."""
+    if not data:
+        raise UnreadableImage("the file is empty (0 bytes)", "copy it again")
+    if data.startswith(PNG_MAGIC):
+        pixels = _decode_png(data)
+    elif data[:4] in TIFF_MAGICS:
+        pixels = _decode_tiff(data)
+    else:
+        raise UnreadableImage(
+            f"is not a PNG or TIFF image (it starts with {data[:8]!r})",
+            "save the image as PNG or TIFF (8 or 16 bit)",
+        )
+    return _to_unit_grey(pixels)
+
+
+def _decode_png(data: bytes) -> np.ndarray:
+    bit_depth = data[24] if len(data) > 25 else 0
+    if bit_depth not in (8, 16):
+        raise UnreadableImage(
+            f"is a {bit_depth}-bit PNG; only 8- and 16-bit images are supported",
+            "export it as an 8- or 16-bit PNG",
+        )
+    try:
+        with Image.open(io.BytesIO(data), formats=["PNG"]) as opened:
+            opened.load()
+            image = opened.convert("RGB") if opened.mode in ("P", "PA") else opened
+            pixels = np.array(image)
+    except _PNG_ERRORS as exc:
+        raise UnreadableImage(
+            f"cannot be decoded as PNG ({exc})",
+            "the file is damaged or incomplete; copy or export it again",
+        ) from exc
+    if pixels.dtype.kind in "iu" and pixels.dtype.itemsize > 1:
+        pixels = pixels.astype(np.uint16)  # Pillow's "I" and big-endian "I;16B" modes
+    return pixels
+
+
+def _decode_tiff(data: bytes) -> np.ndarray:
+    try:
+        with tifffile.TiffFile(io.BytesIO(data)) as tif:
+            if not tif.pages:
+                raise UnreadableImage(
+                    "cannot be decoded as TIFF (it holds no image)",
+                    "the file is damaged or incomplete; copy or export it again",
+                )
+            if len(tif.pages) != 1:
+                raise UnreadableImage(
+                    f"has {len(tif.pages)} pages; expected a single 2-D image",
+                    "save one image per file",
+                )
+            page = tif.pages[0]
+            if not isinstance(page, tifffile.TiffPage):
+                raise UnreadableImage("has no readable first page", "export it again")
+            pixels = page.asarray()
+            if page.planarconfig == tifffile.PLANARCONFIG.SEPARATE and pixels.ndim == 3:
+                pixels = np.moveaxis(pixels, 0, -1)
+            inverted = page.photometric == tifffile.PHOTOMETRIC.MINISWHITE
+    except _TIFF_ERRORS as exc:
+        raise UnreadableImage(
+            f"cannot be decoded as TIFF ({type(exc).__name__}: {exc})",
+            "the file is damaged, incomplete or uses an unsupported compression; "
+            "export it again as uncompressed or deflate TIFF",
+        ) from exc
+    if pixels.dtype not in (np.uint8, np.uint16):
+        raise UnreadableImage(
+            f"has {pixels.dtype.itemsize * 8}-bit {pixels.dtype.kind!r}-type samples "
+            f"({pixels.dtype}); only 8- and 16-bit unsigned integer images are supported",
+            "export it as an 8- or 16-bit TIFF",
+        )
+    return np.iinfo(pixels.dtype).max - pixels if inverted else pixels
+
+
+def _to_unit_grey(pixels: np.ndarray) -> np.ndarray:
+    scale = np.float32(np.iinfo(pixels.dtype).max)
+    if pixels.ndim == 3 and pixels.shape[-1] in (3, 4):
+        grey = pixels[..., :3].astype(np.float32) @ _LUMA
+    elif pixels.ndim == 3 and pixels.shape[-1] == 2:
+        grey = pixels[..., 0].astype(np.float32)  # grey + alpha
+    elif pixels.ndim == 2:
+        grey = pixels.astype(np.float32)
+    else:
+        raise UnreadableImage(
+            f"has shape {pixels.shape}; expected a grey or RGB image",
+            "export a single grey or RGB image per file",
+        )
+    if min(grey.shape) < 1:
+        raise UnreadableImage(f"has no pixels (shape {pixels.shape})", "export it again")
+    return np.clip(grey / scale, 0.0, 1.0)
+
+
+def check_suffix(item: InputFile) -> Problem | None:
+    """A problem if no mask can be written in this input's format (PNG or TIFF by name)."""
+    if Path(item.path).suffix.lower() in MASK_FORMATS:
+        return None
+    return Problem(
+        where(item),
+        f"'{Path(item.path).suffix}' files are not supported",
+        "save the image as .png or .tif",
+    )
+
+
+def encode_mask(mask: np.ndarray, suffix: str) -> bytes:
+    """A boolean (H, W) mask as uint8 0/255 PNG or TIFF bytes."""
+    pixels = np.where(mask, np.uint8(255), np.uint8(0))
+    buffer = io.BytesIO()
+    if MASK_FORMATS[suffix.lower()] == "PNG":
+        Image.fromarray(pixels).save(buffer, format="PNG")
+    else:
+        tifffile.imwrite(buffer, pixels, photometric="minisblack", compression="zlib")
+    return buffer.getvalue()
+
+
+def write_mask(path: Path, mask: np.ndarray) -> None:
+    """Write ``mask`` atomically to ``path`` in the format its suffix names."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes(path, encode_mask(mask, path.suffix))

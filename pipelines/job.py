@@ -1,0 +1,134 @@
+"""The shell every pipeline runs in: ``python -m pipelines.<name> JOB_DIR``.
+
+:func:`run_job` reads ``JOB_DIR/spec.json``, sets the thread count, calls the pipeline's work
+function, and as its last act writes ``JOB_DIR/result.json`` atomically:
+
+- the work function returned a summary → ``ok``, exit status 0;
+- it raised :class:`InputError` (bad data, every problem listed) → kind INPUT, exit status 2;
+- it raised :class:`models.registry.ModelError` → kind MODEL, exit status 2;
+- anything else → kind INTERNAL with the traceback (the daemon may retry), exit status 1.
+
+Progress goes to stdout as plain timestamped lines; the executor sends it to ``log.txt``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from daemon.atomicfile import write_text
+from daemon.jobspec import (
+    RESULT_FILE,
+    SPEC_FILE,
+    ErrorKind,
+    JobError,
+    JobResult,
+    JobSpec,
+    Pipeline,
+    Problem,
+)
+from models.registry import ModelError
+
+log = logging.getLogger("pipelines")
+
+Work = Callable[[JobSpec, Path], Mapping[str, Any]]
+
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_REFUSED = 2  # INPUT or MODEL: running it again cannot help
+
+
+class InputError(Exception):
+    """The batch's data is wrong; carries every problem found, each with its location."""
+
+    def __init__(self, message: str, problems: Iterable[Problem] = ()) -> None:
+        super().__init__(message)
+        self.message = message
+        self.problems = tuple(problems)
+
+
+def code_version() -> str:
+    """The installed watchd version, recorded with every output for provenance."""
+    try:
+        return importlib.metadata.version("watchd")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def configure_logging() -> None:
+    """Timestamped lines on stdout; warnings go through logging; Lightning's chatter is muted."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%dT%H:%M:%S")
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    logging.getLogger("lightning").setLevel(logging.WARNING)
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    logging.captureWarnings(True)
+
+
+def read_spec(job_dir: Path) -> JobSpec:
+    return JobSpec.from_json((job_dir / SPEC_FILE).read_text(encoding="utf-8"))
+
+
+def _failure(kind: ErrorKind, message: str, problems: Sequence[Problem] = ()) -> JobError:
+    text = traceback.format_exc() if kind is ErrorKind.INTERNAL else ""
+    return JobError(kind=kind, message=message, problems=tuple(problems), traceback=text)
+
+
+def _attempt(pipeline: Pipeline, work: Work, job_dir: Path) -> tuple[int, Any]:
+    """Run the work; return (exit status, summary dict or JobError)."""
+    try:
+        spec = read_spec(job_dir)
+        if spec.pipeline is not pipeline:
+            raise ValueError(
+                f"spec is for pipeline {spec.pipeline.value!r}, not {pipeline.value!r}"
+            )
+        torch.set_num_threads(max(1, spec.resources.cpus))
+        log.info("job %s (%s) attempt %d started", spec.job_name, pipeline.value, spec.attempt)
+        return EXIT_OK, dict(work(spec, job_dir))
+    except InputError as exc:
+        for problem in exc.problems:
+            log.error("input problem: %s", problem.render())
+        return EXIT_REFUSED, _failure(ErrorKind.INPUT, exc.message, exc.problems)
+    except ModelError as exc:
+        log.error("model error: %s", exc)
+        return EXIT_REFUSED, _failure(ErrorKind.MODEL, str(exc))
+    except Exception as exc:
+        log.exception("internal error")
+        return EXIT_INTERNAL, _failure(ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+def run_job(pipeline: Pipeline, work: Work, argv: Sequence[str] | None = None) -> int:
+    """Run ``work`` on the job directory named by ``argv``; write result.json; return the status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print(f"usage: python -m {pipeline.module} JOB_DIR", file=sys.stderr)
+        return EXIT_INTERNAL
+    configure_logging()
+    job_dir = Path(args[0]).resolve()
+    started = time.monotonic()
+    status, outcome = _attempt(pipeline, work, job_dir)
+    elapsed = round(time.monotonic() - started, 3)
+    finished = datetime.now(UTC).isoformat(timespec="seconds")
+    if status == EXIT_OK:
+        summary = {**outcome, "elapsed_s": elapsed, "host": platform.node()}
+        summary["code_version"] = code_version()
+        result = JobResult(ok=True, pipeline=pipeline.value, finished_at=finished, summary=summary)
+    else:
+        result = JobResult(ok=False, pipeline=pipeline.value, finished_at=finished, error=outcome)
+    write_text(job_dir / RESULT_FILE, result.to_json() + "\n")
+    log.info("finished in %.1f s: %s", elapsed, "ok" if status == EXIT_OK else outcome.message)
+    return status

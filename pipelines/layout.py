@@ -1,0 +1,54 @@
+"""Where pipelines put their outputs inside ``run_dir``; the daemon and the report rely on it.
+
+::
+
+    masks/<input path>              one mask per input image, same name and format
+    parts/table-<shard:04d>.csv     per-image rows of one inference shard (TABLE_COLUMNS)
+    table.csv                       all shards' rows, sorted by path (report)
+    summary.json, report.html       the report
+    training/metrics.csv            per-epoch curves (CURVE_COLUMNS)
+    training/model.json             the registered model: name, version, sha256, metrics
+    training/previews/<stem>.png    validation overlays for the report
+    jobs/<job name>/                spec.json, log.txt, result.json (written by the daemon/runner)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path, PurePosixPath
+
+MASKS_DIR = "masks"
+PARTS_DIR = "parts"
+TABLE_FILE = "table.csv"
+SUMMARY_FILE = "summary.json"
+REPORT_FILE = "report.html"
+TRAINING_DIR = "training"
+METRICS_FILE = "metrics.csv"
+MODEL_FILE = "model.json"
+PREVIEWS_DIR = "previews"
+TABLE_COLUMNS = (
+    "path",
+    "width",
+    "height",
+    "area_px",
+    "equivalent_diameter_px",
+    "objects",
+    "mean_intensity",
+    "model_name",
+    "model_version",
+    "model_sha256",
+    "manifest_sha256",
+    "code_version",
+)
+CURVE_COLUMNS = ("epoch", "train_loss", "val_loss", "val_dice", "val_iou")
+
+
+def table_name(shard_index: int) -> str:
+    return f"table-{shard_index:04d}.csv"
+
+
+def output_path(root: Path, relative: str) -> Path:
+    """``root / relative`` for a relative posix path that cannot climb out of ``root``."""
+    parts = PurePosixPath(relative).parts
+    if not parts or PurePosixPath(relative).is_absolute() or ".." in parts:
+        raise ValueError(f"input path {relative!r} is not a relative path inside the batch")
+    return root.joinpath(*parts)

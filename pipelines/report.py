@@ -1,0 +1,237 @@
+"""Report job: merge the shard tables, summarise the run, write a self-contained HTML report.
+
+``python -m pipelines.report JOB_DIR`` runs after every compute job of a batch succeeded. In
+``run_dir`` it writes:
+
+- ``table.csv`` (inference): the rows of ``parts/table-*.csv``, sorted by path; every image
+  input of the spec must have exactly one row, otherwise the job fails (INTERNAL: a shard's
+  output is missing, which is not the data owner's doing);
+- ``summary.json``: counts, area statistics, model, manifest hash, per-job timings, and for
+  training the registered model and its metrics;
+- ``report.html``: one file, no network references, pictures inlined as base64 PNG.
+
+What to report is decided by what the run left: shard tables (inference) and/or
+``training/model.json`` (training).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import statistics
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from daemon.atomicfile import write_text
+from daemon.jobspec import RESULT_FILE, JobResult, JobSpec, Pipeline
+from pipelines import figures
+from pipelines.images import UnreadableImage, decode
+from pipelines.job import code_version, log, run_job
+from pipelines.layout import (
+    CURVE_COLUMNS,
+    MASKS_DIR,
+    METRICS_FILE,
+    MODEL_FILE,
+    PARTS_DIR,
+    PREVIEWS_DIR,
+    REPORT_FILE,
+    SUMMARY_FILE,
+    TABLE_COLUMNS,
+    TABLE_FILE,
+    TRAINING_DIR,
+    output_path,
+)
+from pipelines.page import render
+
+OVERLAYS = 6
+
+
+def merge_tables(run_dir: Path) -> list[dict[str, str]]:
+    """All rows of the shard tables, sorted by path; a path listed twice is an error."""
+    rows: dict[str, dict[str, str]] = {}
+    for part in sorted((run_dir / PARTS_DIR).glob("table-*.csv")):
+        with open(part, newline="", encoding="utf-8") as handle:
+            reader = csv.DictReader(handle)
+            if tuple(reader.fieldnames or ()) != TABLE_COLUMNS:
+                raise ValueError(
+                    f"{part.name} has columns {reader.fieldnames}, not {TABLE_COLUMNS}"
+                )
+            for row in reader:
+                if row["path"] in rows:
+                    raise ValueError(f"{row['path']!r} appears in more than one shard table")
+                rows[row["path"]] = row
+    return [rows[path] for path in sorted(rows)]
+
+
+def check_complete(spec: JobSpec, rows: list[dict[str, str]]) -> None:
+    expected = {item.path for item in spec.inputs if item.role == "image"}
+    missing = sorted(expected - {row["path"] for row in rows})
+    if missing:
+        examples = ", ".join(repr(path) for path in missing[:5])
+        raise RuntimeError(f"no table row for {len(missing)} of {len(expected)} images: {examples}")
+
+
+def table_csv(rows: list[dict[str, str]]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, TABLE_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
+def job_timings(run_dir: Path, own: str) -> list[dict[str, Any]]:
+    """What each finished job of this run reported (the report job itself excluded)."""
+    jobs = []
+    for path in sorted((run_dir / "jobs").glob(f"*/{RESULT_FILE}")):
+        if path.parent.name == own:
+            continue
+        result = JobResult.from_json(path.read_text(encoding="utf-8"))
+        summary = result.summary
+        jobs.append(
+            {
+                "job": path.parent.name,
+                "pipeline": result.pipeline,
+                "ok": result.ok,
+                "elapsed_s": summary.get("elapsed_s"),
+                "host": summary.get("host"),
+                "finished_at": result.finished_at,
+            }
+        )
+    return jobs
+
+
+def _area_stats(rows: list[dict[str, str]]) -> dict[str, float | None]:
+    areas = [int(row["area_px"]) for row in rows if int(row["objects"])]
+    if not areas:
+        return {"mean": None, "median": None, "min": None, "max": None}
+    return {
+        "mean": round(statistics.fmean(areas), 2),
+        "median": float(statistics.median(areas)),
+        "min": min(areas),
+        "max": max(areas),
+    }
+
+
+def inference_summary(rows: list[dict[str, str]]) -> dict[str, Any]:
+    first = rows[0] if rows else {}
+    return {
+        "images": len(rows),
+        "images_with_objects": sum(1 for row in rows if int(row["objects"])),
+        "objects": sum(int(row["objects"]) for row in rows),
+        "area_px_of_images_with_objects": _area_stats(rows),
+        "model": {
+            "name": first.get("model_name"),
+            "version": int(first["model_version"]) if first else None,
+            "sha256": first.get("model_sha256"),
+        },
+        "table": TABLE_FILE,
+    }
+
+
+def sample_overlays(spec: JobSpec, rows: list[dict[str, str]]) -> list[tuple[str, str]]:
+    """(caption, data URI) for up to OVERLAYS images spread over the table."""
+    picks = sorted({int(i) for i in np.linspace(0, len(rows) - 1, min(OVERLAYS, len(rows)))})
+    pictures = []
+    for row in (rows[i] for i in picks):
+        try:
+            image = decode(output_path(Path(spec.batch_dir), row["path"]).read_bytes())
+            mask = decode(output_path(Path(spec.run_dir) / MASKS_DIR, row["path"]).read_bytes())
+        except (OSError, UnreadableImage) as exc:
+            log.warning("no overlay for %s: %s", row["path"], exc)
+            continue
+        caption = f"{row['path']}: {row['objects']} object(s), {row['area_px']} px"
+        pictures.append((caption, figures.data_uri(figures.overlay(image, mask > 0.5))))
+    return pictures
+
+
+def read_curves(path: Path) -> list[dict[str, float]]:
+    with open(path, newline="", encoding="utf-8") as handle:
+        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(handle)]
+
+
+def training_charts(curves: list[dict[str, float]]) -> list[tuple[str, str]]:
+    def series(*keys: str) -> dict[str, list[tuple[float, float]]]:
+        return {key: [(row["epoch"], row[key]) for row in curves] for key in keys}
+
+    loss = figures.line_chart("loss (BCE + Dice)", series("train_loss", "val_loss"))
+    quality = figures.line_chart("validation", series("val_dice", "val_iou"))
+    return [("loss per epoch", figures.data_uri(loss)), ("Dice and IoU", figures.data_uri(quality))]
+
+
+def _training(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(summary part, page part) for a training run."""
+    training_dir = run_dir / TRAINING_DIR
+    model = json.loads((training_dir / MODEL_FILE).read_text(encoding="utf-8"))
+    curves = read_curves(training_dir / METRICS_FILE)
+    previews = [
+        (path.stem, figures.png_uri(path.read_bytes()))
+        for path in sorted((training_dir / PREVIEWS_DIR).glob("*.png"))
+    ]
+    summary = {
+        "model": model,
+        "epochs_run": len(curves),
+        "curves": f"{TRAINING_DIR}/{METRICS_FILE}",
+    }
+    page = {
+        "model": model,
+        "curves": curves,
+        "columns": CURVE_COLUMNS,
+        "charts": training_charts(curves),
+        "previews": previews,
+    }
+    return summary, page
+
+
+def _inference(spec: JobSpec, run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    rows = merge_tables(run_dir)
+    check_complete(spec, rows)
+    write_text(run_dir / TABLE_FILE, table_csv(rows))
+    summary = inference_summary(rows)
+    areas = [float(row["area_px"]) for row in rows if int(row["objects"])]
+    histogram = figures.histogram("spheroid area per image", areas, "area (pixels)")
+    page = {
+        "summary": summary,
+        "rows": rows,
+        "overlays": sample_overlays(spec, rows),
+        "histogram": figures.data_uri(histogram),
+    }
+    return summary, page
+
+
+def report(spec: JobSpec, job_dir: Path) -> dict[str, Any]:
+    """The report job."""
+    run_dir = Path(spec.run_dir)
+    summary: dict[str, Any] = {
+        "batch": {
+            "id": spec.batch_id,
+            "revision": spec.batch_revision,
+            "kind": spec.batch_kind,
+            "title": spec.title,
+            "dir": spec.batch_dir,
+        },
+        "manifest_sha256": spec.manifest_sha256,
+        "params": dict(spec.params),
+        "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "code_version": code_version(),
+        "jobs": job_timings(run_dir, own=job_dir.name),
+    }
+    summary["compute_s"] = round(sum(job["elapsed_s"] or 0 for job in summary["jobs"]), 3)
+    pages: dict[str, Any] = {}
+    if (run_dir / PARTS_DIR).is_dir():
+        summary["inference"], pages["inference"] = _inference(spec, run_dir)
+    if (run_dir / TRAINING_DIR / MODEL_FILE).is_file():
+        summary["training"], pages["training"] = _training(run_dir)
+    if not pages:
+        raise RuntimeError(f"nothing to report in {run_dir}: no shard tables, no trained model")
+    write_text(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    write_text(run_dir / REPORT_FILE, render(summary, pages))
+    log.info("report written: %s", run_dir / REPORT_FILE)
+    return {"report": REPORT_FILE, "summary": SUMMARY_FILE, "sections": sorted(pages)}
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_job(Pipeline.REPORT, report))

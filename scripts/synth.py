@@ -1,0 +1,191 @@
+"""Synthetic Droplet Microarray (DMA) images with ground-truth spheroid masks.
+
+Each image is one droplet seen from above: a circular droplet on a textured background, its
+edge a bright reflective rim (brighter than anything else in the image, so a global Otsu
+threshold picks the rim, not the spheroid), and inside it zero, one or two darker irregular
+spheroids of varied size, shape and contrast; then vignetting, blur and noise. The mask marks
+the spheroids.
+
+Image ``i`` of seed ``s`` depends only on ``(s, i, size)``: a batch of 10 is the first 10
+images of a batch of 100.
+
+Usage::
+
+    python scripts/synth.py OUT --kind training --count 64 --size 128 --seed 0 \
+        [--format png|tif] [--bits 8|16] [--truth DIR]
+
+Training batches get ``OUT/images/`` and ``OUT/masks/``; inference batches ``OUT/images/``
+(and the masks in ``--truth DIR`` if given, for evaluation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tifffile
+from PIL import Image
+from scipy import ndimage
+
+KINDS = ("training", "inference")
+FORMATS = {"png": ".png", "tif": ".tif"}
+SPHEROID_COUNTS = (0, 1, 2)
+SPHEROID_ODDS = (0.12, 0.73, 0.15)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One synthetic image (float32 grey in [0, 1]) and its spheroid mask."""
+
+    image: np.ndarray
+    mask: np.ndarray
+    spheroids: int
+
+
+def _smooth_noise(rng: np.random.Generator, size: int, sigma: float) -> np.ndarray:
+    """Gaussian-filtered white noise scaled to unit standard deviation."""
+    field = ndimage.gaussian_filter(rng.standard_normal((size, size), dtype=np.float32), sigma)
+    return field / (field.std() + 1e-6)
+
+
+def _blob(
+    rng: np.random.Generator,
+    yy: np.ndarray,
+    xx: np.ndarray,
+    centre: tuple[float, float],
+    radius: float,
+) -> np.ndarray:
+    """Mask of an irregular blob: a circle whose radius wobbles with a few harmonics."""
+    dy, dx = yy - centre[0], xx - centre[1]
+    angle = np.arctan2(dy, dx)
+    wobble = np.ones_like(angle)
+    for harmonic in range(2, 6):
+        wobble += rng.uniform(0, 0.2 / harmonic) * np.cos(harmonic * angle + rng.uniform(0, 7))
+    return np.hypot(dy, dx) < radius * wobble
+
+
+def _place_spheroids(
+    rng: np.random.Generator, yy: np.ndarray, xx: np.ndarray, droplet: np.ndarray, radius: float
+) -> np.ndarray:
+    """Union mask of 0–2 spheroids placed inside the droplet without overlapping."""
+    count = int(rng.choice(SPHEROID_COUNTS, p=SPHEROID_ODDS))
+    mask = np.zeros(yy.shape, dtype=bool)
+    placed: list[tuple[float, float, float]] = []
+    for _ in range(count):
+        size = rng.uniform(0.15, 0.45) * radius * (0.7 if count == 2 else 1.0)
+        for _attempt in range(20):
+            reach = max(radius - 1.35 * size, 0.0)
+            offset, angle = rng.uniform(0, reach), rng.uniform(0, 2 * np.pi)
+            cy, cx = droplet[0] + offset * np.sin(angle), droplet[1] + offset * np.cos(angle)
+            if all(np.hypot(cy - y, cx - x) > 1.3 * (size + r) for y, x, r in placed):
+                placed.append((cy, cx, size))
+                mask |= _blob(rng, yy, xx, (cy, cx), size)
+                break
+    return mask
+
+
+def synth_sample(rng: np.random.Generator, size: int) -> Sample:
+    """Draw one DMA-like image of ``size``×``size`` pixels and its spheroid mask."""
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
+    background = rng.uniform(0.22, 0.38)
+    image = background + 0.03 * _smooth_noise(rng, size, size / 12)
+    image += 0.015 * _smooth_noise(rng, size, 1.0)
+    droplet = size / 2 + rng.uniform(-0.05, 0.05, 2) * size
+    radius = rng.uniform(0.34, 0.43) * size
+    distance = np.hypot(yy - droplet[0], xx - droplet[1])
+    inside = ndimage.gaussian_filter((distance < radius).astype(np.float32), 1.0)
+    image += inside * rng.uniform(0.1, 0.2)
+    mask = _place_spheroids(rng, yy, xx, droplet, radius)
+    if mask.any():
+        texture = 1 + 0.12 * _smooth_noise(rng, size, 1.5)
+        contrast = rng.uniform(0.1, 0.3)
+        soft = ndimage.gaussian_filter(mask.astype(np.float32), rng.uniform(0.6, 1.4))
+        image -= contrast * soft * texture
+    # The reflective rim: a thin ring, brightest on the side facing the light.
+    angle = np.arctan2(yy - droplet[0], xx - droplet[1])
+    glare = 0.75 + 0.25 * np.cos(angle - rng.uniform(0, 2 * np.pi))
+    ring = np.exp(-(((distance - radius) / (rng.uniform(0.012, 0.025) * size)) ** 2))
+    image = np.maximum(image, rng.uniform(0.88, 0.98) * glare * ring + image * (1 - ring))
+    vignette = 1 - rng.uniform(0, 0.25) * (np.hypot(yy - size / 2, xx - size / 2) / size) ** 2
+    image = ndimage.gaussian_filter(image * vignette, rng.uniform(0.5, 1.0))
+    image += rng.normal(0, rng.uniform(0.004, 0.02), image.shape)
+    pixels = np.clip(image, 0, 1).astype(np.float32)
+    return Sample(image=pixels, mask=mask, spheroids=int(ndimage.label(mask)[1]))
+
+
+def sample(seed: int, index: int, size: int = 128) -> Sample:
+    """Image ``index`` of the stream for ``seed``."""
+    return synth_sample(np.random.default_rng([seed, index]), size)
+
+
+def to_integer(image: np.ndarray, bits: int) -> np.ndarray:
+    """Quantise a [0, 1] float image to uint8 or uint16."""
+    dtype = {8: np.uint8, 16: np.uint16}[bits]
+    return np.round(image * np.iinfo(dtype).max).astype(dtype)
+
+
+def write_image(path: Path, pixels: np.ndarray) -> None:
+    """Write an integer (H, W) array as PNG or TIFF, chosen by the file suffix."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".png":
+        Image.fromarray(pixels).save(path, format="PNG")
+    else:
+        tifffile.imwrite(path, pixels, photometric="minisblack")
+
+
+def make_batch(
+    folder: Path,
+    kind: str,
+    count: int,
+    size: int = 128,
+    seed: int = 0,
+    fmt: str = "png",
+    bits: int = 8,
+    truth_dir: Path | None = None,
+) -> list[Path]:
+    """Write ``count`` images (and masks) for a ``kind`` batch; return the files in ``folder``.
+
+    Images go to ``folder/images/img_0000.<fmt>``; training masks (uint8 0/255, same name and
+    format) to ``folder/masks/``; inference masks only to ``truth_dir`` when given (those are
+    not in the returned list).
+    """
+    if kind not in KINDS or fmt not in FORMATS or bits not in (8, 16):
+        raise ValueError(f"unsupported kind/format/bits: {kind!r}, {fmt!r}, {bits!r}")
+    folder = Path(folder)
+    mask_dir = folder / "masks" if kind == "training" else truth_dir
+    written: list[Path] = []
+    for index in range(count):
+        name = f"img_{index:04d}{FORMATS[fmt]}"
+        drawn = sample(seed, index, size)
+        write_image(folder / "images" / name, to_integer(drawn.image, bits))
+        written.append(folder / "images" / name)
+        if mask_dir is not None:
+            write_image(Path(mask_dir) / name, to_integer(drawn.mask.astype(np.float32), 8))
+            if kind == "training":
+                written.append(Path(mask_dir) / name)
+    return sorted(written)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="batch folder to write into")
+    parser.add_argument("--kind", choices=KINDS, default="training")
+    parser.add_argument("--count", type=int, default=16)
+    parser.add_argument("--size", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--format", choices=sorted(FORMATS), default="png")
+    parser.add_argument("--bits", type=int, choices=(8, 16), default=8)
+    parser.add_argument("--truth", type=Path, help="inference only: write ground truth here")
+    args = parser.parse_args(argv)
+    files = make_batch(
+        args.out, args.kind, args.count, args.size, args.seed, args.format, args.bits, args.truth
+    )
+    print(f"wrote {len(files)} files to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
