@@ -1,0 +1,58 @@
+"""Shared fixtures and guards: real folders (with awkward names), real SQLite, no leaks."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))  # the synthetic data generator
+
+AWKWARD = "drop röot 'q' \"dq\""  # spaces, quotes and non-ASCII in every drop root
+
+
+def child_pids() -> set[int]:
+    """Processes whose parent is this test process (jobs start in their own session but stay
+    our children until they end)."""
+    me, found = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            text = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2 :].split()
+        if int(fields[1]) == me and fields[0] != "Z":
+            found.add(int(entry))
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    """Every test leaves no thread and no child process behind."""
+    threads_before = set(threading.enumerate())
+    children_before = child_pids()
+    yield
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        threads = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
+        children = child_pids() - children_before
+        if not threads and not children:
+            return
+        time.sleep(0.1)
+    assert not threads, f"threads left running: {threads}"
+    assert not children, f"child processes left running: {children}"
+
+
+@pytest.fixture
+def drop_root(tmp_path: Path) -> Path:
+    root = tmp_path / AWKWARD
+    root.mkdir()
+    return root

@@ -1,0 +1,157 @@
+"""Reading inputs (PNG/TIFF, 8/16-bit, grey/RGB, checksums) and writing masks."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tifffile
+from PIL import Image
+
+from daemon.jobspec import InputFile
+from pipelines.images import UnreadableImage, decode, encode_mask, read_image, write_mask
+from pipelines.job import InputError
+
+RAMP8 = np.arange(48 * 32, dtype=np.uint32).reshape(32, 48).astype(np.uint8)
+RAMP16 = (np.arange(48 * 32, dtype=np.uint32).reshape(32, 48) * 40).astype(np.uint16)
+NOISE = np.random.default_rng(0).integers(0, 256, (64, 64), dtype=np.uint8)
+
+
+def png(pixels: np.ndarray, mode: str | None = None, bits: int | None = None) -> bytes:
+    buffer = io.BytesIO()
+    image = Image.fromarray(pixels)
+    image = image.convert(mode) if mode else image
+    image.save(buffer, format="PNG", **({"bits": bits} if bits else {}))
+    return buffer.getvalue()
+
+
+def grey_palette_png(pixels: np.ndarray) -> bytes:
+    image = Image.frombytes("P", (pixels.shape[1], pixels.shape[0]), pixels.tobytes())
+    image.putpalette([value for level in range(256) for value in (level, level, level)])
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def tiff(pixels: np.ndarray, **options: object) -> bytes:
+    buffer = io.BytesIO()
+    tifffile.imwrite(buffer, pixels, **options)  # type: ignore[arg-type]
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (png(RAMP8), RAMP8 / 255),
+        (png(RAMP16), RAMP16 / 65535),
+        (tiff(RAMP8), RAMP8 / 255),
+        (tiff(RAMP16), RAMP16 / 65535),
+        (tiff(255 - RAMP8, photometric="miniswhite"), RAMP8 / 255),
+    ],
+    ids=["png8", "png16", "tif8", "tif16", "tif-miniswhite"],
+)
+def test_grey_images_are_scaled_by_their_integer_range(data: bytes, expected: np.ndarray) -> None:
+    pixels = decode(data)
+    assert pixels.dtype == np.float32 and pixels.shape == (32, 48)
+    np.testing.assert_allclose(pixels, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        png(np.stack([RAMP8] * 3, axis=-1)),
+        png(np.stack([RAMP8] * 3, axis=-1), mode="RGBA"),
+        png(RAMP8, mode="LA"),
+        grey_palette_png(RAMP8),
+        tiff(np.stack([RAMP8] * 3, axis=-1), photometric="rgb"),
+        tiff(np.stack([RAMP8] * 3), photometric="rgb", planarconfig="separate"),
+    ],
+    ids=["png-rgb", "png-rgba", "png-la", "png-palette", "tif-rgb", "tif-rgb-planar"],
+)
+def test_colour_images_become_grey(data: bytes) -> None:
+    """A grey picture stored as RGB/RGBA/palette reads back as the same grey values."""
+    np.testing.assert_allclose(decode(data), RAMP8 / 255, atol=2 / 255)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"", "empty"),
+        (b"name,area\nimg_1,42\n", "not a PNG or TIFF"),
+        (png(NOISE)[:2000], "cannot be decoded as PNG"),
+        (png(RAMP8 > 100), "1-bit PNG"),
+        (tiff(NOISE)[:2000], "cannot be decoded as TIFF"),
+        (tiff(RAMP8.astype(np.float32)), "32-bit"),
+        (tiff(np.stack([RAMP8, RAMP8])), "2 pages"),
+        (
+            tiff(np.zeros((32, 48, 5), np.uint8), photometric="minisblack", planarconfig="contig"),
+            "shape",
+        ),
+    ],
+    ids=[
+        "empty",
+        "text",
+        "truncated-png",
+        "1bit-png",
+        "truncated-tif",
+        "float-tif",
+        "stack",
+        "5ch",
+    ],
+)
+def test_unusable_files_raise_a_readable_reason(data: bytes, message: str) -> None:
+    with pytest.raises(UnreadableImage) as caught:
+        decode(data)
+    assert message in caught.value.message
+    assert caught.value.hint
+
+
+def test_read_image_names_the_file_and_checks_the_sha256(tmp_path: Path) -> None:
+    data = png(RAMP8)
+    (tmp_path / "plate 1").mkdir()
+    (tmp_path / "plate 1" / "ä b.png").write_bytes(data)
+    good = InputFile("plate 1/ä b.png", len(data), hashlib.sha256(data).hexdigest())
+    assert read_image(tmp_path, good).shape == (32, 48)
+    wrong = InputFile("plate 1/ä b.png", len(data), "9b1c" + "0" * 60)
+    with pytest.raises(InputError) as caught:
+        read_image(tmp_path, wrong)
+    (problem,) = caught.value.problems
+    assert problem.where == "input 'plate 1/ä b.png'"
+    assert problem.message.startswith("sha256 is ") and "expected 9b1c" in problem.message
+    assert "copy it again" in problem.hint
+
+
+def test_corrupt_input_becomes_an_input_problem_not_a_traceback(tmp_path: Path) -> None:
+    (tmp_path / "broken.tif").write_bytes(b"II*\x00garbage")
+    with pytest.raises(InputError) as caught:
+        read_image(tmp_path, InputFile("broken.tif"))
+    assert caught.value.problems[0].where == "input 'broken.tif'"
+    assert "TIFF" in caught.value.problems[0].message
+
+
+@pytest.mark.parametrize("name", ["a.png", "a.tif", "a.TIFF"])
+def test_masks_are_written_atomically_as_uint8_0_255_in_the_input_format(
+    tmp_path: Path, name: str
+) -> None:
+    mask = np.zeros((20, 30), dtype=bool)
+    mask[5:9, 3:17] = True
+    path = tmp_path / "masks" / "deep" / name
+    write_mask(path, mask)
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG" if name.endswith(".png") else b"II*\x00")
+    if name.endswith(".png"):
+        with Image.open(path) as opened:
+            raw = np.asarray(opened)
+    else:
+        raw = tifffile.imread(path)
+    assert raw.dtype == np.uint8 and set(np.unique(raw)) == {0, 255}
+    assert np.array_equal(raw > 0, mask)
+    assert [p.name for p in path.parent.iterdir()] == [name]  # no temporary file left
+
+
+def test_unknown_mask_format_is_refused() -> None:
+    with pytest.raises(KeyError):
+        encode_mask(np.zeros((2, 2), bool), ".jpg")

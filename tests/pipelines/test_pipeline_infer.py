@@ -1,0 +1,213 @@
+"""Real inference jobs: ``python -m pipelines.infer JOB_DIR`` on shards of a synthetic batch."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import tifffile
+from PIL import Image
+
+from daemon.jobspec import ErrorKind, InputFile, ModelRef, Pipeline, Shard
+from pipelines.images import decode
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from conftest import InferredBatch, JobRun
+
+TABLE_HEADER = [
+    "path",
+    "width",
+    "height",
+    "area_px",
+    "equivalent_diameter_px",
+    "objects",
+    "mean_intensity",
+    "model_name",
+    "model_version",
+    "model_sha256",
+    "manifest_sha256",
+    "code_version",
+]
+
+
+def read_mask(path: Path) -> np.ndarray:
+    """The stored mask pixels, as written (no conversion)."""
+    if path.suffix == ".tif":
+        return tifffile.imread(path)
+    with Image.open(path) as image:
+        return np.asarray(image)
+
+
+def test_each_shard_writes_masks_at_the_inputs_paths_in_their_format(
+    inferred: InferredBatch,
+) -> None:
+    run_dir = inferred.batch_dir / "results"
+    for job in inferred.shards:
+        assert job.returncode == 0 and job.result is not None and job.result.ok, job.log
+    for item in inferred.inputs:
+        mask_path = run_dir / "masks" / item.path
+        assert mask_path.suffix == Path(item.path).suffix
+        header = mask_path.read_bytes()[:4]
+        assert header == (b"\x89PNG" if item.path.endswith(".png") else b"II*\x00")
+        mask = read_mask(mask_path)
+        assert mask.dtype == np.uint8 and set(np.unique(mask)) <= {0, 255}
+        assert mask.shape == decode((inferred.batch_dir / item.path).read_bytes()).shape
+
+
+def test_each_shard_writes_its_table_with_the_model_version(inferred: InferredBatch) -> None:
+    run_dir = inferred.batch_dir / "results"
+    assert sorted(p.name for p in (run_dir / "parts").iterdir()) == [
+        "table-0000.csv",
+        "table-0001.csv",
+    ]
+    metadata = json.loads(
+        (inferred.model.registry / inferred.model.name / "v0001" / "metadata.json").read_text()
+    )
+    rows = []
+    for part in sorted((run_dir / "parts").iterdir()):
+        with open(part, newline="", encoding="utf-8") as handle:
+            reader = csv.DictReader(handle)
+            assert reader.fieldnames == TABLE_HEADER
+            rows += list(reader)
+    assert sorted(row["path"] for row in rows) == sorted(item.path for item in inferred.inputs)
+    for row in rows:
+        assert (row["model_name"], row["model_version"]) == (inferred.model.name, "1")
+        assert row["model_sha256"] == metadata["sha256"]
+        assert row["manifest_sha256"] == inferred.shards[0].spec.manifest_sha256
+        assert row["code_version"]
+        assert int(row["area_px"]) >= 0 and int(row["objects"]) >= 0
+        mask = read_mask(run_dir / "masks" / row["path"])
+        assert int(row["area_px"]) == int((mask > 0).sum())
+    summary = inferred.shards[1].result.summary  # type: ignore[union-attr]
+    assert (
+        summary["model"]["model_version"] == 1 and summary["model"]["requested_version"] == "latest"
+    )
+    assert summary["table"] == "parts/table-0001.csv"
+
+
+def test_running_a_shard_again_replaces_its_outputs(
+    inferred: InferredBatch, run: Callable[..., JobRun]
+) -> None:
+    first = inferred.shards[0]
+    table = inferred.batch_dir / "results" / "parts" / "table-0000.csv"
+    before = table.read_text(encoding="utf-8")
+    again = run(first.spec)
+    assert again.returncode == 0, again.log
+    assert table.read_text(encoding="utf-8") == before
+    leftovers = [p for p in (inferred.batch_dir / "results").rglob(".tmp-*")]
+    assert leftovers == []
+
+
+def _shard_spec(
+    batch_dir: Path,
+    inputs: tuple[InputFile, ...],
+    job_spec: Callable[..., Any],
+    registry: Path,
+    model: ModelRef,
+    params: dict[str, Any],
+) -> Any:
+    return job_spec(
+        batch_dir,
+        Pipeline.INFER,
+        inputs,
+        registry=registry,
+        model=model,
+        params=params,
+        shard=Shard(2, 3),
+    )
+
+
+def test_bad_images_fail_the_shard_with_one_problem_each(
+    inferred: InferredBatch,
+    tmp_path: Path,
+    job_spec: Callable[..., Any],
+    manifest_inputs: Callable[..., Any],
+    run: Callable[..., JobRun],
+    infer_params: dict[str, Any],
+) -> None:
+    """Truncated, empty, not-an-image and changed files are all named; no table is written."""
+    batch_dir = tmp_path / "batch"
+    shutil.copytree(inferred.batch_dir / "images", batch_dir / "images")
+    good = sorted((batch_dir / "images").iterdir())
+    inputs = list(manifest_inputs(batch_dir, good, checksums=True))
+    (batch_dir / "images" / "cut.png").write_bytes(good[1].read_bytes()[:300])
+    (batch_dir / "images" / "empty.png").write_bytes(b"")
+    (batch_dir / "images" / "notes.tif").write_text("not an image\n")
+    inputs += [InputFile(f"images/{n}") for n in ("cut.png", "empty.png", "notes.tif")]
+    good[2].write_bytes(good[2].read_bytes() + b"\x00")  # changed after its sha256 was taken
+    spec = _shard_spec(
+        batch_dir,
+        tuple(inputs),
+        job_spec,
+        inferred.model.registry,
+        ModelRef(inferred.model.name, "1"),
+        infer_params,
+    )
+    job = run(spec)
+    assert job.returncode == 2, job.log
+    error = job.result.error  # type: ignore[union-attr]
+    assert error is not None and error.kind is ErrorKind.INPUT
+    by_file = {p.where: p for p in error.problems}
+    assert set(by_file) == {
+        f"input '{inputs[2].path}'",
+        "input 'images/cut.png'",
+        "input 'images/empty.png'",
+        "input 'images/notes.tif'",
+    }
+    assert by_file[f"input '{inputs[2].path}'"].message.startswith("sha256 is ")
+    assert "cannot be decoded as PNG" in by_file["input 'images/cut.png'"].message
+    assert "empty" in by_file["input 'images/empty.png'"].message
+    assert "not a PNG or TIFF" in by_file["input 'images/notes.tif'"].message
+    assert all(p.hint for p in error.problems)
+    assert not (batch_dir / "results" / "parts").exists()
+
+
+def test_an_unknown_model_is_a_model_error_listing_what_exists(
+    inferred: InferredBatch,
+    tmp_path: Path,
+    job_spec: Callable[..., Any],
+    run: Callable[..., JobRun],
+    infer_params: dict[str, Any],
+) -> None:
+    spec = _shard_spec(
+        tmp_path, (), job_spec, inferred.model.registry, ModelRef("nuclei", "latest"), infer_params
+    )
+    job = run(spec)
+    assert job.returncode == 2, job.log
+    error = job.result.error  # type: ignore[union-attr]
+    assert error is not None and error.kind is ErrorKind.MODEL
+    assert "no model named 'nuclei'" in error.message and "spheroids" in error.message
+
+
+def test_tampered_weights_are_a_model_error_naming_the_expected_hash(
+    inferred: InferredBatch,
+    tmp_path: Path,
+    job_spec: Callable[..., Any],
+    run: Callable[..., JobRun],
+    infer_params: dict[str, Any],
+) -> None:
+    registry = tmp_path / "registry"
+    shutil.copytree(inferred.model.registry, registry)
+    weights = registry / inferred.model.name / "v0001" / "weights.pt"
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0x01
+    weights.write_bytes(bytes(data))
+    expected = json.loads((weights.parent / "metadata.json").read_text())["sha256"]
+    batch_dir = tmp_path / "batch"
+    shutil.copytree(inferred.batch_dir / "images", batch_dir / "images")
+    inputs = tuple(i for i in inferred.inputs if i.path.startswith("images/"))
+    spec = _shard_spec(
+        batch_dir, inputs, job_spec, registry, ModelRef(inferred.model.name, "best"), infer_params
+    )
+    job = run(spec)
+    assert job.returncode == 2, job.log
+    error = job.result.error  # type: ignore[union-attr]
+    assert error is not None and error.kind is ErrorKind.MODEL
+    assert f"recorded {expected}" in error.message
+    assert not (batch_dir / "results" / "masks").exists()

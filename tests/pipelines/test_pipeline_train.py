@@ -1,0 +1,123 @@
+"""A real training job: ``python -m pipelines.train JOB_DIR`` on a tiny synthetic batch."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from daemon.jobspec import SPEC_FILE, ErrorKind, InputFile, ModelRef, Pipeline
+from models import registry
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from conftest import JobRun, TrainedModel
+
+
+def test_training_registers_a_version_with_metadata_and_aliases(
+    trained: TrainedModel, train_params: dict[str, Any]
+) -> None:
+    job = trained.run
+    assert job.result is not None and job.result.ok, job.log
+    version_dir = trained.registry / trained.name / "v0001"
+    weights = (version_dir / "weights.pt").read_bytes()
+    metadata = json.loads((version_dir / "metadata.json").read_text())
+    assert metadata["sha256"] == hashlib.sha256(weights).hexdigest()
+    assert metadata["version"] == 1 and metadata["name"] == trained.name
+    assert metadata["architecture"] == {"depth": 2, "width": 8, "in_channels": 1}
+    assert metadata["params"] == train_params
+    assert metadata["manifest_sha256"] == job.spec.manifest_sha256
+    assert metadata["training"]["epochs_run"] == 2 and metadata["training"]["wall_time_s"] > 0
+    for key in ("created_at", "code_version", "torch_version", "lightning_version", "hardware"):
+        assert metadata[key], key
+    assert set(metadata["metrics"]) == {"epoch", "train_loss", "val_loss", "val_dice", "val_iou"}
+    aliases = json.loads((trained.registry / trained.name / "aliases.json").read_text())
+    assert aliases == {"latest": 1, "best": 1}
+
+
+def test_training_writes_curves_model_card_and_previews_inside_the_run(
+    trained: TrainedModel,
+) -> None:
+    job = trained.run
+    training = job.run_dir / "training"
+    with open(training / "metrics.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["epoch"] for row in rows] == ["1", "2"]
+    assert set(rows[0]) == {"epoch", "train_loss", "val_loss", "val_dice", "val_iou"}
+    card = json.loads((training / "model.json").read_text())
+    assert (card["name"], card["version"]) == (trained.name, 1)
+    assert job.result is not None and job.result.summary["model"]["version"] == 1
+    assert len(list((training / "previews").glob("*.png"))) == 4
+    batch_dir = Path(job.spec.batch_dir)
+    assert sorted(p.name for p in batch_dir.iterdir()) == ["images", "masks", "results"]
+    assert {"jobs", "training"} <= {p.name for p in job.run_dir.iterdir()}
+    stray = [
+        p
+        for p in batch_dir.rglob("*")
+        if p.name.startswith(".tmp-") or p.suffix == ".ckpt" or p.name == "lightning_logs"
+    ]
+    assert stray == []
+
+
+def test_a_retried_training_job_does_not_publish_twice(
+    trained: TrainedModel, run: Callable[..., JobRun]
+) -> None:
+    """Attempt 2 of a job whose attempt 1 published (then died) reuses that version."""
+    retry = dataclasses.replace(trained.run.spec, attempt=2)
+    (retry.job_dir / SPEC_FILE).write_text(retry.to_json(), encoding="utf-8")
+    job = run(retry)
+    assert job.returncode == 0, job.log
+    assert "version 1 was published by an earlier attempt: not training again" in job.log
+    assert registry.list_versions(trained.registry, trained.name) == [1]
+    assert job.result is not None and job.result.summary["model"]["version"] == 1
+
+
+def test_training_log_is_plain_and_quiet(trained: TrainedModel) -> None:
+    log = trained.run.log
+    assert "epoch 2/2: train_loss" in log and "registered spheroids version 1" in log
+    assert "Warning" not in log and "Traceback" not in log
+    assert all(line[:4].isdigit() for line in log.splitlines() if line.strip())
+
+
+def test_bad_training_inputs_fail_with_every_problem(
+    synth: ModuleType,
+    tmp_path: Path,
+    manifest_inputs: Callable[..., Any],
+    job_spec: Callable[..., Any],
+    run: Callable[..., JobRun],
+    train_params: dict[str, Any],
+) -> None:
+    """A missing mask and a checksum mismatch: one INPUT error naming both, nothing registered."""
+    batch_dir = tmp_path / "training batch"
+    files = synth.make_batch(batch_dir, "training", count=4, size=32, seed=0)
+    inputs = list(manifest_inputs(batch_dir, files, checksums=True))
+    inputs = [i for i in inputs if i.path != "masks/img_0003.png"]
+    inputs[0] = InputFile(inputs[0].path, inputs[0].size, "9b1c" + "0" * 60, inputs[0].role)
+    spec = job_spec(
+        batch_dir,
+        Pipeline.TRAIN,
+        tuple(inputs),
+        registry=tmp_path / "registry",
+        model=ModelRef("spheroids"),
+        params=train_params,
+        batch_kind="training",
+    )
+    job = run(spec)
+    assert job.returncode == 2, job.log
+    assert job.result is not None and not job.result.ok and job.result.error is not None
+    assert job.result.error.kind is ErrorKind.INPUT
+    rendered = [p.render() for p in job.result.error.problems]
+    assert rendered == [
+        "input 'images/img_0003.png': no mask named 'img_0003'.* for this image — every "
+        "training image needs a mask with the same file name stem",
+        "input 'images/img_0000.png': sha256 is "
+        + hashlib.sha256(files[0].read_bytes()).hexdigest()[:12]
+        + "…, expected 9b1c00000000… — the file changed or was damaged while copying; "
+        "copy it again",
+    ]
+    assert not (tmp_path / "registry").exists()

@@ -1,0 +1,120 @@
+"""The synthetic DMA generator: deterministic, realistic enough to fool Otsu, readable."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import tifffile
+from PIL import Image
+from skimage.filters import threshold_otsu
+
+from pipelines.images import decode
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_same_seed_and_index_give_the_same_image(synth: ModuleType) -> None:
+    first, again = synth.sample(7, 3, 64), synth.sample(7, 3, 64)
+    assert np.array_equal(first.image, again.image)
+    assert np.array_equal(first.mask, again.mask)
+    assert not np.array_equal(first.image, synth.sample(8, 3, 64).image)
+
+
+def test_batches_are_byte_identical_per_seed_and_prefix_stable(
+    synth: ModuleType, tmp_path: Path
+) -> None:
+    """A batch of 3 is the first 3 files of a batch of 5 with the same seed."""
+    small = synth.make_batch(tmp_path / "a", "training", count=3, size=48, seed=4)
+    large = synth.make_batch(tmp_path / "b", "training", count=5, size=48, seed=4)
+    by_name = {p.relative_to(tmp_path / "b"): p.read_bytes() for p in large}
+    assert len(small) == 6 and len(large) == 10
+    for path in small:
+        assert path.read_bytes() == by_name[path.relative_to(tmp_path / "a")]
+
+
+def test_masks_mark_the_spheroids_and_some_images_have_none_or_two(synth: ModuleType) -> None:
+    samples = [synth.sample(0, i, 96) for i in range(64)]
+    counts = [s.spheroids for s in samples]
+    assert {0, 1, 2} <= set(counts)
+    for drawn in samples:
+        assert drawn.mask.any() == (drawn.spheroids > 0)
+        assert drawn.image.dtype == np.float32 and 0 <= drawn.image.min() <= drawn.image.max() <= 1
+        if drawn.spheroids:
+            ring = drawn.image.max()
+            assert drawn.image[drawn.mask].mean() < 0.7 * ring  # darker than the rim
+
+
+def test_a_global_otsu_threshold_does_not_find_the_spheroids(synth: ModuleType) -> None:
+    """The bright rim and the background pull Otsu away from the spheroid: IoU stays low."""
+    ious = []
+    for index in range(16):
+        drawn = synth.sample(1, index, 128)
+        if not drawn.spheroids:
+            continue
+        dark = drawn.image < threshold_otsu(drawn.image)
+        ious.append((dark & drawn.mask).sum() / (dark | drawn.mask).sum())
+    assert np.median(ious) < 0.5
+
+
+@pytest.mark.parametrize(("fmt", "bits"), [("png", 8), ("png", 16), ("tif", 8), ("tif", 16)])
+def test_formats_and_bit_depths_are_written_and_read_back(
+    synth: ModuleType, tmp_path: Path, fmt: str, bits: int
+) -> None:
+    files = synth.make_batch(tmp_path, "training", count=2, size=40, seed=2, fmt=fmt, bits=bits)
+    image_path = tmp_path / "images" / f"img_0001.{fmt}"
+    mask_path = tmp_path / "masks" / f"img_0001.{fmt}"
+    assert image_path in files and mask_path in files
+    if fmt == "png":
+        with Image.open(image_path) as opened:
+            raw = np.asarray(opened)
+    else:
+        raw = tifffile.imread(image_path)
+    assert raw.dtype == (np.uint8 if bits == 8 else np.uint16) and raw.shape == (40, 40)
+    expected = synth.sample(2, 1, 40)
+    assert np.abs(decode(image_path.read_bytes()) - expected.image).max() <= 1 / 255
+    assert np.array_equal(decode(mask_path.read_bytes()) > 0, expected.mask)
+
+
+def test_inference_batches_have_no_masks_unless_truth_is_asked_for(
+    synth: ModuleType, tmp_path: Path
+) -> None:
+    files = synth.make_batch(tmp_path / "batch", "inference", 3, 32, truth_dir=tmp_path / "truth")
+    assert [p.relative_to(tmp_path / "batch").as_posix() for p in files] == [
+        "images/img_0000.png",
+        "images/img_0001.png",
+        "images/img_0002.png",
+    ]
+    assert not (tmp_path / "batch" / "masks").exists()
+    assert sorted(p.name for p in (tmp_path / "truth").iterdir()) == [p.name for p in files]
+
+
+def test_command_line_writes_a_batch(tmp_path: Path) -> None:
+    out = tmp_path / "drop folder"
+    completed = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "synth.py"),
+            str(out),
+            "--kind",
+            "training",
+            "--count",
+            "2",
+            "--size",
+            "32",
+            "--format",
+            "tif",
+            "--bits",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert "wrote 4 files" in completed.stdout
+    assert tifffile.imread(out / "images" / "img_0001.tif").dtype == np.uint16

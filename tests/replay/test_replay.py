@@ -1,0 +1,323 @@
+"""Replay scenarios: timed file operations on a real drop root against the real daemon loop, a
+real SQLite file and the real local executor running the real pipelines. Each asserts on the
+store, the outputs, the status file and the logged events."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import structlog
+from PIL import Image
+from replay import Replay, at, copy_slowly, write_atomically, write_in_halves, write_now
+
+from daemon.config import Config
+from daemon.manifest import STATUS_NAME
+from daemon.states import BatchState, JobState
+from daemon.store import Batch, Store
+
+MODES = ["inotify", "polling"]
+
+
+def store_of(config: Config) -> Store:
+    return Store(config.daemon.database)
+
+
+def only_batch(config: Config) -> Batch:
+    store = store_of(config)
+    try:
+        (batch,) = store.batches()
+        return batch
+    finally:
+        store.close()
+
+
+def status_text(folder: Path) -> str:
+    return (folder / STATUS_NAME).read_text(encoding="utf-8")
+
+
+def assert_outputs_complete(batch: Batch, images: int) -> None:
+    """Masks for every image (same relative path and name), a full table, a report; no
+    half-written file anywhere in the folder."""
+    run = Path(batch.run_dir)
+    masks = sorted(p.relative_to(run / "masks").as_posix() for p in (run / "masks").rglob("*.png"))
+    assert masks == [f"images/img_{i:04d}.png" for i in range(images)]
+    for mask in (run / "masks").rglob("*.png"):
+        with Image.open(mask) as opened:
+            opened.load()
+    with open(run / "table.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert sorted(r["path"] for r in rows) == [f"images/img_{i:04d}.png" for i in range(images)]
+    assert (run / "report.html").stat().st_size > 1000
+    json.loads((run / "summary.json").read_text())
+    leftovers = [p for p in batch.path.rglob("*") if p.name.startswith((".tmp-", "."))]
+    assert leftovers == []
+
+
+def states_of(config: Config, batch_id: int) -> list[str]:
+    store = store_of(config)
+    try:
+        return [e.to_state for e in store.events(batch_id) if e.job_id is None and e.to_state]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_clean_inference_drop_ends_done_with_masks_table_report_and_status(
+    mode: str, config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path
+) -> None:
+    config = config_for(roots={"observer": mode})
+    folder = drop_root / "plate 1 ä 'x'"
+    with structlog.testing.capture_logs() as logged, Replay(config) as replay:
+        replay.run(copy_slowly(staged(), folder, 0.0, 0.01))
+    batch = only_batch(config)
+    assert batch.state is BatchState.DONE, batch.reason
+    assert states_of(config, batch.id) == ["waiting", "queued", "running", "done"]
+    assert_outputs_complete(batch, images=6)
+    store = store_of(config)
+    jobs = store.jobs([batch.id])
+    store.close()
+    assert [(j.name.split("-", 1)[1], j.state, j.attempts) for j in jobs] == [
+        ("infer-0000", JobState.SUCCEEDED, 1),
+        ("infer-0001", JobState.SUCCEEDED, 1),
+        ("report", JobState.SUCCEEDED, 1),
+    ]
+    status = status_text(folder)
+    assert "State:     DONE" in status and "report.html" in status
+    done = [e for e in logged if e["event"] == "batch done"]
+    assert done and done[0]["batch_id"] == batch.id and done[0]["folder"] == folder.name
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_manifest_written_first_waits_for_the_files_and_says_what_is_missing(
+    mode: str, config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path
+) -> None:
+    config = config_for(roots={"observer": mode})
+    source, folder = staged(), drop_root / "manifest first"
+    seen_while_waiting: list[str] = []
+    steps = [
+        at(0.0, "mkdir", folder.mkdir),
+        write_atomically(folder / "manifest.toml", (source / "manifest.toml").read_bytes(), 0.1),
+        at(1.5, "read status", lambda: seen_while_waiting.append(status_text(folder))),
+    ]
+    steps += [
+        step
+        for i, image in enumerate(sorted((source / "images").iterdir()))
+        for step in write_in_halves(
+            folder / "images" / image.name, image.read_bytes(), 2.0 + 0.2 * i, 0.1
+        )
+    ]
+    with Replay(config) as replay:
+        replay.run(steps)
+    batch = only_batch(config)
+    assert batch.state is BatchState.DONE, batch.reason
+    assert "WAITING for the inputs to be complete" in seen_while_waiting[0]
+    assert (
+        "manifest.toml, files[0]: 'images/img_0000.png' is missing — not copied yet?"
+        in seen_while_waiting[0]
+    )
+    assert_outputs_complete(batch, images=6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_slow_copy_with_the_manifest_last_is_taken_once_complete(
+    mode: str, config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path
+) -> None:
+    config = config_for(roots={"observer": mode})
+    folder = drop_root / "slow copy"
+    with Replay(config) as replay:
+        replay.run(copy_slowly(staged(), folder, 0.0, 0.3))
+    batch = only_batch(config)
+    assert batch.state is BatchState.DONE, batch.reason
+    assert_outputs_complete(batch, images=6)
+
+
+def test_a_file_short_past_the_timeout_fails_naming_it_then_revives_when_it_is_complete(
+    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path
+) -> None:
+    config = config_for(intake={"timeout_seconds": 1.5}, daemon={"rescan_seconds": 1.0})
+    source, folder = staged(), drop_root / "short file"
+    shutil.copytree(source, folder, ignore=shutil.ignore_patterns("manifest.toml"))
+    image = folder / "images" / "img_0002.png"
+    full = image.read_bytes()
+    image.write_bytes(full[:100])
+    failed_status: list[str] = []
+
+    def failed(service: object) -> bool:
+        store = store_of(config)
+        try:
+            return [b.state for b in store.batches()] == [BatchState.FAILED]
+        finally:
+            store.close()
+
+    with Replay(config) as replay:
+        replay.run(
+            [
+                write_atomically(
+                    folder / "manifest.toml", (source / "manifest.toml").read_bytes(), 0.0
+                )
+            ],
+            until=failed,
+        )
+        batch = only_batch(config)
+        assert batch.reason == "inputs incomplete after 1.5 s"
+        failed_status.append(status_text(folder))
+        replay.run([write_now(image, full, 0.0)])
+    size = f"{len(full):,}".replace(",", " ")
+    expected = f"manifest.toml, files[2]: 'images/img_0002.png' is 100 bytes, expected {size} bytes — still copying?"
+    assert expected in failed_status[0]
+    assert "State:     FAILED" in failed_status[0]
+    batch = only_batch(config)
+    assert batch.state is BatchState.DONE
+    assert states_of(config, batch.id) == [
+        "waiting",
+        "failed",
+        "waiting",
+        "queued",
+        "running",
+        "done",
+    ]
+
+
+def test_the_same_folder_dropped_twice_is_one_batch(
+    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path
+) -> None:
+    config = config_for()
+    source, folder = staged(), drop_root / "twice"
+    with structlog.testing.capture_logs() as logged, Replay(config) as replay:
+        replay.run(copy_slowly(source, folder, 0.0, 0.01))
+        replay.run(
+            [at(0.0, "remove", lambda: shutil.rmtree(folder))]
+            + copy_slowly(source, folder, 0.2, 0.01)
+        )
+        replay.service.catch_up(0.0)  # a rescan finds the same manifest again
+        replay.run()
+    store = store_of(config)
+    assert len(store.batches()) == 1
+    store.close()
+    assert any(e["event"] == "manifest unchanged" for e in logged)
+    assert "State:     DONE" in status_text(folder)
+
+
+def test_a_manifest_edited_after_acceptance_becomes_a_new_revision(
+    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path
+) -> None:
+    config = config_for(intake={"settle_seconds": 1.0})
+    source, folder = staged(), drop_root / "edited"
+    edited = (source / "manifest.toml").read_text().replace('title = ""', 'title = "edited"')
+    assert 'title = "edited"' in edited
+    steps = copy_slowly(source, folder, 0.0, 0.01) + [
+        write_atomically(folder / "manifest.toml", edited.encode(), 0.5)
+    ]
+    with Replay(config) as replay:
+        replay.run(steps)
+    store = store_of(config)
+    first, second = store.batches()
+    events = store.events(second.id)
+    store.close()
+    assert (first.revision, first.state) == (1, BatchState.CANCELLED)
+    assert first.reason == "cancelled by watchd (superseded by revision 2)"
+    assert (second.revision, second.state) == (2, BatchState.DONE)
+    assert any(e.reason == "manifest changed: revision 2 replaces 1" for e in events)
+    status = status_text(folder)
+    assert "revision 2" in status and "State:     DONE" in status
+    assert_outputs_complete(second, images=6)
+
+
+def test_a_broken_manifest_fails_alone_and_its_fix_runs(
+    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path
+) -> None:
+    config = config_for()
+    good, broken = drop_root / "good", drop_root / "broken"
+    source = staged("b", count=2)
+    shutil.copytree(source, broken, ignore=shutil.ignore_patterns("manifest.toml"))
+    fixed = (source / "manifest.toml").read_bytes()
+    steps = copy_slowly(staged("g", count=2), good, 0.0, 0.01) + [
+        write_atomically(
+            broken / "manifest.toml", b'watchd = 1\nkind = "inference"\n[owner\n', 0.0
+        ),
+    ]
+    with structlog.testing.capture_logs() as logged, Replay(config) as replay:
+        replay.run(steps)
+        status = status_text(broken)
+        replay.run([write_atomically(broken / "manifest.toml", fixed, 0.0)])
+    assert "State:     FAILED" in status and "manifest.toml: not valid TOML" in status
+    store = store_of(config)
+    by_folder = {(b.folder, b.revision): b for b in store.batches()}
+    store.close()
+    assert by_folder[("broken", 1)].state is BatchState.FAILED
+    assert by_folder[("broken", 1)].reason == "manifest refused"
+    assert by_folder[("good", 1)].state is BatchState.DONE
+    assert by_folder[("broken", 2)].state is BatchState.DONE
+    refused = [e for e in logged if e["event"] == "batch recorded" and e["state"] == "failed"]
+    assert refused and "not valid TOML" in refused[0]["problems"][0]
+
+
+def test_manifests_naming_files_outside_their_folder_are_refused_and_nothing_runs(
+    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path, tmp_path: Path
+) -> None:
+    config = config_for()
+    secret = tmp_path / "secret.png"
+    secret.write_bytes(b"not yours")
+    climbing, linking = drop_root / "climbing", drop_root / "linking"
+    shutil.copytree(staged("c", count=1), climbing)
+    shutil.copytree(staged("l", count=1), linking)
+    (climbing / "manifest.toml").write_text(
+        (climbing / "manifest.toml").read_text()
+        + f'\n[[files]]\npath = "../../secret.png"\n\n[[files]]\npath = "{secret}"\n'
+    )
+    os.symlink(secret, linking / "images" / "link.png")
+    (linking / "manifest.toml").write_text(
+        (linking / "manifest.toml").read_text() + '\n[[files]]\npath = "images/link.png"\n'
+    )
+    with Replay(config) as replay:
+        replay.run()
+    store = store_of(config)
+    batches = {b.folder: b for b in store.batches()}
+    assert store.jobs() == []
+    store.close()
+    climbed = [p.render() for p in batches["climbing"].problems]
+    assert (
+        "manifest.toml, files[1] '../../secret.png': path goes up with '..'; inputs must be inside the batch folder"
+        in climbed
+    )
+    assert (
+        f"manifest.toml, files[2] '{secret}': path is an absolute path; name files relative to the batch folder"
+        in climbed
+    )
+    assert (
+        batches["linking"].state is BatchState.FAILED
+        and batches["linking"].reason == "inputs refused"
+    )
+    assert f"'images/link.png' leads outside the batch folder (to {secret})" in status_text(linking)
+    assert not (climbing / "results").exists() and not (linking / "results").exists()
+
+
+def test_a_batch_folder_that_is_a_link_out_of_the_root_is_refused_unread(
+    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path, tmp_path: Path
+) -> None:
+    config = config_for()
+    outside = staged("outside", count=1)
+    os.symlink(outside, drop_root / "linked folder")
+    with Replay(config) as replay:
+        replay.run()
+    batch = only_batch(config)
+    assert batch.state is BatchState.FAILED and batch.manifest_text == ""
+    assert batch.problems[0].message.startswith("is a link to")
+    assert not (outside / STATUS_NAME).exists()  # nothing written outside the root
+
+
+def test_a_drop_made_while_the_daemon_was_down_is_found_at_start_up(
+    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path
+) -> None:
+    config = config_for()
+    shutil.copytree(staged(count=2), drop_root / "while down")
+    with structlog.testing.capture_logs() as logged, Replay(config) as replay:
+        replay.run()
+    assert only_batch(config).state is BatchState.DONE
+    assert [e for e in logged if e["event"] == "batch recorded"][0]["folder"] == "while down"

@@ -1,0 +1,85 @@
+"""Configuration: the top-level config.toml is valid; every problem is reported at once;
+unknown keys list the valid ones; relative paths are taken from the file's folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from daemon.config import ObserverMode, load_config
+from daemon.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_documented_default_loads(tmp_path: Path) -> None:
+    config = load_config(REPO / "config.toml")
+    assert config.roots[0].path == REPO / "var" / "drop"
+    assert config.daemon.database == REPO / "var" / "state" / "watchd.sqlite"
+    assert config.roots[0].observer is ObserverMode.AUTO
+    assert config.executor.kind == "local"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def test_every_problem_is_listed_with_its_location(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+[daemon]
+tick_seconds = -1
+colour = "red"
+[[roots]]
+path = "d"
+observer = "sometimes"
+[planner]
+shard_size = 0
+""",
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    problems = info.value.problems
+    assert "daemon.tick_seconds: Input should be greater than 0 (got -1)" in problems
+    assert any(
+        p.startswith(
+            "daemon.colour: unknown key 'colour' (valid keys: heartbeat_seconds, log_format,"
+        )
+        for p in problems
+    )
+    assert any(
+        p.startswith("roots[0].observer: Input should be 'auto', 'inotify' or 'polling'")
+        for p in problems
+    )
+    assert "planner.shard_size: Input should be greater than or equal to 1 (got 0)" in problems
+    assert str(info.value).startswith(f"{path}: 4 problem(s)")
+
+
+def test_a_config_needs_a_drop_root(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, "[daemon]\n"))
+    assert info.value.problems == ("roots: required key is missing",)
+
+
+def test_relative_paths_are_taken_from_the_config_folder(tmp_path: Path) -> None:
+    config = load_config(
+        write(tmp_path, '[[roots]]\npath = "drop"\n[registry]\npath = "/abs/reg"\n')
+    )
+    assert config.roots[0].path == tmp_path / "drop"
+    assert str(config.registry.path) == "/abs/reg"
+
+
+def test_a_missing_or_broken_file_is_one_clear_problem(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match=r"at line 1, column 8"):
+        load_config(write(tmp_path, "[[roots]\n"))
+
+
+def test_a_root_listed_twice_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="listed twice"):
+        load_config(write(tmp_path, '[[roots]]\npath = "d"\n[[roots]]\npath = "./d"\n'))

@@ -1,0 +1,269 @@
+"""The manifest parser: valid manifests parse with defaults filled in; every invalid one is
+refused with every problem located; no input whatever makes it crash."""
+
+from __future__ import annotations
+
+import pytest
+import tomli_w
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from daemon.errors import ManifestError
+from daemon.jobspec import InputFile
+from daemon.manifest import (
+    Kind,
+    TrainingParams,
+    check_relative_path,
+    pairing_problems,
+    parse_manifest,
+)
+
+
+def doc(**overrides: object) -> bytes:
+    base: dict[str, object] = {
+        "watchd": 1,
+        "kind": "inference",
+        "owner": {"name": "Anna Expert", "email": "anna@example.org"},
+        "model": {"name": "spheroid-unet", "version": "latest"},
+        "files": [{"path": "images/a.png", "size": 100}],
+    }
+    base.update(overrides)
+    return tomli_w.dumps({k: v for k, v in base.items() if v is not None}).encode()
+
+
+def problems_of(data: bytes) -> list[str]:
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(data)
+    return [p.render() for p in info.value.problems]
+
+
+def test_a_valid_inference_manifest_parses_with_default_parameters() -> None:
+    manifest = parse_manifest(doc())
+    assert manifest.kind is Kind.INFERENCE
+    assert manifest.model.name == "spheroid-unet" and manifest.model.version == "latest"
+    assert manifest.params == {"threshold": 0.5, "min_object_area": 0}
+    assert manifest.files[0] == InputFile("images/a.png", 100, None, "image")
+    assert len(manifest.sha256) == 64
+
+
+def test_a_training_manifest_pairs_images_and_masks_by_file_name() -> None:
+    files = [
+        {"path": "images/a.png", "size": 1},
+        {"path": "masks/a.png", "size": 1, "role": "mask"},
+    ]
+    manifest = parse_manifest(doc(kind="training", model={"name": "m"}, files=files))
+    assert manifest.params == TrainingParams().model_dump()
+    assert [f.role for f in manifest.files] == ["image", "mask"]
+
+
+def test_training_refuses_images_without_masks_and_a_version() -> None:
+    files = [
+        {"path": "images/a.png", "size": 1},
+        {"path": "masks/b.png", "size": 1, "role": "mask"},
+    ]
+    found = problems_of(doc(kind="training", model={"name": "m", "version": 3}, files=files))
+    assert (
+        "manifest.toml, model.version: is chosen by the registry for a training batch — remove it"
+        in found
+    )
+    assert "manifest.toml, image 'images/a.png': has no mask with the same file name" in found
+    assert "manifest.toml, mask 'masks/b.png': has no image with the same file name" in found
+
+
+def test_every_problem_is_reported_at_once_with_its_location() -> None:
+    found = problems_of(
+        doc(
+            watchd=2,
+            kind="inferense",
+            colour="red",
+            model={"name": "../evil"},
+            files=[
+                {"path": "../etc/passwd", "size": 1},
+                {"path": "/abs/x.png", "size": -1},
+                {"path": "results/old.png"},
+                {"path": "a.png", "sha256": "zz"},
+                {"path": "a.png"},
+            ],
+        )
+    )
+    assert "manifest.toml, watchd: Input should be 1 (got 2)" in found
+    assert any(
+        f.startswith("manifest.toml, kind: Input should be 'training' or 'inference'")
+        for f in found
+    )
+    assert any(
+        "unknown key 'colour' (valid keys: files, kind, model, owner, params, patterns, title, watchd)"
+        in f
+        for f in found
+    )
+    assert any(f.startswith("manifest.toml, model.name: must be 1 to 64 letters") for f in found)
+    assert (
+        "manifest.toml, files[0] '../etc/passwd': path goes up with '..'; inputs must be inside the batch folder"
+        in found
+    )
+    assert (
+        "manifest.toml, files[1] '/abs/x.png': path is an absolute path; name files relative to the batch folder"
+        in found
+    )
+    assert (
+        "manifest.toml, files[1] '/abs/x.png': size: Input should be greater than or equal to 0 (got -1)"
+        in found
+    )
+    assert (
+        "manifest.toml, files[2] 'results/old.png': path is inside 'results/', which watchd writes"
+        in found
+    )
+    assert any(
+        f.startswith("manifest.toml, files[3] 'a.png': sha256: must be 64 hexadecimal digits")
+        for f in found
+    )
+    assert "manifest.toml, files[4] 'a.png': is listed twice (also files[3])" in found
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (b"", "manifest.toml: is empty"),
+        (b"  \n", "manifest.toml: is empty"),
+        (b"\xff\xfekind", "manifest.toml: is not UTF-8 text (byte 0xff at offset 0)"),
+        (b"watchd = [", "manifest.toml: not valid TOML"),
+        (b"# just a comment\n", "manifest.toml: is empty"),
+    ],
+)
+def test_unreadable_manifests_get_one_clear_problem(data: bytes, expected: str) -> None:
+    assert problems_of(data)[0].startswith(expected)
+
+
+def test_a_huge_manifest_is_refused_before_parsing() -> None:
+    found = problems_of_limit(b"x" * 2048, 1024)
+    assert found == [
+        "manifest.toml: is 2 048 bytes, more than the 1 024 allowed — "
+        "list the inputs with [[patterns]] instead of one [[files]] entry each"
+    ]
+
+
+def problems_of_limit(data: bytes, limit: int) -> list[str]:
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(data, max_bytes=limit)
+    return [p.render() for p in info.value.problems]
+
+
+def test_parameters_are_bounded_and_unknown_ones_listed() -> None:
+    found = problems_of(doc(params={"threshold": 2.0, "treshold": 0.1}))
+    assert "manifest.toml, params.threshold: Input should be less than 1 (got 2.0)" in found
+    assert (
+        "manifest.toml, params.treshold: unknown key 'treshold' (valid keys: min_object_area, threshold)"
+        in found
+    )
+
+
+def test_a_manifest_without_inputs_or_owner_is_refused() -> None:
+    found = problems_of(doc(files=[], owner=None))
+    assert any(f.startswith("manifest.toml, owner: required key is missing") for f in found)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "../x.png",
+        "a/../../x.png",
+        "/etc/passwd",
+        "C:/x.png",
+        "a\\b.png",
+        "results/x.png",
+        "manifest.toml",
+        "watchd-status.txt",
+        "a\x00b",
+        ".",
+        "dir/",
+    ],
+)
+def test_paths_that_could_leave_the_folder_or_touch_watchd_files_are_refused(path: str) -> None:
+    assert check_relative_path(path) is not None
+
+
+@pytest.mark.parametrize("path", ["a.png", "images/sub dir/ä 'q'.tif", "./a.png", "a/./b.png"])
+def test_ordinary_relative_paths_are_accepted(path: str) -> None:
+    assert check_relative_path(path) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400))
+def test_arbitrary_bytes_never_crash_the_parser(data: bytes) -> None:
+    try:
+        parse_manifest(data)
+    except ManifestError as exc:
+        assert exc.problems and all(p.message for p in exc.problems)
+
+
+toml_scalars = st.one_of(
+    st.integers(-10, 10**6), st.floats(allow_nan=False), st.text(max_size=20), st.booleans()
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(["watchd", "kind", "title", "owner", "model", "params", "files", "x"]),
+        st.one_of(
+            toml_scalars,
+            st.dictionaries(st.text(max_size=8), toml_scalars, max_size=3),
+            st.lists(
+                st.dictionaries(
+                    st.sampled_from(["path", "size", "sha256", "role"]), toml_scalars, max_size=4
+                ),
+                max_size=3,
+            ),
+        ),
+    )
+)
+def test_arbitrary_documents_are_either_valid_or_refused_with_problems(document: dict) -> None:
+    data = tomli_w.dumps(document).encode()
+    try:
+        manifest = parse_manifest(data)
+    except ManifestError as exc:
+        assert exc.problems
+        return
+    for f in manifest.files:  # anything accepted is safe to join to the batch folder
+        assert check_relative_path(f.path) is None
+
+
+segments = st.text(alphabet=st.characters(blacklist_characters="/\\\x00"), min_size=1, max_size=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(segments, st.just(".."), st.just(".")), min_size=1, max_size=6))
+def test_no_accepted_path_climbs_out_of_the_folder(parts: list[str]) -> None:
+    import posixpath
+
+    path = "/".join(parts)
+    if check_relative_path(path) is None:
+        normal = posixpath.normpath(path)
+        assert not normal.startswith("..") and not posixpath.isabs(normal)
+        assert ".." not in normal.split("/")
+
+
+def test_pairing_lists_images_without_masks() -> None:
+    found = pairing_problems(
+        [InputFile("i/a.png", 1), InputFile("m/a.tif", 1, role="mask"), InputFile("i/b.png", 1)]
+    )
+    assert [p.render() for p in found] == [
+        "manifest.toml, image 'i/b.png': has no mask with the same file name"
+    ]
+
+
+REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("name", ["inference.toml", "training.toml", "inference-patterns.toml"])
+def test_the_documented_examples_are_valid(name: str) -> None:
+    parse_manifest((REPO / "docs" / "examples" / name).read_bytes())
+
+
+def test_the_published_schema_matches_the_parser() -> None:
+    import json
+
+    from daemon.manifest import ManifestModel
+
+    published = json.loads((REPO / "docs" / "manifest.schema.json").read_text())
+    assert published == ManifestModel.model_json_schema()

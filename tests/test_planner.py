@@ -1,0 +1,251 @@
+"""The planner, as a pure function: snapshots in, actions out."""
+
+from __future__ import annotations
+
+import tomli_w
+
+from daemon.executors import Phase
+from daemon.jobspec import ErrorKind, InputFile, JobError, JobResult, Pipeline, Problem
+from daemon.manifest import parse_manifest
+from daemon.planner import (
+    BatchView,
+    Cancel,
+    JobSeen,
+    MoveBatch,
+    MoveJob,
+    PlanJobs,
+    Policy,
+    ResolveIntent,
+    Snapshot,
+    Submit,
+    plan,
+)  # fmt: skip
+from daemon.readiness import NotReady, Ready
+from daemon.states import BatchState, JobState
+from daemon.store import Batch, Intent, Job
+
+POLICY = Policy(shard_size=2, max_attempts=3, executor="local")
+
+
+def manifest(kind: str = "inference"):
+    files = [{"path": f"i/{n}.png", "size": 1} for n in range(5)]
+    if kind == "training":
+        files += [{"path": f"m/{n}.png", "size": 1, "role": "mask"} for n in range(5)]
+    doc = {
+        "watchd": 1,
+        "kind": kind,
+        "owner": {"name": "A"},
+        "model": {"name": "m"},
+        "files": files,
+    }
+    return parse_manifest(tomli_w.dumps(doc).encode())
+
+
+def batch(id: int = 1, state: BatchState = BatchState.WAITING, kind: str = "inference") -> Batch:
+    return Batch(
+        id=id, root="/r", folder=f"f{id}", revision=1, manifest_sha256="sha", manifest_text="",
+        manifest_stat="", kind=kind, title="", owner="", contact=None, state=state, reason="",
+        problems=(), detail="", run_dir="/run", watch_inputs="", created_at=0.0, updated_at=0.0,
+        finished_at=None,
+    )  # fmt: skip
+
+
+def job(
+    id: int,
+    state: JobState,
+    *,
+    batch_id: int = 1,
+    pipeline: Pipeline = Pipeline.INFER,
+    attempts: int = 1,
+    handle: str | None = "h",
+    error_kind: str | None = None,
+) -> Job:
+    return Job(
+        id,
+        batch_id,
+        f"j{id}",
+        pipeline,
+        1 if pipeline is Pipeline.REPORT else 0,
+        0,
+        1,
+        state,
+        attempts,
+        "local",
+        handle,
+        None,
+        error_kind,
+        "",
+        0.0,
+        0.0,
+        None,
+        None,
+    )
+
+
+def snap(
+    *views: BatchView, seen=(), intents=(), free: int | None = 2, submitting: bool = True
+) -> Snapshot:
+    return Snapshot(
+        10.0, tuple(views), {s.job_id: s for s in seen}, tuple(intents), free, POLICY, submitting
+    )
+
+
+def ok() -> JobResult:
+    return JobResult(True, "infer", "now")
+
+
+def test_a_ready_inference_batch_is_queued_as_shards() -> None:
+    m = manifest()
+    actions = plan(snap(BatchView(batch(), m, (), Ready(m.files))))
+    assert actions[0] == MoveBatch(1, BatchState.QUEUED, "inputs complete")
+    planned = actions[1]
+    assert isinstance(planned, PlanJobs)
+    assert [j.name for j in planned.jobs] == [
+        "b000001-infer-0000",
+        "b000001-infer-0001",
+        "b000001-infer-0002",
+    ]
+    assert [len(j.inputs) for j in planned.jobs] == [2, 2, 1]
+    assert {j.shard_count for j in planned.jobs} == {3}
+
+
+def test_a_training_batch_is_one_job_with_images_and_masks() -> None:
+    m = manifest("training")
+    actions = plan(snap(BatchView(batch(kind="training"), m, (), Ready(m.files))))
+    (train,) = actions[1].jobs
+    assert train.pipeline is Pipeline.TRAIN and len(train.inputs) == 10
+
+
+def test_inputs_that_cannot_become_ready_fail_the_batch_with_the_problems() -> None:
+    problem = Problem("manifest.toml, files[0]", "'a' is missing", "not copied yet?")
+    actions = plan(
+        snap(
+            BatchView(batch(), manifest(), (), NotReady((problem,), "inputs incomplete after 1 h"))
+        )
+    )
+    assert actions == [MoveBatch(1, BatchState.FAILED, "inputs incomplete after 1 h", (problem,))]
+
+
+def test_pending_jobs_go_out_within_the_free_slots_oldest_batch_first() -> None:
+    first = BatchView(
+        batch(1, BatchState.QUEUED),
+        manifest(),
+        (job(1, JobState.PENDING, attempts=0), job(2, JobState.PENDING, attempts=0)),
+    )
+    second = BatchView(
+        batch(2, BatchState.QUEUED), manifest(), (job(3, JobState.PENDING, batch_id=2, attempts=0),)
+    )
+    actions = plan(snap(first, second, free=2))
+    assert actions == [MoveBatch(1, BatchState.RUNNING, "jobs submitted"), Submit((1, 2))]
+    assert plan(snap(first, second, free=0)) == []
+    assert plan(snap(first, second, free=None))[-1] == Submit((1, 2, 3))
+    assert plan(snap(first, second, submitting=False)) == []
+
+
+def test_a_finished_shard_succeeds_and_the_report_follows_the_last_one() -> None:
+    view = BatchView(
+        batch(1, BatchState.RUNNING),
+        manifest(),
+        (job(1, JobState.RUNNING), job(2, JobState.SUCCEEDED)),
+    )
+    actions = plan(snap(view, seen=[JobSeen(1, Phase.ENDED, 0, ok())]))
+    assert actions[0] == MoveJob(1, JobState.SUCCEEDED, "finished", 0)
+    assert isinstance(actions[1], PlanJobs) and actions[1].jobs[0].pipeline is Pipeline.REPORT
+
+
+def test_the_batch_is_done_when_its_report_succeeded() -> None:
+    jobs = (job(1, JobState.SUCCEEDED), job(2, JobState.SUCCEEDED, pipeline=Pipeline.REPORT))
+    assert plan(snap(BatchView(batch(1, BatchState.RUNNING), manifest(), jobs))) == [
+        MoveBatch(1, BatchState.DONE, "all jobs succeeded")
+    ]
+
+
+def test_a_job_that_ended_without_a_result_is_retried_until_the_attempts_run_out() -> None:
+    view = BatchView(
+        batch(1, BatchState.RUNNING), manifest(), (job(1, JobState.RUNNING, attempts=1),)
+    )
+    actions = plan(snap(view, seen=[JobSeen(1, Phase.ENDED, -9)]))
+    assert actions[:2] == [
+        MoveJob(1, JobState.FAILED, "ended without a result (exit code -9)", -9, "lost"),
+        MoveJob(1, JobState.PENDING, "retry 2 of 3"),
+    ]
+    assert isinstance(actions[-1], Submit)
+    last = BatchView(
+        batch(1, BatchState.RUNNING),
+        manifest(),
+        (job(1, JobState.RUNNING, attempts=3), job(2, JobState.RUNNING)),
+    )
+    actions = plan(snap(last, seen=[JobSeen(1, Phase.UNKNOWN)]))
+    assert Cancel((2,), "batch failed") in actions
+    failure = actions[-1]
+    assert failure.target is BatchState.FAILED
+    assert failure.reason == "job j1 failed after 3 attempt(s): it ended without a result"
+
+
+def test_an_input_error_is_not_retried_and_its_problems_reach_the_batch() -> None:
+    problem = Problem(
+        "manifest.toml, files[2] 'i/2.png'", "sha256 is 00…, expected 11…", "copy it again"
+    )
+    bad = JobResult(
+        False, "infer", "now", error=JobError(ErrorKind.INPUT, "1 input refused", (problem,))
+    )
+    view = BatchView(batch(1, BatchState.RUNNING), manifest(), (job(1, JobState.RUNNING),))
+    actions = plan(snap(view, seen=[JobSeen(1, Phase.ENDED, 2, bad)]))
+    assert actions[0].target is JobState.FAILED and actions[0].error_kind == "input"
+    assert actions[-1] == MoveBatch(
+        1, BatchState.FAILED, "job j1 failed: 1 input refused", (problem,), ""
+    )
+
+
+def test_a_cancel_intent_stops_live_and_pending_jobs() -> None:
+    view = BatchView(
+        batch(1, BatchState.RUNNING),
+        manifest(),
+        (job(1, JobState.RUNNING), job(2, JobState.PENDING), job(3, JobState.SUCCEEDED)),
+    )
+    intent = Intent(7, 0.0, "cancel", 1, "ops", None, "")
+    assert plan(snap(view, intents=[intent])) == [
+        Cancel((1, 2), "cancelled by ops"),
+        MoveBatch(1, BatchState.CANCELLED, "cancelled by ops"),
+        ResolveIntent(7, "cancelled"),
+    ]
+    done = BatchView(batch(1, BatchState.DONE), manifest(), ())
+    assert plan(snap(done, intents=[intent])) == [
+        ResolveIntent(7, "nothing to cancel: the batch is done")
+    ]
+
+
+def test_a_retried_batch_waits_again_then_reruns_only_failed_jobs_with_fresh_attempts() -> None:
+    failed = BatchView(
+        batch(1, BatchState.FAILED),
+        manifest(),
+        (job(1, JobState.SUCCEEDED), job(2, JobState.FAILED, attempts=3)),
+    )
+    intent = Intent(1, 0.0, "retry", 1, "ops", None, "")
+    assert plan(snap(failed, intents=[intent]))[0] == MoveBatch(
+        1, BatchState.WAITING, "retry asked by ops"
+    )
+    m = manifest()
+    again = BatchView(batch(1, BatchState.WAITING), m, failed.jobs, Ready(m.files))
+    assert plan(snap(again)) == [
+        MoveBatch(1, BatchState.QUEUED, "inputs complete"),
+        MoveJob(2, JobState.PENDING, "retry asked by operator", fresh=True),
+    ]
+
+
+def test_a_running_job_is_marked_started_once() -> None:
+    view = BatchView(
+        batch(1, BatchState.RUNNING),
+        manifest(),
+        (job(1, JobState.SUBMITTED), job(2, JobState.RUNNING)),
+    )
+    seen = [JobSeen(1, Phase.RUNNING), JobSeen(2, Phase.RUNNING)]
+    assert plan(snap(view, seen=seen)) == [MoveJob(1, JobState.RUNNING, "started")]
+
+
+def test_inputs_of_a_shard_are_the_images_only() -> None:
+    m = manifest()
+    actions = plan(
+        snap(BatchView(batch(), m, (), Ready((*m.files, InputFile("x/mask.png", 1, role="mask")))))
+    )
+    assert all(f.role == "image" for j in actions[1].jobs for f in j.inputs)
