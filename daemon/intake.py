@@ -24,8 +24,9 @@ import structlog
 from daemon.errors import ManifestError
 from daemon.jobspec import Problem
 from daemon.manifest import MANIFEST_NAME, RESULTS_DIR, Manifest, manifest_sha256, parse_manifest
+from daemon.records import Batch, NewBatch
 from daemon.states import BatchState
-from daemon.store import Batch, NewBatch, Store
+from daemon.store import Store
 from daemon.watcher import stat_signature
 
 log = structlog.get_logger("watchd.intake")

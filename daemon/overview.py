@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from daemon.records import Batch, Event, Heartbeat, Job
 from daemon.states import BatchState, JobState
-from daemon.store import Batch, Event, Heartbeat, Job
 
 
 def liveness(

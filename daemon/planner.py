@@ -24,8 +24,8 @@ from daemon.jobspec import (
 )
 from daemon.manifest import Kind, Manifest, Role
 from daemon.readiness import NotReady, Ready, Verdict
+from daemon.records import Batch, Intent, Job, NewJob
 from daemon.states import BatchState, JobState
-from daemon.store import Batch, Intent, Job, NewJob
 
 LOST = "lost"  # error kind of a job that ended without writing its result
 

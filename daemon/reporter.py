@@ -12,11 +12,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
 from daemon import atomicfile
+from daemon.intake import inside_root
 from daemon.jobspec import Problem
 from daemon.manifest import MANIFEST_NAME, STATUS_NAME
+from daemon.readiness import Timing
+from daemon.records import Batch, Event, Job
 from daemon.states import BatchState, JobState
-from daemon.store import Batch, Event, Job
+from daemon.store import Store
+
+log = structlog.get_logger("watchd.reporter")
 
 HEADLINES = {
     BatchState.WAITING: "WAITING for the inputs to be complete",
@@ -128,3 +135,22 @@ def _time(at: float) -> str:
 def write(folder: Path, text: str) -> None:
     """Replace the folder's status file; raises OSError when the folder cannot be written."""
     atomicfile.write_text(folder / STATUS_NAME, text, fsync=False)
+
+
+def publish(
+    store: Store, batch_id: int, waiting: tuple[Problem, ...], timing: Timing, now: float
+) -> None:
+    """Write a batch's status file, if it is its folder's newest revision and the folder is a
+    real folder inside its drop root (never through a link to elsewhere)."""
+    batch = store.batch(batch_id)
+    latest = store.latest_revision(batch.root, batch.folder)
+    if latest is None or latest.id != batch.id or not inside_root(Path(batch.root), batch.folder):
+        return
+    status = StatusInput(
+        batch, tuple(store.jobs([batch.id])), waiting, tuple(store.events(batch.id, limit=30)),
+        timing.settle_seconds, timing.timeout_seconds,
+    )  # fmt: skip
+    try:
+        write(batch.path, render(status, now))
+    except OSError as exc:
+        log.warning("cannot write status file", batch_id=batch.id, error=str(exc))

@@ -24,19 +24,19 @@ from pathlib import Path
 
 import structlog
 
-from daemon import atomicfile, inputs, readiness, reporter
+from daemon import inputs, readiness, reporter
 from daemon.config import Config
-from daemon.errors import ExecutorUnavailable, ManifestError, SubmissionError
-from daemon.executors import Executor, Phase, Submission
-from daemon.intake import Deferred, Intake, inside_root
-from daemon.jobspec import RESULT_FILE, SPEC_FILE, JobResult, JobSpec, Problem
+from daemon.dispatch import Dispatcher
+from daemon.errors import ManifestError
+from daemon.executors import Executor
+from daemon.intake import Deferred, Intake
+from daemon.jobspec import Problem
 from daemon.manifest import Manifest, parse_manifest
 from daemon.notify import Notifier
 from daemon.planner import (
     Action,
     BatchView,
     Cancel,
-    JobSeen,
     MoveBatch,
     MoveJob,
     PlanJobs,
@@ -44,11 +44,11 @@ from daemon.planner import (
     ResolveIntent,
     Snapshot,
     Submit,
-    job_spec,
     plan,
 )
+from daemon.records import Batch, Heartbeat, Job, JobChange
 from daemon.states import BatchState, JobState
-from daemon.store import Batch, Heartbeat, Job, JobChange, Store
+from daemon.store import Store
 from daemon.watcher import FolderTouched, RootLost, Watcher, WatchEvent, scan_root
 
 log = structlog.get_logger("watchd")
@@ -77,6 +77,9 @@ class Service:
         self.clock = clock
         self.notifier = notifier or Notifier(None)
         self.store = Store.open(config.daemon.database)
+        self.dispatch = Dispatcher(
+            self.store, executor, str(config.registry.path), config.executor.local.cpus_per_job
+        )
         self.events: queue.Queue[WatchEvent] = queue.Queue()
         self.watcher = Watcher(config.roots, self.events)
         self.intake = Intake(
@@ -271,7 +274,7 @@ class Service:
         slots = self.executor.slots()
         free = None if slots is None else slots - len(live)
         return Snapshot(
-            now, views, self._observe_jobs(live), intents, free, self.policy, self._submitting
+            now, views, self.dispatch.observe(live), intents, free, self.policy, self._submitting
         )
 
     def _manifest(self, batch: Batch) -> Manifest | None:
@@ -309,27 +312,6 @@ class Service:
         self._next_check[batch.id] = now + min(self.config.daemon.rescan_seconds, 60.0)
         seen = inputs.observe(batch.path, manifest)
         return seen.folder_ok and readiness.fingerprint(seen) != batch.watch_inputs
-
-    def _observe_jobs(self, live: list[Job]) -> dict[int, JobSeen]:
-        handles = {j.handle: j for j in live if j.handle}
-        if not handles:
-            return {}
-        try:
-            statuses = self.executor.poll(list(handles))
-        except ExecutorUnavailable as exc:
-            log.warning("executor unavailable", error=str(exc))
-            return {}
-        seen = {}
-        for handle, status in statuses.items():
-            job = handles[handle]
-            result = None
-            if status.phase in (Phase.ENDED, Phase.UNKNOWN):
-                result = _read_result(self._job_dir(job))
-            seen[job.id] = JobSeen(job.id, status.phase, status.exit_code, result)
-        return seen
-
-    def _job_dir(self, job: Job) -> Path:
-        return Path(self.store.batch(job.batch_id).run_dir) / "jobs" / job.name
 
     # -- acting ------------------------------------------------------------------------------
 
@@ -407,72 +389,17 @@ class Service:
             log.exception("cannot mark batch failed", batch_id=batch_id)
 
     def _submit(self, job_ids: Iterable[int], now: float) -> None:
-        ready: list[tuple[int, Submission]] = []
+        work = []
         for job_id in job_ids:
             job = self.store.job(job_id)
             batch = self.store.batch(job.batch_id)
             manifest = self._manifest(batch)
-            if manifest is None:
-                continue
-            spec = job_spec(
-                job,
-                batch,
-                manifest,
-                self.store.job_inputs(job.id),
-                str(self.config.registry.path),
-                self.config.executor.local.cpus_per_job,
-            )
-            try:
-                finished = _prepare_job_dir(spec)
-            except OSError as exc:
-                self._unwritable(batch, exc, now)
-                continue
-            if finished:  # this attempt ran to its end before a crash: record, do not re-run
-                self.store.transition_job(
-                    job.id,
-                    JobState.SUBMITTED,
-                    "found finished",
-                    now,
-                    JobChange(handle="finished", new_attempt=True),
-                )
-                continue
-            ready.append(
-                (
-                    job.id,
-                    Submission(
-                        job.id,
-                        job.name,
-                        spec.pipeline.module,
-                        spec.job_dir,
-                        spec.resources.cpus,
-                        spec.resources.gpus,
-                    ),
-                )
-            )
-        if not ready:
-            return
-        try:
-            handles = self.executor.submit([s for _, s in ready])
-        except (SubmissionError, ExecutorUnavailable) as exc:
-            log.warning("submission failed; retried next tick", error=str(exc), jobs=len(ready))
-            return
-        for (job_id, sub), handle in zip(ready, handles, strict=True):
-            job = self.store.transition_job(
-                job_id,
-                JobState.SUBMITTED,
-                "submitted",
-                now,
-                JobChange(handle=handle, new_attempt=True),
-            )
-            log.info(
-                "job submitted",
-                batch_id=job.batch_id,
-                job_id=job_id,
-                job=sub.name,
-                handle=handle,
-                attempt=job.attempts,
-            )
-            self._dirty.add(job.batch_id)
+            if manifest is not None:
+                work.append((job, batch, manifest))
+        outcome = self.dispatch.submit(work, now)
+        self._dirty.update(j.batch_id for j in outcome.submitted)
+        for batch, exc in outcome.unwritable:
+            self._unwritable(batch, exc, now)
 
     def _unwritable(self, batch: Batch, exc: OSError, now: float) -> None:
         problem = Problem(
@@ -480,52 +407,27 @@ class Service:
             f"cannot be written: {exc.strerror or exc}",
             "make the batch folder writable for the watchd service, then ask for a retry",
         )
-        if not batch.state.terminal:
+        if not self.store.batch(batch.id).state.terminal:
             jobs = [j.id for j in self.store.jobs([batch.id]) if not j.state.terminal]
             self._cancel(Cancel(tuple(jobs), "batch failed"), now)
-            self._move_batch(
-                MoveBatch(batch.id, BatchState.FAILED, "results folder not writable", (problem,)),
-                now,
+            failed = MoveBatch(
+                batch.id, BatchState.FAILED, "results folder not writable", (problem,)
             )
+            self._move_batch(failed, now)
 
     def _cancel(self, action: Cancel, now: float) -> None:
-        jobs = [self.store.job(i) for i in action.job_ids]
-        handles = [j.handle for j in jobs if j.state.live and j.handle]
-        if handles:
-            try:
-                self.executor.cancel(handles)
-            except ExecutorUnavailable as exc:
-                log.warning("cancel not delivered", error=str(exc), handles=handles)
-        for job in jobs:
-            if not job.state.terminal:
-                self.store.transition_job(job.id, JobState.CANCELLED, action.reason, now)
-                self._dirty.add(job.batch_id)
+        for job in self.dispatch.cancel(action.job_ids, action.reason, now):
+            log.info("job cancelled", batch_id=job.batch_id, job_id=job.id, reason=action.reason)
+            self._dirty.add(job.batch_id)
 
     # -- status files and heartbeat ------------------------------------------------------------
 
     def _write_statuses(self, now: float) -> None:
         dirty, self._dirty = self._dirty, set()
         for batch_id in dirty:
-            batch = self.store.batch(batch_id)
-            latest = self.store.latest_revision(batch.root, batch.folder)
-            if (
-                latest is None
-                or latest.id != batch.id
-                or not inside_root(Path(batch.root), batch.folder)
-            ):
-                continue
-            status = reporter.StatusInput(
-                batch,
-                tuple(self.store.jobs([batch.id])),
-                self._waiting.get(batch.id, ()),
-                tuple(self.store.events(batch.id, limit=30)),
-                self.timing.settle_seconds,
-                self.timing.timeout_seconds,
+            reporter.publish(
+                self.store, batch_id, self._waiting.get(batch_id, ()), self.timing, now
             )
-            try:
-                reporter.write(batch.path, reporter.render(status, now))
-            except OSError as exc:
-                log.warning("cannot write status file", batch_id=batch.id, error=str(exc))
 
     def _beat(self, now: float, *, force: bool = False, stopped: bool = False) -> None:
         if now < self._next_beat and not force:
@@ -555,37 +457,6 @@ class Service:
         counts = counts or {s.value: n for s, n in self.store.counts().items()}
         shown = ("waiting", "queued", "running", "failed", "done")
         return ", ".join(f"{counts.get(s, 0)} {s}" for s in shown)
-
-
-def _read_result(job_dir: Path) -> JobResult | None:
-    try:
-        return JobResult.from_json((job_dir / RESULT_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _prepare_job_dir(spec: JobSpec) -> bool:
-    """Write the spec for this attempt; True if this very attempt already finished.
-
-    A result newer than a spec of the same attempt means the job ran to its end and the daemon
-    died before recording it. Otherwise a stale result of an earlier attempt is removed first,
-    so a result found later always belongs to the attempt that was submitted.
-    """
-    job_dir = spec.job_dir
-    job_dir.mkdir(parents=True, exist_ok=True)
-    spec_path, result_path = job_dir / SPEC_FILE, job_dir / RESULT_FILE
-    try:
-        old = JobSpec.from_json(spec_path.read_text(encoding="utf-8"))
-        if (
-            old.attempt == spec.attempt
-            and result_path.stat().st_mtime_ns >= spec_path.stat().st_mtime_ns
-        ):
-            return True
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    result_path.unlink(missing_ok=True)
-    atomicfile.write_text(spec_path, spec.to_json())
-    return False
 
 
 def _batch_of(action: Action, store: Store) -> int | None:

@@ -12,7 +12,7 @@ import contextlib
 import json
 import sqlite3
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -20,213 +20,18 @@ import sqlite_utils
 
 from daemon.errors import IllegalTransition, NotFound
 from daemon.jobspec import InputFile, Pipeline, Problem
-from daemon.states import BatchState, JobState, batch_can_move, job_can_move
-
-MIGRATIONS: tuple[tuple[int, str], ...] = (
-    (
-        1,
-        """
-        CREATE TABLE batches (
-            id INTEGER PRIMARY KEY,
-            root TEXT NOT NULL,
-            folder TEXT NOT NULL,
-            revision INTEGER NOT NULL,
-            manifest_sha256 TEXT NOT NULL,
-            manifest_text TEXT NOT NULL,
-            manifest_stat TEXT NOT NULL DEFAULT '',
-            kind TEXT,
-            title TEXT NOT NULL DEFAULT '',
-            owner TEXT NOT NULL DEFAULT '',
-            contact TEXT,
-            state TEXT NOT NULL,
-            reason TEXT NOT NULL DEFAULT '',
-            problems TEXT NOT NULL DEFAULT '[]',
-            detail TEXT NOT NULL DEFAULT '',
-            run_dir TEXT NOT NULL,
-            watch_inputs TEXT NOT NULL DEFAULT '',
-            created_at REAL NOT NULL,
-            updated_at REAL NOT NULL,
-            finished_at REAL,
-            UNIQUE (root, folder, revision)
-        );
-        CREATE INDEX batches_state ON batches(state);
-        CREATE TABLE jobs (
-            id INTEGER PRIMARY KEY,
-            batch_id INTEGER NOT NULL REFERENCES batches(id),
-            name TEXT NOT NULL UNIQUE,
-            pipeline TEXT NOT NULL,
-            stage INTEGER NOT NULL,
-            shard_index INTEGER NOT NULL,
-            shard_count INTEGER NOT NULL,
-            inputs TEXT NOT NULL,
-            state TEXT NOT NULL,
-            attempts INTEGER NOT NULL DEFAULT 0,
-            executor TEXT NOT NULL,
-            handle TEXT,
-            exit_code INTEGER,
-            error_kind TEXT,
-            reason TEXT NOT NULL DEFAULT '',
-            created_at REAL NOT NULL,
-            updated_at REAL NOT NULL,
-            submitted_at REAL,
-            finished_at REAL
-        );
-        CREATE INDEX jobs_batch ON jobs(batch_id);
-        CREATE INDEX jobs_state ON jobs(state);
-        CREATE TABLE events (
-            id INTEGER PRIMARY KEY,
-            at REAL NOT NULL,
-            batch_id INTEGER,
-            job_id INTEGER,
-            from_state TEXT,
-            to_state TEXT,
-            reason TEXT NOT NULL DEFAULT '',
-            detail TEXT NOT NULL DEFAULT ''
-        );
-        CREATE INDEX events_batch ON events(batch_id);
-        CREATE TABLE intents (
-            id INTEGER PRIMARY KEY,
-            at REAL NOT NULL,
-            action TEXT NOT NULL,
-            batch_id INTEGER NOT NULL,
-            requested_by TEXT NOT NULL DEFAULT '',
-            applied_at REAL,
-            outcome TEXT NOT NULL DEFAULT ''
-        );
-        CREATE TABLE heartbeat (
-            id INTEGER PRIMARY KEY CHECK (id = 1),
-            pid INTEGER NOT NULL,
-            host TEXT NOT NULL,
-            version TEXT NOT NULL,
-            started_at REAL NOT NULL,
-            beat_at REAL NOT NULL,
-            stopped_at REAL,
-            info TEXT NOT NULL DEFAULT '{}'
-        );
-        """,
-    ),
+from daemon.migrations import MIGRATIONS
+from daemon.records import (
+    Batch,
+    Event,
+    Heartbeat,
+    Intent,
+    Job,
+    JobChange,
+    NewBatch,
+    NewJob,
 )
-
-
-@dataclass(frozen=True)
-class Batch:
-    id: int
-    root: str
-    folder: str
-    revision: int
-    manifest_sha256: str
-    manifest_text: str = field(repr=False)
-    manifest_stat: str
-    kind: str | None
-    title: str
-    owner: str
-    contact: str | None
-    state: BatchState
-    reason: str
-    problems: tuple[Problem, ...]
-    detail: str = field(repr=False)
-    run_dir: str
-    watch_inputs: str  # failed for incomplete inputs: their fingerprint then ('' otherwise)
-    created_at: float
-    updated_at: float
-    finished_at: float | None
-
-    @property
-    def path(self) -> Path:
-        return Path(self.root) / self.folder
-
-
-@dataclass(frozen=True)
-class NewBatch:
-    root: str
-    folder: str
-    manifest_sha256: str
-    manifest_text: str
-    manifest_stat: str
-    kind: str | None
-    title: str
-    owner: str
-    contact: str | None
-    run_dir: str
-
-
-@dataclass(frozen=True)
-class Job:
-    id: int
-    batch_id: int
-    name: str
-    pipeline: Pipeline
-    stage: int
-    shard_index: int
-    shard_count: int
-    state: JobState
-    attempts: int
-    executor: str
-    handle: str | None
-    exit_code: int | None
-    error_kind: str | None
-    reason: str
-    created_at: float
-    updated_at: float
-    submitted_at: float | None
-    finished_at: float | None
-
-
-@dataclass(frozen=True)
-class NewJob:
-    name: str
-    pipeline: Pipeline
-    stage: int
-    shard_index: int
-    shard_count: int
-    inputs: tuple[InputFile, ...]
-    executor: str
-    inherit_inputs: bool = False  # take the inputs of the batch's stage-0 jobs (the report)
-
-
-@dataclass(frozen=True)
-class Event:
-    id: int
-    at: float
-    batch_id: int | None
-    job_id: int | None
-    from_state: str | None
-    to_state: str | None
-    reason: str
-    detail: str
-
-
-@dataclass(frozen=True)
-class Intent:
-    id: int
-    at: float
-    action: str
-    batch_id: int
-    requested_by: str
-    applied_at: float | None
-    outcome: str
-
-
-@dataclass(frozen=True)
-class Heartbeat:
-    pid: int
-    host: str
-    version: str
-    started_at: float
-    beat_at: float
-    stopped_at: float | None
-    info: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class JobChange:
-    """Fields that change with a job's state; None means 'leave as it is'."""
-
-    handle: str | None = None
-    exit_code: int | None = None
-    error_kind: str | None = None
-    new_attempt: bool = False
-    reset_attempts: bool = False
+from daemon.states import BatchState, JobState, batch_can_move, job_can_move
 
 
 class Store:
@@ -502,10 +307,11 @@ class Store:
         target: JobState,
         reason: str,
         now: float,
-        change: JobChange = JobChange(),
+        change: JobChange | None = None,
         detail: str = "",
     ) -> Job:
         """Move a job to ``target`` with the fields that go with it, and append the event."""
+        change = change or JobChange()
         with self.atomic():
             current = self.job(job_id)
             if not job_can_move(current.state, target):

@@ -21,8 +21,8 @@ from daemon.planner import (
     plan,
 )  # fmt: skip
 from daemon.readiness import NotReady, Ready
+from daemon.records import Batch, Intent, Job
 from daemon.states import BatchState, JobState
-from daemon.store import Batch, Intent, Job
 
 POLICY = Policy(shard_size=2, max_attempts=3, executor="local")
 

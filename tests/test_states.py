@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from daemon.errors import IllegalTransition
 from daemon.jobspec import Pipeline
+from daemon.records import NewBatch, NewJob
 from daemon.states import (
     BATCH_TRANSITIONS,
     JOB_TRANSITIONS,
@@ -19,7 +20,7 @@ from daemon.states import (
     batch_can_move,
     job_can_move,
 )
-from daemon.store import NewBatch, NewJob, Store
+from daemon.store import Store
 
 
 def new_batch(folder: str = "b") -> NewBatch:

@@ -18,8 +18,9 @@ from replay import Replay, at, copy_slowly, write_atomically, write_in_halves, w
 
 from daemon.config import Config
 from daemon.manifest import STATUS_NAME
+from daemon.records import Batch
 from daemon.states import BatchState, JobState
-from daemon.store import Batch, Store
+from daemon.store import Store
 
 MODES = ["inotify", "polling"]
 

@@ -1,0 +1,161 @@
+"""Dispatch: hand jobs to the executor and read back what became of them.
+
+Submitting writes the attempt's spec into the job directory first, then asks the executor, then
+records SUBMITTED with the handle. A daemon that dies between a job's end and the recording of
+it finds the result at the next submission of that attempt and records it instead of running
+the job again. Polling asks the executor about every live job in one call and reads the result
+file of each job the executor says has ended (or has forgotten).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from daemon import atomicfile
+from daemon.errors import ExecutorUnavailable, SubmissionError
+from daemon.executors import Executor, Phase, Submission
+from daemon.jobspec import RESULT_FILE, SPEC_FILE, JobResult, JobSpec
+from daemon.manifest import Manifest
+from daemon.planner import JobSeen, job_spec
+from daemon.records import Batch, Job, JobChange
+from daemon.states import JobState
+from daemon.store import Store
+
+log = structlog.get_logger("watchd.dispatch")
+
+FINISHED_HANDLE = "finished"  # an attempt found finished before it was recorded as submitted
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a submission round did: jobs now submitted, batches whose folder refused a write."""
+
+    submitted: tuple[Job, ...] = ()
+    unwritable: tuple[tuple[Batch, OSError], ...] = ()
+
+
+class Dispatcher:
+    def __init__(self, store: Store, executor: Executor, registry_dir: str, cpus: int) -> None:
+        self.store = store
+        self.executor = executor
+        self.registry_dir = registry_dir
+        self.cpus = cpus
+
+    def observe(self, live: Sequence[Job]) -> dict[int, JobSeen]:
+        """One status query for every live job; the result file of each one that ended."""
+        handles = {j.handle: j for j in live if j.handle}
+        if not handles:
+            return {}
+        try:
+            statuses = self.executor.poll(list(handles))
+        except ExecutorUnavailable as exc:
+            log.warning("executor unavailable", error=str(exc))
+            return {}
+        seen = {}
+        for handle, status in statuses.items():
+            job = handles[handle]
+            result = None
+            if status.phase in (Phase.ENDED, Phase.UNKNOWN):
+                result = read_result(self.job_dir(job))
+            seen[job.id] = JobSeen(job.id, status.phase, status.exit_code, result)
+        return seen
+
+    def job_dir(self, job: Job) -> Path:
+        return Path(self.store.batch(job.batch_id).run_dir) / "jobs" / job.name
+
+    def submit(self, work: Sequence[tuple[Job, Batch, Manifest]], now: float) -> Outcome:
+        """Write each job's spec and hand the jobs to the executor in one call."""
+        ready: list[tuple[Job, Submission]] = []
+        done: list[Job] = []
+        unwritable: list[tuple[Batch, OSError]] = []
+        for job, batch, manifest in work:
+            spec = job_spec(
+                job, batch, manifest, self.store.job_inputs(job.id), self.registry_dir, self.cpus
+            )
+            try:
+                finished = prepare_job_dir(spec)
+            except OSError as exc:
+                unwritable.append((batch, exc))
+                continue
+            if finished:
+                change = JobChange(handle=FINISHED_HANDLE, new_attempt=True)
+                done.append(
+                    self.store.transition_job(
+                        job.id, JobState.SUBMITTED, "found finished", now, change
+                    )
+                )
+                continue
+            ready.append((job, _submission(spec)))
+        if ready:
+            done += self._hand_over(ready, now)
+        return Outcome(tuple(done), tuple(unwritable))
+
+    def _hand_over(self, ready: Sequence[tuple[Job, Submission]], now: float) -> list[Job]:
+        try:
+            handles = self.executor.submit([s for _, s in ready])
+        except (SubmissionError, ExecutorUnavailable) as exc:
+            log.warning("submission failed; retried next tick", error=str(exc), jobs=len(ready))
+            return []
+        submitted = []
+        for (job, sub), handle in zip(ready, handles, strict=True):
+            change = JobChange(handle=handle, new_attempt=True)
+            moved = self.store.transition_job(job.id, JobState.SUBMITTED, "submitted", now, change)
+            log.info("job submitted", batch_id=job.batch_id, job_id=job.id, job=sub.name,
+                     handle=handle, attempt=moved.attempts)  # fmt: skip
+            submitted.append(moved)
+        return submitted
+
+    def cancel(self, job_ids: Sequence[int], reason: str, now: float) -> list[Job]:
+        """Stop the live ones at the executor; mark every one not yet ended as cancelled."""
+        jobs = [self.store.job(i) for i in job_ids]
+        handles = [j.handle for j in jobs if j.state.live and j.handle]
+        if handles:
+            try:
+                self.executor.cancel(handles)
+            except ExecutorUnavailable as exc:
+                log.warning("cancel not delivered", error=str(exc), handles=handles)
+        return [
+            self.store.transition_job(j.id, JobState.CANCELLED, reason, now)
+            for j in jobs
+            if not j.state.terminal
+        ]
+
+
+def _submission(spec: JobSpec) -> Submission:
+    return Submission(
+        spec.job_id, spec.job_name, spec.pipeline.module, spec.job_dir,
+        spec.resources.cpus, spec.resources.gpus,
+    )  # fmt: skip
+
+
+def read_result(job_dir: Path) -> JobResult | None:
+    try:
+        return JobResult.from_json((job_dir / RESULT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def prepare_job_dir(spec: JobSpec) -> bool:
+    """Write the spec for this attempt; True if this very attempt already finished.
+
+    A result newer than a spec of the same attempt means the job ran to its end and the daemon
+    died before recording it. Otherwise a stale result of an earlier attempt is removed first,
+    so a result found later always belongs to the attempt that was submitted.
+    """
+    job_dir = spec.job_dir
+    job_dir.mkdir(parents=True, exist_ok=True)
+    spec_path, result_path = job_dir / SPEC_FILE, job_dir / RESULT_FILE
+    try:
+        old = JobSpec.from_json(spec_path.read_text(encoding="utf-8"))
+        newer = result_path.stat().st_mtime_ns >= spec_path.stat().st_mtime_ns
+        if old.attempt == spec.attempt and newer:
+            return True
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    result_path.unlink(missing_ok=True)
+    atomicfile.write_text(spec_path, spec.to_json())
+    return False

@@ -1,0 +1,132 @@
+"""The records of watchd: batches, jobs, events, intents, the heartbeat. Frozen values, as
+the store returns them; nothing here touches the database."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from daemon.jobspec import InputFile, Pipeline, Problem
+from daemon.states import BatchState, JobState
+
+
+@dataclass(frozen=True)
+class Batch:
+    id: int
+    root: str
+    folder: str
+    revision: int
+    manifest_sha256: str
+    manifest_text: str = field(repr=False)
+    manifest_stat: str
+    kind: str | None
+    title: str
+    owner: str
+    contact: str | None
+    state: BatchState
+    reason: str
+    problems: tuple[Problem, ...]
+    detail: str = field(repr=False)
+    run_dir: str
+    watch_inputs: str  # failed for incomplete inputs: their fingerprint then ('' otherwise)
+    created_at: float
+    updated_at: float
+    finished_at: float | None
+
+    @property
+    def path(self) -> Path:
+        return Path(self.root) / self.folder
+
+
+@dataclass(frozen=True)
+class NewBatch:
+    root: str
+    folder: str
+    manifest_sha256: str
+    manifest_text: str
+    manifest_stat: str
+    kind: str | None
+    title: str
+    owner: str
+    contact: str | None
+    run_dir: str
+
+
+@dataclass(frozen=True)
+class Job:
+    id: int
+    batch_id: int
+    name: str
+    pipeline: Pipeline
+    stage: int
+    shard_index: int
+    shard_count: int
+    state: JobState
+    attempts: int
+    executor: str
+    handle: str | None
+    exit_code: int | None
+    error_kind: str | None
+    reason: str
+    created_at: float
+    updated_at: float
+    submitted_at: float | None
+    finished_at: float | None
+
+
+@dataclass(frozen=True)
+class NewJob:
+    name: str
+    pipeline: Pipeline
+    stage: int
+    shard_index: int
+    shard_count: int
+    inputs: tuple[InputFile, ...]
+    executor: str
+    inherit_inputs: bool = False  # take the inputs of the batch's stage-0 jobs (the report)
+
+
+@dataclass(frozen=True)
+class Event:
+    id: int
+    at: float
+    batch_id: int | None
+    job_id: int | None
+    from_state: str | None
+    to_state: str | None
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Intent:
+    id: int
+    at: float
+    action: str
+    batch_id: int
+    requested_by: str
+    applied_at: float | None
+    outcome: str
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    pid: int
+    host: str
+    version: str
+    started_at: float
+    beat_at: float
+    stopped_at: float | None
+    info: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class JobChange:
+    """Fields that change with a job's state; None means 'leave as it is'."""
+
+    handle: str | None = None
+    exit_code: int | None = None
+    error_kind: str | None = None
+    new_attempt: bool = False
+    reset_attempts: bool = False
