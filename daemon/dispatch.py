@@ -126,9 +126,10 @@ class Dispatcher:
 
 
 def _submission(spec: JobSpec) -> Submission:
+    group = f"b{spec.batch_id:06d}-{spec.pipeline.value}"
     return Submission(
         spec.job_id, spec.job_name, spec.pipeline.module, spec.job_dir,
-        spec.resources.cpus, spec.resources.gpus,
+        spec.resources.cpus, spec.resources.gpus, group=group,
     )  # fmt: skip
 
 

@@ -28,6 +28,9 @@ class Phase(enum.Enum):
 
 @dataclass(frozen=True)
 class Submission:
+    """One job to start. Jobs of one submit call that share a ``group`` (the shards of one
+    batch's stage) may go out together, e.g. as one Slurm job array."""
+
     job_id: int
     name: str
     module: str  # e.g. "pipelines.infer"
@@ -35,6 +38,7 @@ class Submission:
     cpus: int = 1
     gpus: int = 0
     env: Mapping[str, str] = field(default_factory=dict)
+    group: str = ""
 
 
 @dataclass(frozen=True)
