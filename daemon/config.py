@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -69,9 +70,65 @@ class LocalExecutorSection(_Section):
     python: str = ""  # interpreter that runs the pipelines; empty: the daemon's own
 
 
+Minutes = Annotated[int, Field(ge=1, le=365 * 24 * 60)]
+MegaBytes = Annotated[int, Field(ge=1, le=1 << 30)]
+Count = Annotated[int, Field(ge=0, le=1024)]
+
+
+class SlurmExecutorSection(_Section):
+    """Jobs go to Slurm: inference shards as one job array per batch, training as one job.
+
+    ``time_minutes``, ``memory_mb``, ``gpus`` and ``tasks`` are the defaults; a manifest's
+    ``[resources]`` table may ask for other values up to the ``max_*`` bounds (see
+    docs/slurm.md).
+    """
+
+    client: Literal["auto", "pyslurm", "cli"] = "auto"
+    slurm_conf: Path | None = None  # the cluster's slurm.conf; unset: SLURM_CONF or Slurm's own
+    python: str = ""  # interpreter on the compute nodes; empty: the daemon's own
+    partition: str = ""  # empty: the cluster's default partition
+    account: str = ""
+    constraint: str = ""  # Slurm --constraint (node features)
+    cpus_per_task: Annotated[int, Field(ge=1, le=256)] = 1
+    time_minutes: Minutes = 60
+    max_time_minutes: Minutes = 24 * 60
+    memory_mb: MegaBytes = 4096
+    max_memory_mb: MegaBytes = 64 * 1024
+    gpus: Count = 0  # GPUs of a training job (--gres=gpu:N)
+    max_gpus: Count = 8
+    tasks: Annotated[int, Field(ge=1, le=1024)] = 1  # tasks of a training job (srun, DDP)
+    max_tasks: Annotated[int, Field(ge=1, le=1024)] = 1
+    array_throttle: Annotated[int, Field(ge=0, le=100_000)] = 50  # %K; 0: no throttle
+    max_array_tasks: Annotated[int, Field(ge=1, le=1_000_000)] = 1000  # below MaxArraySize
+    poll_seconds: Seconds = 10.0  # at most one status query this often
+    command_timeout_seconds: Seconds = 60.0
+    retry_attempts: Annotated[int, Field(ge=1, le=10)] = 2  # tries of one call
+    retry_wait_seconds: Seconds = 1.0  # first pause after an unreachable controller; doubles
+    max_backoff_seconds: Seconds = 120.0  # the longest pause between tries
+
+    @pydantic.model_validator(mode="after")
+    def _defaults_within_bounds(self) -> SlurmExecutorSection:
+        pairs = [
+            ("time_minutes", self.time_minutes, self.max_time_minutes),
+            ("memory_mb", self.memory_mb, self.max_memory_mb),
+            ("gpus", self.gpus, self.max_gpus),
+            ("tasks", self.tasks, self.max_tasks),
+        ]
+        for name, value, bound in pairs:
+            if value > bound:
+                raise ValueError(f"{name} = {value} is above max_{name} = {bound}")
+        return self
+
+
 class ExecutorSection(_Section):
-    kind: Literal["local"] = "local"
+    kind: Literal["local", "slurm"] = "local"
     local: LocalExecutorSection = LocalExecutorSection()
+    slurm: SlurmExecutorSection = SlurmExecutorSection()
+
+    @property
+    def cpus_per_job(self) -> int:
+        """Threads each job may use, from the section of the executor in use."""
+        return self.slurm.cpus_per_task if self.kind == "slurm" else self.local.cpus_per_job
 
 
 class RegistrySection(_Section):
@@ -116,6 +173,16 @@ def parse_config(data: dict[str, object], *, source: Path) -> Config:
     return _resolved(config, source.parent)
 
 
+def _resolved_executor(
+    section: ExecutorSection, absolute: Callable[[Path], Path]
+) -> ExecutorSection:
+    conf = section.slurm.slurm_conf
+    if conf is None:
+        return section
+    slurm = section.slurm.model_copy(update={"slurm_conf": absolute(conf)})
+    return section.model_copy(update={"slurm": slurm})
+
+
 def _resolved(config: Config, base: Path) -> Config:
     def absolute(p: Path) -> Path:
         return p if p.is_absolute() else (base / p).resolve()
@@ -136,5 +203,6 @@ def _resolved(config: Config, base: Path) -> Config:
                 update={"state_dir": absolute(config.daemon.state_dir)}
             ),
             "registry": config.registry.model_copy(update={"path": absolute(config.registry.path)}),
+            "executor": _resolved_executor(config.executor, absolute),
         }
     )

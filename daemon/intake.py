@@ -15,7 +15,7 @@ import datetime as dt
 import hashlib
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,8 +49,12 @@ class Intake:
         max_manifest_bytes: int,
         settle_seconds: float,
         on_batch: Callable[[Batch], None],
+        limits: Callable[[Manifest], Sequence[Problem]] | None = None,
     ) -> None:
+        """``limits``: the site's rules beyond the manifest format (e.g. the cluster's bounds
+        on resources); a manifest that breaks one is refused like an invalid one."""
         self.store = store
+        self.limits = limits
         self.max_bytes = max_manifest_bytes
         self.settle = settle_seconds
         self.on_batch = on_batch
@@ -99,6 +103,9 @@ class Intake:
         try:
             manifest: Manifest | None = parse_manifest(data, max_bytes=self.max_bytes)
             problems: tuple[Problem, ...] = ()
+            if self.limits is not None and manifest is not None:
+                problems = tuple(self.limits(manifest))
+                manifest = None if problems else manifest
         except ManifestError as exc:
             if now - mtime < self.settle:
                 return Deferred(root, folder, mtime + self.settle)

@@ -111,6 +111,16 @@ class PatternEntry(_Strict):
     count: Annotated[int, Field(ge=1, le=MAX_INPUTS)] | None = None
 
 
+class ResourcesSection(_Strict):
+    """What a batch asks of the cluster, instead of the site's defaults. The site's bounds
+    (``executor.slurm.max_*`` in the daemon's config) are checked when the batch is taken in."""
+
+    time_minutes: Annotated[int, Field(ge=1, le=365 * 24 * 60)] | None = None
+    memory_mb: Annotated[int, Field(ge=1, le=1 << 30)] | None = None
+    gpus: Annotated[int, Field(ge=0, le=1024)] | None = None
+    tasks: Annotated[int, Field(ge=1, le=1024)] | None = None
+
+
 class ManifestModel(_Strict):
     """The manifest document as written (the JSON schema in docs/ is generated from this)."""
 
@@ -122,6 +132,17 @@ class ManifestModel(_Strict):
     params: dict[str, Any] = {}
     files: Annotated[list[FileEntry], Field(max_length=MAX_INPUTS)] = []
     patterns: Annotated[list[PatternEntry], Field(max_length=1000)] = []
+    resources: ResourcesSection = ResourcesSection()
+
+
+@dataclass(frozen=True)
+class ResourceRequest:
+    """A manifest's ``[resources]``: None where the site's default applies."""
+
+    time_minutes: int | None = None
+    memory_mb: int | None = None
+    gpus: int | None = None
+    tasks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -144,6 +165,7 @@ class Manifest:
     params: Mapping[str, Any]
     files: tuple[InputFile, ...]
     patterns: tuple[Pattern, ...] = ()
+    resources: ResourceRequest = ResourceRequest()
     raw: str = field(default="", repr=False, compare=False)
 
     @property
@@ -306,6 +328,14 @@ def _check_semantics(model: ManifestModel) -> list[Problem]:
     found.extend(_check_model(model))
     if model.kind is Kind.TRAINING and not model.patterns:
         found.extend(pairing_problems(_inputs(model)))
+    if model.kind is not Kind.TRAINING and model.resources.tasks not in (None, 1):
+        found.append(
+            Problem(
+                f"{MANIFEST_NAME}, resources.tasks",
+                "only a training batch runs several tasks (DDP)",
+                "remove it",
+            )
+        )
     return found
 
 
@@ -384,5 +414,6 @@ def _to_manifest(model: ManifestModel, params: dict[str, Any], sha: str, text: s
         patterns=tuple(
             Pattern(posixpath.normpath(p.glob), p.role.value, p.count) for p in model.patterns
         ),
+        resources=ResourceRequest(**model.resources.model_dump()),
         raw=text,
     )

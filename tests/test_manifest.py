@@ -92,7 +92,7 @@ def test_every_problem_is_reported_at_once_with_its_location() -> None:
         for f in found
     )
     assert any(
-        "unknown key 'colour' (valid keys: files, kind, model, owner, params, patterns, title, watchd)"
+        "unknown key 'colour' (valid keys: files, kind, model, owner, params, patterns, resources, title, watchd)"
         in f
         for f in found
     )
