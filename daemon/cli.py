@@ -14,6 +14,7 @@ import getpass
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -64,7 +65,9 @@ def run_command(config: ConfigOption = None) -> None:
 
     cfg = load_config(find_config(config))
     logs.configure(cfg.daemon.log_format, cfg.daemon.log_level)
-    service = Service(cfg, make_executor(cfg, os.environ), notifier=Notifier.from_environment())
+    stop = threading.Event()
+    executor = make_executor(cfg, os.environ, stop)
+    service = Service(cfg, executor, notifier=Notifier.from_environment(), stop=stop)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: service.request_stop())
     service.run()
@@ -206,6 +209,30 @@ def retry_command(batch_id: int, config: ConfigOption = None) -> None:
 def cancel_command(batch_id: int, config: ConfigOption = None) -> None:
     """Cancel a batch and its running jobs."""
     _intent("cancel", batch_id, config)
+
+
+# -- watchctl: doctor -------------------------------------------------------------------------
+
+
+@watchctl_app.command("doctor")
+def doctor_command(config: ConfigOption = None, as_json: JsonOption = False) -> None:
+    """Check that watchd can work here: the config, the executor (Slurm: reachable, client and
+    controller versions, partitions). Exit status 1 when a check failed."""
+    from dataclasses import asdict
+
+    from daemon import doctor
+
+    cfg = load_config(find_config(config))
+    found = doctor.checks(cfg, os.environ)
+    if as_json:
+        print(overview.to_json({"checks": [asdict(c) for c in found]}))
+    else:
+        for check in found:
+            mark = "[green]ok[/green]  " if check.ok else "[red]FAIL[/red]"
+            console.print(f"{mark} {check.name}: {check.detail}")
+    failed = [c.name for c in found if not c.ok]
+    if failed:
+        raise WatchdError(f"{len(failed)} check(s) failed: {', '.join(failed)}")
 
 
 # -- watchctl: manifest -----------------------------------------------------------------------

@@ -18,7 +18,7 @@ import structlog
 from daemon import atomicfile
 from daemon.errors import ExecutorUnavailable, SubmissionError
 from daemon.executors import Executor, Phase, Submission
-from daemon.jobspec import RESULT_FILE, SPEC_FILE, JobResult, JobSpec
+from daemon.jobspec import LOG_FILE, RESULT_FILE, SPEC_FILE, JobResult, JobSpec
 from daemon.manifest import Manifest
 from daemon.planner import JobSeen, job_spec
 from daemon.records import Batch, Job, JobChange
@@ -44,6 +44,13 @@ class Dispatcher:
         self.executor = executor
         self.registry_dir = registry_dir
         self.cpus = cpus
+        self._said: dict[str, str] = {}  # the last warning of each kind, not to repeat it
+
+    def _warn(self, event: str, exc: Exception, **fields: object) -> None:
+        """Log a warning once while it says the same thing (an outage lasts many ticks)."""
+        if self._said.get(event) != str(exc):
+            self._said[event] = str(exc)
+            log.warning(event, error=str(exc), **fields)
 
     def observe(self, live: Sequence[Job]) -> dict[int, JobSeen]:
         """One status query for every live job; the result file of each one that ended."""
@@ -53,15 +60,18 @@ class Dispatcher:
         try:
             statuses = self.executor.poll(list(handles))
         except ExecutorUnavailable as exc:
-            log.warning("executor unavailable", error=str(exc))
+            self._warn("executor unavailable", exc)
             return {}
+        self._said.pop("executor unavailable", None)
         seen = {}
         for handle, status in statuses.items():
             job = handles[handle]
-            result = None
+            result, note = None, ""
             if status.phase in (Phase.ENDED, Phase.UNKNOWN):
                 result = read_result(self.job_dir(job))
-            seen[job.id] = JobSeen(job.id, status.phase, status.exit_code, result)
+                if result is None:
+                    note = end_note(status.reason, self.job_dir(job) / LOG_FILE)
+            seen[job.id] = JobSeen(job.id, status.phase, status.exit_code, result, note)
         return seen
 
     def job_dir(self, job: Job) -> Path:
@@ -89,7 +99,7 @@ class Dispatcher:
                     )
                 )
                 continue
-            ready.append((job, _submission(spec)))
+            ready.append((job, _submission(spec, manifest)))
         if ready:
             done += self._hand_over(ready, now)
         return Outcome(tuple(done), tuple(unwritable))
@@ -98,8 +108,9 @@ class Dispatcher:
         try:
             handles = self.executor.submit([s for _, s in ready])
         except (SubmissionError, ExecutorUnavailable) as exc:
-            log.warning("submission failed; retried next tick", error=str(exc), jobs=len(ready))
+            self._warn("submission failed; retried next tick", exc, jobs=len(ready))
             return []
+        self._said.pop("submission failed; retried next tick", None)
         submitted = []
         for (job, sub), handle in zip(ready, handles, strict=True):
             change = JobChange(handle=handle, new_attempt=True)
@@ -125,12 +136,29 @@ class Dispatcher:
         ]
 
 
-def _submission(spec: JobSpec) -> Submission:
+def _submission(spec: JobSpec, manifest: Manifest) -> Submission:
     group = f"b{spec.batch_id:06d}-{spec.pipeline.value}"
     return Submission(
         spec.job_id, spec.job_name, spec.pipeline.module, spec.job_dir,
         spec.resources.cpus, spec.resources.gpus, group=group,
+        attempt=spec.attempt, resources=manifest.resources,
     )  # fmt: skip
+
+
+def end_note(reason: str, log_path: Path, lines: int = 3) -> str:
+    """What to say of a job that ended without a result: the executor's word (e.g. Slurm's
+    state and reason) and the last lines of the job's log, on one line."""
+    parts = [reason] if reason else []
+    try:
+        with open(log_path, "rb") as log_file:
+            log_file.seek(max(0, log_file.seek(0, 2) - 4096))
+            tail = log_file.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        tail = []
+    last = [line.strip() for line in tail if line.strip()][-lines:]
+    if last:
+        parts.append("log ends: " + " | ".join(last))
+    return "; ".join(parts)
 
 
 def read_result(job_dir: Path) -> JobResult | None:

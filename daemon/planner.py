@@ -38,6 +38,7 @@ class JobSeen:
     phase: Phase
     exit_code: int | None = None
     result: JobResult | None = None
+    note: str = ""  # for an end without a result: the executor's word, the log's last lines
 
 
 @dataclass(frozen=True)
@@ -309,7 +310,8 @@ def _failure_of(seen: JobSeen) -> tuple[str, str, str]:
     result = seen.result
     if result is None or result.error is None:
         code = "unknown" if seen.exit_code is None else str(seen.exit_code)
-        return LOST, f"ended without a result (exit code {code})", ""
+        note = f"; {seen.note}" if seen.note else ""
+        return LOST, f"ended without a result (exit code {code}){note}", ""
     error = result.error
     detail = json.dumps(
         {"problems": [asdict(p) for p in error.problems], "traceback": error.traceback},
@@ -325,7 +327,12 @@ def _retryable(kind: str | None) -> bool:
 def _after(job: Job, moves: Sequence[MoveJob]) -> Job:
     """The job as it will be once ``moves`` are applied."""
     for move in moves:
-        job = replace(job, state=move.target, error_kind=move.error_kind or job.error_kind)
+        job = replace(
+            job,
+            state=move.target,
+            error_kind=move.error_kind or job.error_kind,
+            reason=move.reason,
+        )
     return job
 
 

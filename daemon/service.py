@@ -24,7 +24,7 @@ from pathlib import Path
 
 import structlog
 
-from daemon import inputs, readiness, reporter
+from daemon import inputs, readiness, reporter, resources
 from daemon.config import Config
 from daemon.dispatch import Dispatcher
 from daemon.errors import ManifestError
@@ -71,14 +71,16 @@ class Service:
         *,
         clock: Clock = time.time,
         notifier: Notifier | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
+        """``stop``: the event that asks for shutdown, shared with the executor's retries."""
         self.config = config
         self.executor = executor
         self.clock = clock
         self.notifier = notifier or Notifier(None)
         self.store = Store.open(config.daemon.database)
         self.dispatch = Dispatcher(
-            self.store, executor, str(config.registry.path), config.executor.local.cpus_per_job
+            self.store, executor, str(config.registry.path), config.executor.cpus_per_job
         )
         self.events: queue.Queue[WatchEvent] = queue.Queue()
         self.watcher = Watcher(config.roots, self.events)
@@ -87,10 +89,11 @@ class Service:
             max_manifest_bytes=config.intake.max_manifest_bytes,
             settle_seconds=config.intake.settle_seconds,
             on_batch=lambda b: self._dirty.add(b.id),
+            limits=_site_limits(config),
         )
         self.policy = Policy(config.planner.shard_size, config.planner.max_attempts, executor.name)
         self.timing = readiness.Timing(config.intake.settle_seconds, config.intake.timeout_seconds)
-        self.stop_requested = threading.Event()
+        self.stop_requested = stop or threading.Event()
         self.force_stop = threading.Event()
         self._manifests: dict[int, Manifest] = {}
         self._settle: dict[int, readiness.Settle] = {}
@@ -113,6 +116,7 @@ class Service:
         for path, mode in modes.items():
             log.info("watching", root=str(path), mode=mode.value)
             self.intake.remember(path)
+        self._self_test()
         self.catch_up(now)
         live = self.store.jobs(states=[JobState.SUBMITTED, JobState.RUNNING])
         if live:
@@ -120,6 +124,14 @@ class Service:
         self._beat(now, force=True)
         self.notifier.ready(self._status_line())
         log.info("started", pid=os.getpid(), executor=self.executor.name, live_jobs=len(live))
+
+    def _self_test(self) -> None:
+        """Say at start-up whether jobs can run; the daemon starts either way (batches are taken
+        in and wait until the executor answers)."""
+        for check in self.executor.self_test():
+            (log.info if check.ok else log.warning)(
+                "self-test", check=check.name, ok=check.ok, detail=check.detail
+            )
 
     def request_stop(self) -> None:
         """Called from a signal handler: the first asks for a graceful stop, a second forces."""
@@ -457,6 +469,14 @@ class Service:
         counts = counts or {s.value: n for s, n in self.store.counts().items()}
         shown = ("waiting", "queued", "running", "failed", "done")
         return ", ".join(f"{counts.get(s, 0)} {s}" for s in shown)
+
+
+def _site_limits(config: Config) -> Callable[[Manifest], list[Problem]] | None:
+    """The cluster's bounds on a manifest's [resources], when jobs go to Slurm."""
+    if config.executor.kind != "slurm":
+        return None
+    site = config.executor.slurm
+    return lambda manifest: resources.problems(manifest.resources, site)
 
 
 def _batch_of(action: Action, store: Store) -> int | None:

@@ -179,7 +179,9 @@ def test_a_job_that_ended_without_a_result_is_retried_until_the_attempts_run_out
     assert Cancel((2,), "batch failed") in actions
     failure = actions[-1]
     assert failure.target is BatchState.FAILED
-    assert failure.reason == "job j1 failed after 3 attempt(s): it ended without a result"
+    assert failure.reason == (
+        "job j1 failed after 3 attempt(s): ended without a result (exit code unknown)"
+    )
 
 
 def test_an_input_error_is_not_retried_and_its_problems_reach_the_batch() -> None:

@@ -8,10 +8,13 @@ returns the existing handle instead of starting a second copy.
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
+
+from daemon.manifest import ResourceRequest
 
 if TYPE_CHECKING:
     from daemon.config import Config
@@ -39,12 +42,24 @@ class Submission:
     gpus: int = 0
     env: Mapping[str, str] = field(default_factory=dict)
     group: str = ""
+    attempt: int = 0  # with the job directory, names this submission for good
+    resources: ResourceRequest = field(default_factory=ResourceRequest)  # [resources]
 
 
 @dataclass(frozen=True)
 class Status:
     phase: Phase
     exit_code: int | None = None
+    reason: str = ""  # what the executor says of an end (e.g. Slurm's state and reason)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of a self-test (start-up log, ``watchctl doctor``)."""
+
+    name: str
+    ok: bool
+    detail: str
 
 
 class Executor(Protocol):
@@ -65,10 +80,20 @@ class Executor(Protocol):
     def close(self) -> None:
         """Release what the executor holds; running jobs keep running."""
 
+    def self_test(self) -> list[Check]:
+        """Can jobs be run at all? (Logged at start-up; shown by ``watchctl doctor``.)"""
 
-def make_executor(config: Config, environ: Mapping[str, str]) -> Executor:
-    """The executor the configuration names; ``environ`` is passed on to the jobs."""
+
+def make_executor(
+    config: Config, environ: Mapping[str, str], stop: threading.Event | None = None
+) -> Executor:
+    """The executor the configuration names; ``environ`` is passed on to the jobs. Retries
+    against an unreachable cluster end when ``stop`` is set (the service's shutdown)."""
     env = {**environ, "WANDB_MODE": config.jobs.wandb_mode, "PYTHONUNBUFFERED": "1"}
+    if config.executor.kind == "slurm":
+        from daemon.executors.slurm import make_slurm_executor
+
+        return make_slurm_executor(config.executor.slurm, env, stop or threading.Event())
     from daemon.executors.local import LocalExecutor
 
     local = config.executor.local

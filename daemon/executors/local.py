@@ -8,6 +8,7 @@ Each job runs in its own session, so it outlives a daemon that is stopped or kil
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from daemon import atomicfile
 from daemon.errors import SubmissionError
-from daemon.executors import Phase, Status, Submission
+from daemon.executors import Check, Phase, Status, Submission
 from daemon.jobspec import LOG_FILE
 from daemon.subprocesses import process_start_ticks, signal_group, spawn
 
@@ -83,6 +84,12 @@ class LocalExecutor:
     def close(self) -> None:
         """Forget the children: they keep running and a later daemon re-adopts them."""
         self._children.clear()
+
+    def self_test(self) -> list[Check]:
+        if not os.access(self.python, os.X_OK):
+            return [Check("local executor", False, f"{self.python} is not executable")]
+        detail = f"{self.python}, {self.max_parallel} job(s) at once"
+        return [Check("local executor", True, detail)]
 
 
 def _pid(handle: str) -> int:

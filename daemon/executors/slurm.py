@@ -1,0 +1,254 @@
+"""The Slurm executor: the same job specs and pipelines as the local one, run by Slurm.
+
+- Submitting: the shards of one batch's stage go out as ONE job array (throttled with ``%K``),
+  a training as one job run under srun (see :mod:`daemon.executors.slurm_launch`). Before a
+  submission that may repeat an earlier one (the first after a start, any after a failed
+  submit) the executor asks Slurm for the jobs it remembers and adopts those whose comment and
+  tasks file name the same job and attempt: nothing is submitted twice, not even a submit that
+  timed out after the controller accepted it.
+- Tracking: one status query for all jobs, at most every ``poll_seconds`` (sooner after a
+  submission). Slurm forgets finished jobs after MinJobAge and keeps no accounting here: a job
+  it no longer knows is UNKNOWN, and the result file on the share says what became of it.
+- Faults: calls go through a :class:`Gate`: bounded retries, then a growing pause during which
+  calls fail at once, so the daemon's loop goes on (intake, readiness, status files) and
+  submits when the controller is back. A cancel that could not be delivered is sent again.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import structlog
+
+from daemon import atomicfile
+from daemon.config import SlurmExecutorSection
+from daemon.errors import ExecutorUnavailable, SubmissionError, WatchdError
+from daemon.executors import Check, Phase, Status, Submission
+from daemon.executors import slurm_launch as launching
+from daemon.executors.gate import Gate
+from daemon.executors.slurm_api import JobRecord, SlurmClient, describe, phase_of, release
+from daemon.executors.slurm_cli import CliClient
+from daemon.executors.slurm_launch import HANDLE_PREFIX, Launch
+
+log = structlog.get_logger("watchd.slurm")
+
+Adopted = dict[tuple[Path, str, int], str]  # (jobs folder, job name, attempt) → handle
+
+
+class SlurmExecutor:
+    name = "slurm"
+
+    def __init__(
+        self,
+        client: SlurmClient,
+        site: SlurmExecutorSection,
+        environment: Mapping[str, str],
+        stop: threading.Event,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = client
+        self.site = site
+        self.environment = dict(environment)
+        self.python = site.python or sys.executable
+        self.clock = clock
+        self.gate = Gate(
+            attempts=site.retry_attempts,
+            first_wait=site.retry_wait_seconds,
+            max_wait=site.max_backoff_seconds,
+            stop=stop,
+            clock=clock,
+        )
+        self._records: dict[str, JobRecord] | None = None  # the last answer to a status query
+        self._asked_at = 0.0
+        self._must_look = True  # a submission may repeat one Slurm already has
+        self._refused_until = 0.0
+        self._undelivered: set[str] = set()  # cancels to send again
+
+    def slots(self) -> int | None:
+        return None  # Slurm queues; arrays are throttled with %K
+
+    # -- submitting --------------------------------------------------------------------------
+
+    def submit(self, submissions: Sequence[Submission]) -> list[str]:
+        if self.clock() < self._refused_until:
+            raise SubmissionError("Slurm refused the last submission; trying again later")
+        launches = launching.plan(submissions, self.site)
+        handles: dict[int, str] = {}
+        try:
+            adopted = self._adoptable(launches) if self._must_look else {}
+            for launch in launches:
+                handles.update(self._launch(launch, adopted))
+        except SubmissionError:
+            self._must_look = True
+            self._refused_until = self.clock() + self.site.max_backoff_seconds
+            raise
+        except ExecutorUnavailable:
+            self._must_look = True
+            raise
+        self._must_look = False
+        self._records = None  # the next poll asks afresh and sees the new jobs
+        return [handles[s.job_id] for s in submissions]
+
+    def _launch(self, launch: Launch, adopted: Adopted) -> dict[int, str]:
+        found = {
+            s.job_id: adopted[(launch.jobs_dir, s.job_dir.name, s.attempt)]
+            for s in launch.submissions
+            if (launch.jobs_dir, s.job_dir.name, s.attempt) in adopted
+        }
+        if found:
+            log.info("adopted jobs already in Slurm", jobs=len(found), name=launch.name)
+        rest = tuple(s for s in launch.submissions if s.job_id not in found)
+        if not rest:
+            return found
+        if len(rest) < len(launch.submissions):
+            launch = replace(launch, submissions=rest)
+        script = self._write_files(launch)
+        request = launching.request(launch, self.site, script, self.environment)
+        job_id = self.gate.call("sbatch", lambda: self.client.submit(request))
+        log.info("submitted to slurm", slurm_job=job_id, name=launch.name,
+                 tasks=len(launch.submissions), array=request.array)  # fmt: skip
+        return found | {s.job_id: launch.handle(job_id, i) for i, s in enumerate(rest)}
+
+    def _write_files(self, launch: Launch) -> Path:
+        launch.files.mkdir(parents=True, exist_ok=True)
+        atomicfile.write_text(launch.files / f"{launch.key}.tasks", launching.tasks_text(launch))
+        script = launch.files / f"{launch.key}.sh"
+        atomicfile.write_text(script, launching.job_script(launch, self.python))
+        return script
+
+    def _adoptable(self, launches: Sequence[Launch]) -> Adopted:
+        """Jobs of these launches' folders that Slurm already has, by their tasks files."""
+        keys: dict[str, str] = {}
+        for record in self._query():
+            key = launching.key_of_comment(record.comment)
+            if key is not None:
+                keys.setdefault(key, record.array_id)
+        adopted: Adopted = {}
+        for jobs_dir in {launch.jobs_dir for launch in launches}:
+            for key, array_id in keys.items():
+                try:
+                    text = (jobs_dir / launching.LAUNCH_DIR / f"{key}.tasks").read_text()
+                except OSError:
+                    continue
+                tasks = launching.parse_tasks(text)
+                for i, (name, attempt) in enumerate(tasks):
+                    task = f"_{i}" if len(tasks) > 1 else ""
+                    adopted[(jobs_dir, name, attempt)] = f"{HANDLE_PREFIX}{array_id}{task}"
+        return adopted
+
+    # -- tracking ----------------------------------------------------------------------------
+
+    def poll(self, handles: Sequence[str]) -> dict[str, Status]:
+        self._send_undelivered()
+        if self._records is None or self.clock() - self._asked_at >= self.site.poll_seconds:
+            self._query()
+        records = self._records or {}
+        return {h: _status(records.get(h.removeprefix(HANDLE_PREFIX))) for h in handles}
+
+    def _query(self) -> list[JobRecord]:
+        found = self.gate.call("squeue", self.client.jobs)
+        self._records = {r.id: r for r in found}
+        self._asked_at = self.clock()
+        return found
+
+    def cancel(self, handles: Sequence[str]) -> None:
+        ids = [h.removeprefix(HANDLE_PREFIX) for h in handles if h.startswith(HANDLE_PREFIX)]
+        self._undelivered.update(ids)
+        self._send_undelivered()
+
+    def _send_undelivered(self) -> None:
+        if not self._undelivered:
+            return
+        ids = sorted(self._undelivered)
+        try:
+            self.gate.call("scancel", lambda: self.client.cancel(ids))
+        except ExecutorUnavailable:
+            log.warning("cancel kept until Slurm answers", jobs=len(ids))
+            raise
+        self._undelivered.clear()
+        self._records = None
+
+    def close(self) -> None:
+        """Nothing to release: Slurm jobs keep running and a later daemon re-adopts them."""
+
+    # -- self-test ---------------------------------------------------------------------------
+
+    def self_test(self) -> list[Check]:
+        checks = [Check("slurm client", True, f"{self.client.name}, python {self.python}")]
+        try:
+            versions = self.client.versions()
+            partitions = self.client.partitions()
+        except WatchdError as exc:
+            return [*checks, Check("slurm controller", False, str(exc).splitlines()[0])]
+        checks.append(
+            Check("slurm controller", True, f"Slurm {versions.controller}, {versions.client}")
+        )
+        if self.client.name == "pyslurm":
+            same = release(versions.client) == release(versions.controller)
+            detail = f"{versions.client} for Slurm {versions.controller}"
+            checks.append(Check("pyslurm release", same, detail))
+        listed = ", ".join(partitions) or "none"
+        wanted = self.site.partition
+        if wanted:
+            found = Check("slurm partition", wanted in partitions, f"'{wanted}' among {listed}")
+        else:
+            found = Check("slurm partitions", bool(partitions), f"the default; there are {listed}")
+        return [*checks, found]
+
+
+def _status(record: JobRecord | None) -> Status:
+    if record is None:
+        return Status(Phase.UNKNOWN, reason="no longer known to Slurm")
+    return Status(phase_of(record.state), record.exit_code, f"Slurm: {describe(record)}")
+
+
+def job_environment(environ: Mapping[str, str], slurm_conf: Path | None) -> dict[str, str]:
+    """What jobs get: the daemon's environment without Slurm's own option variables (every
+    option is an argument), and SLURM_CONF when the config names the cluster's file."""
+    env = {
+        k: v
+        for k, v in environ.items()
+        if not k.startswith(("SBATCH_", "SLURM_", "SALLOC_", "SRUN_")) or k == "SLURM_CONF"
+    }
+    if slurm_conf is not None:
+        env["SLURM_CONF"] = str(slurm_conf)
+    return env
+
+
+def choose_client(site: SlurmExecutorSection, environment: Mapping[str, str]) -> SlurmClient:
+    """The client the config asks for; ``auto``: pyslurm when it imports and its release is the
+    controller's, else the command-line tools."""
+    cli = CliClient(environment=environment, timeout=site.command_timeout_seconds)
+    if site.client == "cli":
+        return cli
+    from daemon.executors import pyslurm_client
+
+    if site.client == "pyslurm":
+        return pyslurm_client.load(site.slurm_conf, environment)
+    try:
+        client = pyslurm_client.load(site.slurm_conf, environment)
+    except ExecutorUnavailable as exc:
+        log.info("using Slurm's command-line tools", why=str(exc))
+        return cli
+    try:
+        controller = cli.versions().controller
+    except WatchdError as exc:
+        log.info("using Slurm's command-line tools", why=f"controller version unknown: {exc}")
+        return cli
+    if release(client.version) != release(controller):
+        log.info("using Slurm's command-line tools",
+                 why=f"pyslurm {client.version} does not match Slurm {controller}")  # fmt: skip
+        return cli
+    return client
+
+
+def make_slurm_executor(
+    site: SlurmExecutorSection, environ: Mapping[str, str], stop: threading.Event
+) -> SlurmExecutor:
+    environment = job_environment(environ, site.slurm_conf)
+    return SlurmExecutor(choose_client(site, environment), site, environment, stop)
