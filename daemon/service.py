@@ -170,9 +170,9 @@ class Service:
             self.tick(self.clock())
         left = self._live_jobs()
         if left:
-            log.warning(
-                "left running", jobs=[j.name for j in left], note="re-adopted at next start"
-            )
+            names = [j.name for j in left]
+            log.warning("left running", count=len(left), jobs=names[:20],
+                        note="re-adopted at next start")  # fmt: skip
         self._beat(self.clock(), force=True, stopped=True)
         self.executor.close()
         self.store.close()

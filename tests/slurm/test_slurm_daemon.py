@@ -9,8 +9,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
-from conftest import Trained, cluster, job_fields
+from conftest import Trained, job_fields
 from replay import Replay, copy_slowly
+from slurm_scenario import batches_and_jobs, cluster
 
 from daemon.config import Config
 from daemon.errors import ExecutorUnavailable
@@ -21,21 +22,12 @@ from daemon.manifest import STATUS_NAME
 from daemon.records import Batch, Job
 from daemon.service import Service
 from daemon.states import BatchState, JobState
-from daemon.store import Store
 
 pytestmark = pytest.mark.slurm
 
 
 def executor_for(config: Config) -> SlurmExecutor:
     return make_slurm_executor(config.executor.slurm, os.environ, threading.Event())
-
-
-def batches_and_jobs(config: Config) -> list[tuple[Batch, list[Job]]]:
-    store = Store(config.daemon.database)
-    try:
-        return [(b, store.jobs([b.id])) for b in store.batches()]
-    finally:
-        store.close()
 
 
 def slurm_ids(jobs: Sequence[Job]) -> list[str]:
