@@ -102,7 +102,7 @@ class SlurmExecutorSection(_Section):
     max_array_tasks: Annotated[int, Field(ge=1, le=1_000_000)] = 1000  # below MaxArraySize
     poll_seconds: Seconds = 10.0  # at most one status query this often
     command_timeout_seconds: Seconds = 60.0
-    retry_attempts: Annotated[int, Field(ge=1, le=10)] = 2  # tries of one call
+    retry_attempts: Annotated[int, Field(ge=1, le=10)] = 3  # tries of one call, if they fail fast
     retry_wait_seconds: Seconds = 1.0  # first pause after an unreachable controller; doubles
     max_backoff_seconds: Seconds = 120.0  # the longest pause between tries
 

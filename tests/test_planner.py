@@ -251,3 +251,16 @@ def test_inputs_of_a_shard_are_the_images_only() -> None:
         snap(BatchView(batch(), m, (), Ready((*m.files, InputFile("x/mask.png", 1, role="mask")))))
     )
     assert all(f.role == "image" for j in actions[1].jobs for f in j.inputs)
+
+
+def test_an_end_without_a_result_carries_the_executors_word_and_the_log_tail() -> None:
+    view = BatchView(
+        batch(1, BatchState.RUNNING), manifest(), (job(1, JobState.RUNNING, attempts=3),)
+    )
+    note = "Slurm: OUT_OF_MEMORY (None); log ends: loading model | Killed"
+    actions = plan(snap(view, seen=[JobSeen(1, Phase.ENDED, 137, note=note)]))
+    reason = f"ended without a result (exit code 137); {note}"
+    assert actions[0] == MoveJob(1, JobState.FAILED, reason, 137, "lost")
+    failure = actions[-1]
+    assert failure.reason == f"job j1 failed after 3 attempt(s): {reason}"
+    assert failure.problems[0].message == reason

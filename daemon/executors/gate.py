@@ -1,6 +1,7 @@
 """Calls to a controller that may be away: bounded retries, then a pause that grows.
 
-Within one call, tenacity tries again a few times with a short exponential wait. When every
+Within one call, tenacity tries again a few times with a short exponential wait, while the
+tries fail fast (a busy controller's EAGAIN). When every
 try failed, the gate stays shut for a pause that doubles with each failed round, up to a bound;
 calls in that time fail at once, so the daemon's loop goes on taking in batches instead of
 waiting on a controller that is down (each try of a Slurm tool against a dead controller takes
@@ -23,6 +24,10 @@ log = structlog.get_logger("watchd.slurm")
 
 T = TypeVar("T")
 
+# Tries of one call stop after this long: a tool facing a dead controller already spends about
+# 9 s on each try, and the loop must get back to taking in batches.
+CALL_BUDGET_SECONDS = 5.0
+
 
 class Gate:
     def __init__(
@@ -33,8 +38,10 @@ class Gate:
         max_wait: float,
         stop: threading.Event,
         clock: Callable[[], float] = time.monotonic,
+        budget: float = CALL_BUDGET_SECONDS,
     ) -> None:
         self.attempts = attempts
+        self.budget = budget
         self.first_wait = first_wait
         self.max_wait = max_wait
         self.stop = stop
@@ -51,11 +58,10 @@ class Gate:
         """``fn()``, tried again while it raises ExecutorUnavailable; raises it when the gate is
         shut or every try failed."""
         if not self.open:
-            raise ExecutorUnavailable(
-                f"Slurm unreachable, waiting before the next try (last error: {self.last_error})"
-            )
+            raise self._unavailable()
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(self.attempts)
+            | tenacity.stop_after_delay(self.budget)
             | tenacity.stop_when_event_set(self.stop),
             wait=tenacity.wait_exponential(multiplier=self.first_wait, max=self.max_wait),
             retry=tenacity.retry_if_exception_type(ExecutorUnavailable),
@@ -66,11 +72,17 @@ class Gate:
             result = retrying(fn)
         except ExecutorUnavailable as exc:
             self._shut(what, exc)
-            raise
+            raise self._unavailable() from exc
         if self.failures:
             log.info("slurm reachable again", call=what, after_rounds=self.failures)
         self.failures = 0
         return result
+
+    def _unavailable(self) -> ExecutorUnavailable:
+        """The same words while the outage lasts, so callers can say it once."""
+        return ExecutorUnavailable(
+            f"Slurm unreachable, waiting before the next try (last error: {self.last_error})"
+        )
 
     def _pause(self, seconds: float) -> None:
         self.stop.wait(seconds)  # a shutdown ends the wait at once

@@ -139,9 +139,11 @@ class CliClient:
         try:
             return run(command, timeout=self.timeout, env=env or self.environment)
         except CommandFailed as exc:
+            lines = (exc.stderr or exc.stdout).strip().splitlines()
+            said = f"{command[0]} exited with {exc.returncode}: {lines[-1] if lines else ''}"
             if kind == "submit" and not transient(exc):
-                raise SubmissionError(str(exc)) from None
-            raise ExecutorUnavailable(str(exc)) from None
+                raise SubmissionError(said) from None
+            raise ExecutorUnavailable(said) from None
 
     def submit(self, request: JobRequest) -> str:
         return parse_sbatch(self._run("submit", sbatch_args(request), request.environment))

@@ -26,6 +26,14 @@ class Controller:
         return "answer"
 
 
+class SlowController(Controller):
+    """A controller that is gone: each try waits for the connection to fail."""
+
+    def ask(self) -> str:
+        time.sleep(0.2)
+        return super().ask()
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 100.0
@@ -79,3 +87,11 @@ def test_a_shutdown_ends_the_retries_and_their_waits_at_once() -> None:
         gate.call("sbatch", controller.ask)
     assert time.monotonic() - started < 2.0
     assert controller.calls <= 2
+
+
+def test_tries_that_fail_slowly_are_not_repeated_past_the_calls_budget() -> None:
+    controller = SlowController(down=100)
+    gate = Gate(attempts=10, first_wait=0.01, max_wait=0.05, stop=threading.Event(), budget=0.3)
+    with pytest.raises(ExecutorUnavailable):
+        gate.call("squeue", controller.ask)
+    assert controller.calls == 2
