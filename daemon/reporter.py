@@ -133,8 +133,14 @@ def _time(at: float) -> str:
 
 
 def write(folder: Path, text: str) -> None:
-    """Replace the folder's status file; raises OSError when the folder cannot be written."""
+    """Replace the folder's status file; raises OSError when the folder cannot be written.
+
+    The daemon is the only writer of this file, so a temporary one still lying next to it
+    after the rename was left by a daemon killed mid-write: it is removed.
+    """
     atomicfile.write_text(folder / STATUS_NAME, text, fsync=False)
+    for stale in folder.glob(f"{atomicfile.TMP_PREFIX}{STATUS_NAME}.*"):
+        stale.unlink(missing_ok=True)
 
 
 def publish(
