@@ -72,7 +72,9 @@ def test_a_daemon_killed_mid_run_and_restarted_completes_the_batch_once(
         store = Store(config.daemon.database)
         running = [j for j in store.jobs() if j.state is JobState.RUNNING]
         store.close()
-        assert running and all(_alive(j.handle) for j in running), "the job should outlive the daemon"
+        assert running and all(_alive(j.handle) for j in running), (
+            "the job should outlive the daemon"
+        )
         daemon = start_daemon(config, log)
         wait_for(lambda s: s.batches()[0].state is BatchState.DONE, config, timeout=180)
     finally:
