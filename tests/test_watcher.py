@@ -3,6 +3,7 @@ folders: never the image folders inside them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import time
@@ -40,10 +41,8 @@ def batch_with_images(root: Path, name: str, images: int = 50) -> Path:
 def events_within(events: queue.Queue, seconds: float) -> list:
     deadline, found = time.monotonic() + seconds, []
     while time.monotonic() < deadline:
-        try:
+        with contextlib.suppress(queue.Empty):
             found.append(events.get(timeout=0.05))
-        except queue.Empty:
-            pass
     return found
 
 

@@ -11,13 +11,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 import synth
+from replay import Replay
+
 from daemon.config import Config
 from daemon.manifest import parse_manifest
 from daemon.states import BatchState
 from daemon.store import Store
-from replay import Replay
 
 BIN = Path(sys.executable).parent
 

@@ -15,11 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from test_replay import assert_outputs_complete
 
 from daemon.config import Config
 from daemon.states import BatchState, JobState
 from daemon.store import Store
-from test_replay import assert_outputs_complete
 
 WATCHD = str(Path(sys.executable).parent / "watchd")
 
