@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import synth
 from PIL import Image
 
-import synth
 from daemon.config import Config, load_config
 from daemon.records import Batch
 from daemon.states import BatchState
@@ -84,7 +84,9 @@ def drop(folder: Path, kind: str, count: int, seed: int, truth: Path | None = No
     return folder
 
 
-def follow(config: Config, folder: Path, clock: float, daemon: subprocess.Popen[bytes]) -> Batch | None:
+def follow(
+    config: Config, folder: Path, clock: float, daemon: subprocess.Popen[bytes]
+) -> Batch | None:
     """Print each state change of the folder's batch until it ends; the batch at its end."""
     shown = ""
     while daemon.poll() is None:
@@ -123,7 +125,9 @@ def progress(config: Config, batch: Batch) -> str:
     running = [j.name.split("-", 1)[1] for j in jobs if j.state.live]
     text = f"batch #{batch.id} {batch.kind}: {batch.state.value}"
     if jobs:
-        text += f", {done}/{len(jobs)} jobs done" + (f", running {', '.join(running)}" if running else "")
+        text += f", {done}/{len(jobs)} jobs done" + (
+            f", running {', '.join(running)}" if running else ""
+        )
     return text + (f" ({batch.reason})" if batch.state.terminal else "")
 
 
@@ -136,7 +140,9 @@ def print_outputs(trained: Batch, inferred: Batch, truth: Path) -> None:
     print(f"  summary:     {run / 'summary.json'}")
     print(f"  status file: {inferred.path / 'watchd-status.txt'}")
     print(f"  training report: {Path(trained.run_dir) / 'report.html'}")
-    scores = [dice(mask, truth / mask.name) for mask in sorted((run / "masks" / "images").iterdir())]
+    scores = [
+        dice(mask, truth / mask.name) for mask in sorted((run / "masks" / "images").iterdir())
+    ]
     print(f"  mask quality: mean Dice {np.mean(scores):.3f} against the generator's ground truth "
           f"({len(scores)} images)")  # fmt: skip
 
@@ -148,7 +154,9 @@ def dice(predicted: Path, expected: Path) -> float:
     return 1.0 if total == 0 else float(2 * (a & b).sum() / total)
 
 
-def finish(config: Config, daemon: subprocess.Popen[bytes], batches: list[Batch | None], log: Path) -> int:
+def finish(
+    config: Config, daemon: subprocess.Popen[bytes], batches: list[Batch | None], log: Path
+) -> int:
     print("\n$ watchctl status")
     subprocess.run([str(BIN / "watchctl"), "status", "--config", str(config.source)], check=False)
     if daemon.poll() is None:
