@@ -90,6 +90,8 @@ class Service:
         )
         self.policy = Policy(config.planner.shard_size, config.planner.max_attempts, executor.name)
         self.timing = readiness.Timing(config.intake.settle_seconds, config.intake.timeout_seconds)
+        self._ping_every = self.notifier.ping_seconds  # None: no systemd watchdog
+        self._next_ping = 0.0
         self.stop_requested = threading.Event()
         self.force_stop = threading.Event()
         self._manifests: dict[int, Manifest] = {}
@@ -132,11 +134,18 @@ class Service:
         self.start()
         try:
             while not self.stop_requested.is_set():
-                self._wait_for_work(self.config.daemon.tick_seconds)
+                self._wait_for_work(self._until_next_tick())
                 if not self.stop_requested.is_set():
                     self.tick(self.clock())
         finally:
             self.shutdown()
+
+    def _until_next_tick(self) -> float:
+        """A tick period, or less when the watchdog's next ping is due sooner."""
+        if self._ping_every is None:
+            return self.config.daemon.tick_seconds
+        due = self._next_ping - time.monotonic()
+        return max(0.0, min(self.config.daemon.tick_seconds, due))
 
     def _wait_for_work(self, timeout: float) -> None:
         """Sleep until the next tick, waking early when the watcher has news."""
@@ -189,6 +198,7 @@ class Service:
             self._act_safely(action, now)
         self._write_statuses(now)
         self._beat(now)
+        self._ping(now)
 
     def _drain(self, now: float) -> None:
         touched: dict[tuple[Path, str], None] = {}
@@ -237,12 +247,8 @@ class Service:
             for seen in found:
                 if self.intake.changed(root.path, seen.folder, seen.manifest_stat):
                     self._look(root.path, seen.folder, now)
-            log.debug(
-                "scanned",
-                root=str(root.path),
-                folders=len(found),
-                seconds=round(time.monotonic() - started, 4),
-            )
+            seconds = time.monotonic() - started
+            log.debug("scanned", root=str(root.path), folders=len(found), seconds=round(seconds, 4))
 
     def _root_lost(self, root: Path) -> None:
         if root not in self._lost_roots:
@@ -450,8 +456,15 @@ class Service:
                 },
             )
         )
-        self.notifier.watchdog()
         self.notifier.status(self._status_line(counts))
+
+    def _ping(self, now: float) -> None:
+        """Tell systemd's watchdog that the loop is alive, at its pace (monotonic, so a clock
+        step cannot delay it). Only the loop pings: a hung loop stops, and systemd restarts it."""
+        if self._ping_every is None or time.monotonic() < self._next_ping:
+            return
+        self._next_ping = time.monotonic() + self._ping_every
+        self.notifier.watchdog()
 
     def _status_line(self, counts: dict[str, int] | None = None) -> str:
         counts = counts or {s.value: n for s, n in self.store.counts().items()}
