@@ -137,6 +137,14 @@ def write(folder: Path, text: str) -> None:
     atomicfile.write_text(folder / STATUS_NAME, text, fsync=False)
 
 
+def gather(store: Store, batch: Batch, waiting: tuple[Problem, ...], timing: Timing) -> StatusInput:
+    """What the status file of ``batch`` shows, read from the store."""
+    return StatusInput(
+        batch, tuple(store.jobs([batch.id])), waiting, tuple(store.events(batch.id, limit=30)),
+        timing.settle_seconds, timing.timeout_seconds,
+    )  # fmt: skip
+
+
 def publish(
     store: Store, batch_id: int, waiting: tuple[Problem, ...], timing: Timing, now: float
 ) -> None:
@@ -146,11 +154,7 @@ def publish(
     latest = store.latest_revision(batch.root, batch.folder)
     if latest is None or latest.id != batch.id or not inside_root(Path(batch.root), batch.folder):
         return
-    status = StatusInput(
-        batch, tuple(store.jobs([batch.id])), waiting, tuple(store.events(batch.id, limit=30)),
-        timing.settle_seconds, timing.timeout_seconds,
-    )  # fmt: skip
     try:
-        write(batch.path, render(status, now))
+        write(batch.path, render(gather(store, batch, waiting, timing), now))
     except OSError as exc:
         log.warning("cannot write status file", batch_id=batch.id, error=str(exc))
