@@ -392,8 +392,11 @@ class Store:
     def last_event_id(self, at_or_before: float | None = None) -> int:
         """The newest event's id (0 if none), or the newest one recorded at or before a time;
         read from the end, so it is quick when that time is recent."""
-        cursor = self.db.execute("SELECT id, at FROM events ORDER BY id DESC")
-        return next((i for i, at in cursor if at_or_before is None or at <= at_or_before), 0)
+        limit = float("inf") if at_or_before is None else at_or_before
+        row = self.db.execute(
+            "SELECT id FROM events WHERE at <= ? ORDER BY id DESC LIMIT 1", [limit]
+        ).fetchone()
+        return int(row[0]) if row else 0
 
     def noted_after(self, batch_id: int, event_id: int, prefix: str) -> bool:
         """Whether a note starting with ``prefix`` was made on the batch after ``event_id``."""

@@ -10,11 +10,12 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from daemon.config import load_config
+from daemon.config import load_config, parse_config
 
 REPO = Path(__file__).resolve().parent.parent
 UNIT = REPO / "systemd" / "watchd.service"
@@ -101,3 +102,21 @@ def test_the_unit_agrees_with_the_daemon() -> None:
     read_write = [v for _, k, v in settings(UNIT) if k == "ReadWritePaths"]
     assert len(read_write) == 2  # the drop root and the registry, to be edited by the operator
 
+
+def test_the_install_guide_matches_the_unit_and_its_example_config_is_valid(
+    tmp_path: Path,
+) -> None:
+    """The guide's example config validates (its [executor] section is the Slurm backend's,
+    checked with that backend) and uses the paths the unit's example makes writable."""
+    guide = (REPO / "docs" / "install.md").read_text()
+    (example,) = re.findall(r"```toml\n(.*?)```", guide, flags=re.DOTALL)
+    document = tomllib.loads(example)
+    assert document.pop("executor") == {"kind": "slurm"}
+    config = parse_config(document, source=tmp_path / "config.toml")
+    assert config.daemon.state_dir == Path("/var/lib/watchd")
+    assert config.daemon.shutdown_grace_seconds < float(
+        {k: v for _, k, v in settings(UNIT)}["TimeoutStopSec"]
+    )
+    written = [v.lstrip("-") for _, k, v in settings(UNIT) if k == "ReadWritePaths"]
+    assert written == [str(config.roots[0].path), str(config.registry.path)]
+    assert config.mail.enabled and config.metrics.enabled
