@@ -19,12 +19,13 @@ from typing import Any
 import pytest
 from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import AuthResult, LoginPassword
-from replay import Replay, copy_slowly
+from replay import Replay, Step, copy_slowly
 
 from daemon.config import Config
 from daemon.records import Batch
 from daemon.service import Service
 from daemon.states import BatchState
+from daemon.store import Store
 
 SENDER = "watchd@example.org"
 
@@ -70,49 +71,68 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.fixture
-def smtp_server() -> Iterator[Callable[..., tuple[Inbox, int]]]:
-    started: list[Controller] = []
+@dataclass
+class Scene:
+    """A real SMTP server on 127.0.0.1 and a drop root, with what the tests do with them."""
 
-    def start(**options: Any) -> tuple[Inbox, int]:
-        inbox, port = Inbox(), free_port()
-        if "tls_context" in options:
-            options.update(authenticator=inbox.authenticate, require_starttls=True)
-        controller = Controller(inbox, hostname="127.0.0.1", port=port, **options)
-        controller.start()
-        started.append(controller)
-        return inbox, port
+    inbox: Inbox
+    port: int
+    config_for: Callable[..., Config]
+    staged: Callable[..., Path]
+    drop_root: Path
 
-    yield start
-    for controller in started:
-        controller.stop()
+    def config(self, mail: bool = True, **options: object) -> Config:
+        if not mail:
+            return self.config_for()
+        settings = {"enabled": True, "host": "127.0.0.1", "port": self.port, "from": SENDER}
+        return self.config_for(mail={**settings, "timeout_seconds": 10, **options})
 
-
-def mail_config(config_for: Callable[..., Config], port: int, **mail: object) -> Config:
-    return config_for(
-        mail={
-            "enabled": True,
-            "host": "127.0.0.1",
-            "port": port,
-            "from": SENDER,
-            "timeout_seconds": 10,
-            **mail,
-        }
-    )
-
-
-@pytest.fixture
-def too_big(staged: Callable[..., Path]) -> Callable[..., Path]:
-    """A batch whose first image is larger than its manifest says: it fails at once, with the
-    file named, and runs no job."""
-
-    def make(name: str, **manifest_options: object) -> Path:
-        folder = staged(name, count=2, **manifest_options)
+    def failing(self, name: str, start: float = 0.0, **manifest_options: object) -> list[Step]:
+        """Copy in a batch whose first image is larger than its manifest says: it fails at
+        once, naming the file, and runs no job."""
+        folder = self.staged(name, count=2, **manifest_options)
         with open(folder / "images" / "img_0000.png", "ab") as image:
             image.write(b"trailing bytes")
-        return folder
+        return copy_slowly(folder, self.drop_root / name, start, 0.01)
 
-    return make
+    def run(self, config: Config, steps: list[Step], until: Callable[[Service], bool]) -> None:
+        with Replay(config) as replay:
+            replay.run(steps, until=until, timeout=180)
+        # leaving the daemon let its mailer deliver what was queued
+
+    def restart(self) -> dict[str, Batch]:
+        """A fresh daemon on the same database (it must mail nothing again); the batches."""
+        with Replay(self.config()) as replay:
+            replay.run(quiet_seconds=0.5)
+            return {b.folder: b for b in replay.service.store.batches()}
+
+    def notes(self, batch: Batch) -> list[str]:
+        store = Store(self.config_for().daemon.database)
+        try:
+            return [e.reason for e in store.events(batch.id) if e.reason.startswith("e-mail")]
+        finally:
+            store.close()
+
+
+@pytest.fixture
+def scene(
+    request: pytest.FixtureRequest,
+    config_for: Callable[..., Config],
+    staged: Callable[..., Path],
+    drop_root: Path,
+) -> Iterator[Scene]:
+    """Parametrised indirectly with ``True`` for a server that requires STARTTLS and a login."""
+    options: dict[str, Any] = {}
+    inbox, port = Inbox(), free_port()
+    if getattr(request, "param", False):
+        tls = request.getfixturevalue("tls_context")
+        options.update(tls_context=tls, authenticator=inbox.authenticate, require_starttls=True)
+    controller = Controller(inbox, hostname="127.0.0.1", port=port, **options)
+    controller.start()
+    try:
+        yield Scene(inbox, port, config_for, staged, drop_root)
+    finally:
+        controller.stop()
 
 
 def ended(done: int = 0, failed: int = 0) -> Callable[[Service], bool]:
@@ -123,45 +143,22 @@ def ended(done: int = 0, failed: int = 0) -> Callable[[Service], bool]:
     return check
 
 
-def batches(config: Config) -> dict[str, Batch]:
-    with Replay(config) as replay:  # a fresh daemon on the same database: it mails nothing new
-        replay.run(quiet_seconds=0.5)
-        return {b.folder: b for b in replay.service.store.batches()}
-
-
-def mail_notes(config: Config, batch: Batch) -> list[str]:
-    from daemon.store import Store
-
-    store = Store(config.daemon.database)
-    try:
-        return [e.reason for e in store.events(batch.id) if e.reason.startswith("e-mail")]
-    finally:
-        store.close()
-
-
 def test_the_owner_gets_one_letter_when_a_batch_ends_done_or_failed_and_none_without_address(
-    config_for: Callable[..., Config],
-    staged: Callable[..., Path],
-    too_big: Callable[..., Path],
-    drop_root: Path,
-    smtp_server: Callable[..., tuple[Inbox, int]],
+    scene: Scene,
 ) -> None:
-    inbox, port = smtp_server()
-    config = mail_config(config_for, port)
     steps = [
-        *copy_slowly(staged("good", owner="Ada Expert"), drop_root / "plate 1 ä", 0.0, 0.01),
-        *copy_slowly(too_big("big", owner="Ada Expert"), drop_root / "plate 2", 0.0, 0.01),
-        *copy_slowly(too_big("anon", email=None), drop_root / "plate 3", 0.0, 0.01),
+        *copy_slowly(
+            scene.staged("good", owner="Ada Expert"), scene.drop_root / "plate 1 ä", 0.0, 0.01
+        ),
+        *scene.failing("plate 2", owner="Ada Expert"),
+        *scene.failing("plate 3", email=None),
     ]
-    with Replay(config) as replay:
-        replay.run(steps, until=ended(done=1, failed=2), timeout=180)
-    # leaving the daemon let its mailer deliver what was queued
+    scene.run(scene.config(), steps, until=ended(done=1, failed=2))
 
-    found = batches(config)  # and a restart sends nothing again
+    found = scene.restart()
     assert sorted(found) == ["plate 1 ä", "plate 2", "plate 3"]
-    assert len(inbox.letters) == 2
-    by_subject = {str(m["Subject"]): m for m in inbox.letters}
-
+    assert len(scene.inbox.letters) == 2
+    by_subject = {str(m["Subject"]): m for m in scene.inbox.letters}
     done = by_subject["watchd: plate 1 ä done"]
     assert done["To"] == "tester@example.org" and done["From"] == SENDER
     assert done["Auto-Submitted"] == "auto-generated"
@@ -180,9 +177,9 @@ def test_the_owner_gets_one_letter_when_a_batch_ends_done_or_failed_and_none_wit
     assert "manifest.toml, files[0]: 'images/img_0000.png' is" in text  # the problem, located
     assert "Next step:" in text
 
-    assert mail_notes(config, good) == ["e-mail to tester@example.org"]
-    assert mail_notes(config, found["plate 2"]) == ["e-mail to tester@example.org"]
-    assert mail_notes(config, found["plate 3"]) == []
+    assert scene.notes(good) == ["e-mail to tester@example.org"]
+    assert scene.notes(found["plate 2"]) == ["e-mail to tester@example.org"]
+    assert scene.notes(found["plate 3"]) == []
 
 
 @pytest.fixture
@@ -201,81 +198,40 @@ def tls_context(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ssl.SSLConte
     return context
 
 
-def test_starttls_and_a_login_with_the_password_from_its_file(
-    config_for: Callable[..., Config],
-    too_big: Callable[..., Path],
-    drop_root: Path,
-    tmp_path: Path,
-    tls_context: ssl.SSLContext,
-    smtp_server: Callable[..., tuple[Inbox, int]],
-) -> None:
-    inbox, port = smtp_server(tls_context=tls_context)
+@pytest.mark.parametrize("scene", [True], indirect=True, ids=["starttls"])
+def test_starttls_and_a_login_with_the_password_from_its_file(scene: Scene, tmp_path: Path) -> None:
     secret = tmp_path / "smtp-password"
     secret.write_text("s3cret pass\n")
-    config = mail_config(
-        config_for, port, starttls=True, username="watchd", password_file=str(secret)
-    )
-    with Replay(config) as replay:
-        replay.run(
-            copy_slowly(too_big("big"), drop_root / "plate", 0.0, 0.01), until=ended(failed=1)
-        )
-    assert inbox.logins == [("watchd", "s3cret pass")]
-    assert [str(m["Subject"]) for m in inbox.letters] == [
+    config = scene.config(starttls=True, username="watchd", password_file=str(secret))
+    scene.run(config, scene.failing("plate"), until=ended(failed=1))
+    assert scene.inbox.logins == [("watchd", "s3cret pass")]
+    assert [str(m["Subject"]) for m in scene.inbox.letters] == [
         "watchd: plate FAILED: inputs differ from the manifest"
     ]
 
 
-def test_a_refused_letter_is_recorded_on_the_batch_and_the_daemon_goes_on(
-    config_for: Callable[..., Config],
-    too_big: Callable[..., Path],
-    drop_root: Path,
-    smtp_server: Callable[..., tuple[Inbox, int]],
-) -> None:
-    inbox, port = smtp_server()
-    inbox.refuse.add("nobody@example.org")
-    config = mail_config(config_for, port)
-    steps = [
-        *copy_slowly(too_big("refused", email="nobody@example.org"), drop_root / "one", 0.0, 0.01),
-        *copy_slowly(too_big("taken"), drop_root / "two", 0.5, 0.01),
-    ]
-    with Replay(config) as replay:
-        replay.run(steps, until=ended(failed=2))
-    found = batches(config)
-    assert mail_notes(config, found["one"]) == [
+def test_a_refused_letter_is_recorded_on_the_batch_and_the_daemon_goes_on(scene: Scene) -> None:
+    scene.inbox.refuse.add("nobody@example.org")
+    steps = [*scene.failing("one", email="nobody@example.org"), *scene.failing("two", 0.5)]
+    scene.run(scene.config(), steps, until=ended(failed=2))
+    found = scene.restart()
+    assert scene.notes(found["one"]) == [
         "e-mail to nobody@example.org",
         "e-mail to nobody@example.org failed: nobody@example.org: 550 5.1.1 no such mailbox here",
     ]
-    assert mail_notes(config, found["two"]) == ["e-mail to tester@example.org"]
-    assert [m["To"] for m in inbox.letters] == ["tester@example.org"]
+    assert scene.notes(found["two"]) == ["e-mail to tester@example.org"]
+    assert [m["To"] for m in scene.inbox.letters] == ["tester@example.org"]
 
 
-def test_turning_mail_on_later_mails_none_of_the_batches_that_ended_before(
-    config_for: Callable[..., Config],
-    too_big: Callable[..., Path],
-    drop_root: Path,
-    smtp_server: Callable[..., tuple[Inbox, int]],
-) -> None:
-    inbox, port = smtp_server()
-    with Replay(config_for()) as replay:
-        replay.run(
-            copy_slowly(too_big("big"), drop_root / "plate", 0.0, 0.01), until=ended(failed=1)
-        )
-    found = batches(mail_config(config_for, port))
+def test_turning_mail_on_later_mails_none_of_the_batches_that_ended_before(scene: Scene) -> None:
+    scene.run(scene.config(mail=False), scene.failing("plate"), until=ended(failed=1))
+    found = scene.restart()
     assert found["plate"].state is BatchState.FAILED
-    assert inbox.letters == []
+    assert scene.inbox.letters == []
 
 
-def test_a_relay_that_says_try_later_gets_the_letter_at_the_next_attempt(
-    config_for: Callable[..., Config],
-    too_big: Callable[..., Path],
-    drop_root: Path,
-    smtp_server: Callable[..., tuple[Inbox, int]],
-) -> None:
-    inbox, port = smtp_server()
-    inbox.busy_once.add("tester@example.org")
-    with Replay(mail_config(config_for, port)) as replay:
-        steps = copy_slowly(too_big("big"), drop_root / "plate", 0.0, 0.01)
-        replay.run(steps, until=lambda s: len(inbox.letters) == 1, timeout=60)
-    found = batches(mail_config(config_for, port))
-    assert mail_notes(config_for(), found["plate"]) == ["e-mail to tester@example.org"]
-    assert inbox.busy_once == set()  # it was refused once, then taken
+def test_a_relay_that_says_try_later_gets_the_letter_at_the_next_attempt(scene: Scene) -> None:
+    scene.inbox.busy_once.add("tester@example.org")
+    scene.run(scene.config(), scene.failing("plate"), until=lambda s: len(scene.inbox.letters) == 1)
+    assert scene.notes(scene.restart()["plate"]) == ["e-mail to tester@example.org"]
+    assert scene.inbox.busy_once == set()  # it was refused once, then taken
