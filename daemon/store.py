@@ -377,8 +377,17 @@ class Store:
         with self.atomic():
             self._event(now, batch_id, None, None, None, reason, detail)
 
-    def events(self, batch_id: int | None = None, *, limit: int = 1000) -> list[Event]:
-        where, params = ("WHERE batch_id = ?", [batch_id]) if batch_id is not None else ("", [])
+    def events(
+        self, batch_id: int | None = None, *, limit: int = 1000, jobs: bool = True
+    ) -> list[Event]:
+        """The newest ``limit`` events, oldest first; of one batch, and without job events."""
+        clauses, params = [], []
+        if batch_id is not None:
+            clauses.append("batch_id = ?")
+            params.append(batch_id)
+        if not jobs:
+            clauses.append("job_id IS NULL")
+        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
         sql = f"SELECT * FROM events {where} ORDER BY id DESC LIMIT {int(limit)}"
         return [Event(**r) for r in reversed(list(self.db.query(sql, params)))]
 
