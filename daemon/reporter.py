@@ -142,6 +142,15 @@ def write(folder: Path, text: str) -> None:
         stale.unlink(missing_ok=True)
 
 
+def gather(store: Store, batch: Batch, waiting: tuple[Problem, ...], timing: Timing) -> StatusInput:
+    """What the status file of ``batch`` shows, read from the store."""
+    history = tuple(store.events(batch.id, limit=50, jobs=False))
+    return StatusInput(
+        batch, tuple(store.jobs([batch.id])), waiting, history,
+        timing.settle_seconds, timing.timeout_seconds,
+    )  # fmt: skip
+
+
 def publish(
     store: Store, batch_id: int, waiting: tuple[Problem, ...], timing: Timing, now: float
 ) -> None:
@@ -151,12 +160,7 @@ def publish(
     latest = store.latest_revision(batch.root, batch.folder)
     if latest is None or latest.id != batch.id or not inside_root(Path(batch.root), batch.folder):
         return
-    history = tuple(store.events(batch.id, limit=50, jobs=False))
-    status = StatusInput(
-        batch, tuple(store.jobs([batch.id])), waiting, history,
-        timing.settle_seconds, timing.timeout_seconds,
-    )  # fmt: skip
     try:
-        write(batch.path, render(status, now))
+        write(batch.path, render(gather(store, batch, waiting, timing), now))
     except OSError as exc:
         log.warning("cannot write status file", batch_id=batch.id, error=str(exc))
