@@ -60,14 +60,15 @@ def find_config(explicit: Path | None) -> Path:
 @watchd_app.command("run")
 def run_command(config: ConfigOption = None) -> None:
     """Run the daemon in the foreground (what systemd runs)."""
-    from daemon.notify import Notifier
+    from daemon.notify import SYSTEMD_VARIABLES, Notifier
     from daemon.service import Service
 
     cfg = load_config(find_config(config))
     logs.configure(cfg.daemon.log_format, cfg.daemon.log_level)
-    stop = threading.Event()
-    executor = make_executor(cfg, os.environ, stop)
-    service = Service(cfg, executor, notifier=Notifier.from_environment(), stop=stop)
+    jobs_env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_VARIABLES}
+    notifier = Notifier.from_environment(os.environ)
+    stop = threading.Event()  # shutdown, shared with the executor's retries
+    service = Service(cfg, make_executor(cfg, jobs_env, stop), notifier=notifier, stop=stop)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: service.request_stop())
     service.run()
@@ -77,7 +78,7 @@ def run_command(config: ConfigOption = None) -> None:
 def check_config_command(config: ConfigOption = None) -> None:
     """Validate the configuration and print it resolved."""
     cfg = load_config(find_config(config))
-    console.print_json(cfg.model_dump_json(exclude={"source"}))
+    console.print_json(cfg.model_dump_json(exclude={"source"}, by_alias=True))
 
 
 # -- watchctl: reading -------------------------------------------------------------------------
