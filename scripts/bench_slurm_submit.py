@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,9 +31,8 @@ from typing import TypeVar
 import numpy as np
 from PIL import Image
 from replay import Replay
-from slurm_scenario import batches_and_jobs, slurm_config, start_cluster
+from slurm_scenario import batches_and_jobs, drill_ground, slurm_config
 
-from daemon import logs
 from daemon.executors.slurm import SlurmExecutor, choose_client, job_environment
 from daemon.executors.slurm_api import JobRecord, JobRequest, SlurmClient, Versions
 from daemon.executors.slurm_cli import CliClient
@@ -103,13 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--client", choices=("cli", "pyslurm"), default="cli")
     parser.add_argument("--baseline-jobs", type=int, default=1000)
     args = parser.parse_args(argv)
-    logs.configure("console", "warning")
-    conf = start_cluster()
-    base = Path(tempfile.mkdtemp(prefix="watchd-bench-"))
-    try:
+    with drill_ground("watchd-bench-") as (conf, base):
         return run(args, conf, base)
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def run(args: argparse.Namespace, conf: Path, base: Path) -> int:

@@ -25,9 +25,7 @@ import argparse
 import csv
 import os
 import re
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -37,13 +35,12 @@ from replay import Replay, copy_slowly
 from slurm_scenario import (
     batches_and_jobs,
     cluster,
+    drill_ground,
     slurm_config,
     stage_inference,
-    start_cluster,
     train_model,
 )
 
-from daemon import logs
 from daemon.config import Config
 from daemon.executors.slurm import make_slurm_executor
 from daemon.records import Batch, Job
@@ -60,15 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--during", type=int, default=2, help="batches dropped during it")
     parser.add_argument("--client", choices=("cli", "pyslurm"), default="cli")
     args = parser.parse_args(argv)
-    logs.configure("console", "warning")
-    conf = start_cluster()
-    base = Path(tempfile.mkdtemp(prefix="watchd-outage-"))
-    try:
+    with drill_ground("watchd-outage-") as (conf, base):
         return drill(args, conf, base)
-    finally:
-        if cluster("status").returncode != 0:
-            cluster("start-controller")
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def drill(args: argparse.Namespace, conf: Path, base: Path) -> int:

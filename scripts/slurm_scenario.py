@@ -9,8 +9,12 @@ tests and the Slurm benchmark scripts.
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,7 @@ import synth
 import tomli_w
 from replay import Replay, copy_slowly, manifest_text
 
+from daemon import logs
 from daemon.config import Config, load_config
 from daemon.manifest import Kind
 from daemon.records import Batch, Job
@@ -41,6 +46,21 @@ def start_cluster() -> Path:
         raise RuntimeError(f"scripts/slurm-cluster start failed: {started.stderr.strip()}")
     line = cluster("env").stdout.strip()  # export SLURM_CONF=...
     return Path(line.split("=", 1)[1].strip("'\""))
+
+
+@contextlib.contextmanager
+def drill_ground(prefix: str) -> Iterator[tuple[Path, Path]]:
+    """For a script: quiet logs, the cluster running, a scratch folder; (slurm.conf, folder).
+    The folder is removed at the end, and the controller started again if left stopped."""
+    logs.configure("console", "warning")
+    conf = start_cluster()
+    base = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield conf, base
+    finally:
+        if cluster("status").returncode != 0:
+            cluster("start-controller")
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def slurm_config(

@@ -39,6 +39,10 @@ def starts(job_dir: Path) -> int:
     return (job_dir / "log.txt").read_text().count("watchd: Slurm job ")
 
 
+def some_running(service: Service) -> bool:
+    return bool(service.store.jobs(states=[JobState.RUNNING]))
+
+
 def job_dir(batch: Batch, job: Job) -> Path:
     return Path(batch.run_dir) / "jobs" / job.name
 
@@ -223,7 +227,7 @@ def test_a_controller_outage_holds_submissions_while_new_batches_are_taken_in(
     first, second = staged("first", count=4), staged("second", count=4)
     with Replay(config, executor) as replay:
         replay.run(copy_slowly(first, drop_root / "first", 0, 0.01),
-                   until=lambda s: bool(s.store.jobs(states=[JobState.RUNNING])), timeout=60)  # fmt: skip
+                   until=some_running, timeout=60)  # fmt: skip
         assert cluster("stop-controller").returncode == 0
         try:
             replay.run(copy_slowly(second, drop_root / "second", 0, 0.01),
@@ -251,7 +255,7 @@ def test_watchctl_cancel_cancels_the_slurm_jobs(
     config = config_for(slurm={"python": node_python(sleep=60), "array_throttle": 1})
     with Replay(config, executor_for(config)) as replay:
         replay.run(copy_slowly(staged(count=6), drop_root / "plate", 0, 0.01),
-                   until=lambda s: bool(s.store.jobs(states=[JobState.RUNNING])), timeout=60)  # fmt: skip
+                   until=some_running, timeout=60)  # fmt: skip
         replay.service.store.add_intent("cancel", 1, time.time(), "tester")
         replay.run(timeout=30)
     ((batch, jobs),) = batches_and_jobs(config)
