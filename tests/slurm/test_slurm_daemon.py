@@ -22,6 +22,7 @@ from daemon.manifest import STATUS_NAME
 from daemon.records import Batch, Job
 from daemon.service import Service
 from daemon.states import BatchState, JobState
+from daemon.store import Store
 
 pytestmark = pytest.mark.slurm
 
@@ -111,8 +112,10 @@ def test_only_the_failed_shards_go_out_again_as_one_smaller_array(
     assert len(first) == 1 and len(second) == 1 and first != second
     assert sorted(slurm_ids(retried)) == [f"{min(second)}_0", f"{min(second)}_1"]
     assert executor.client.counts["submit"] == 3  # the array, the smaller one, the report
-    status = (drop_root / "plate" / STATUS_NAME).read_text()
-    assert "retry 2 of 2" in status
+    store = Store(config.daemon.database)
+    retries = [e.job_id for e in store.events(batch.id) if e.reason == "retry 2 of 2"]
+    store.close()
+    assert sorted(retries) == sorted(j.id for j in retried)
 
 
 def test_a_shard_that_keeps_failing_fails_the_batch_with_slurms_reason_and_its_log_tail(
