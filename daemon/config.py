@@ -81,7 +81,8 @@ class SlurmExecutorSection(_Section):
 
     ``time_minutes``, ``memory_mb``, ``gpus`` and ``tasks`` are the defaults; a manifest's
     ``[resources]`` table may ask for other values up to the ``max_*`` bounds (see
-    docs/slurm.md).
+    docs/slurm.md). A job Slurm says has ended is given ``result_grace_seconds`` for its result
+    file to show on the share (attribute caching on NFS) before it counts as lost.
     """
 
     client: Literal["auto", "pyslurm", "cli"] = "auto"
@@ -102,6 +103,7 @@ class SlurmExecutorSection(_Section):
     array_throttle: Annotated[int, Field(ge=0, le=100_000)] = 50  # %K; 0: no throttle
     max_array_tasks: Annotated[int, Field(ge=1, le=1_000_000)] = 1000  # below MaxArraySize
     poll_seconds: Seconds = 10.0  # at most one status query this often
+    result_grace_seconds: Annotated[float, Field(ge=0, le=3600)] = 30.0  # see below
     command_timeout_seconds: Seconds = 60.0
     retry_attempts: Annotated[int, Field(ge=1, le=10)] = 3  # tries of one call, if they fail fast
     retry_wait_seconds: Seconds = 1.0  # first pause after an unreachable controller; doubles
@@ -130,6 +132,11 @@ class ExecutorSection(_Section):
     def cpus_per_job(self) -> int:
         """Threads each job may use, from the section of the executor in use."""
         return self.slurm.cpus_per_task if self.kind == "slurm" else self.local.cpus_per_job
+
+    @property
+    def result_grace_seconds(self) -> float:
+        """How long an ended job's result may take to show (local jobs write on this host)."""
+        return self.slurm.result_grace_seconds if self.kind == "slurm" else 0.0
 
 
 class RegistrySection(_Section):

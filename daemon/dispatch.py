@@ -9,7 +9,8 @@ file of each job the executor says has ended (or has forgotten).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,11 +40,25 @@ class Outcome:
 
 
 class Dispatcher:
-    def __init__(self, store: Store, executor: Executor, registry_dir: str, cpus: int) -> None:
+    def __init__(
+        self,
+        store: Store,
+        executor: Executor,
+        registry_dir: str,
+        cpus: int,
+        result_grace: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``result_grace``: how long a job that ended without a result is given for its result
+        to show (on a network share, a file written on a compute node may take a while to be
+        seen from here) before it counts as lost."""
         self.store = store
         self.executor = executor
         self.registry_dir = registry_dir
         self.cpus = cpus
+        self.result_grace = result_grace
+        self.clock = clock
+        self._no_result_since: dict[int, float] = {}
         self._said: dict[str, str] = {}  # the last warning of each kind, not to repeat it
 
     def _warn(self, event: str, exc: Exception, **fields: object) -> None:
@@ -69,10 +84,18 @@ class Dispatcher:
             result, note = None, ""
             if status.phase in (Phase.ENDED, Phase.UNKNOWN):
                 result = read_result(self.job_dir(job))
+                if result is None and self._result_may_come(job.id):
+                    seen[job.id] = JobSeen(job.id, Phase.QUEUED)  # no news yet
+                    continue
+                self._no_result_since.pop(job.id, None)
                 if result is None:
                     note = end_note(status.reason, self.job_dir(job) / LOG_FILE)
             seen[job.id] = JobSeen(job.id, status.phase, status.exit_code, result, note)
         return seen
+
+    def _result_may_come(self, job_id: int) -> bool:
+        since = self._no_result_since.setdefault(job_id, self.clock())
+        return self.clock() - since < self.result_grace
 
     def job_dir(self, job: Job) -> Path:
         return Path(self.store.batch(job.batch_id).run_dir) / "jobs" / job.name

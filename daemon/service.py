@@ -83,8 +83,9 @@ class Service:
         self.notifier = notifier or Notifier(None)
         self.store = Store.open(config.daemon.database)
         self.dispatch = Dispatcher(
-            self.store, executor, str(config.registry.path), config.executor.cpus_per_job
-        )
+            self.store, executor, str(config.registry.path), config.executor.cpus_per_job,
+            config.executor.result_grace_seconds,
+        )  # fmt: skip
         self.events: queue.Queue[WatchEvent] = queue.Queue()
         self.watcher = Watcher(config.roots, self.events)
         self.intake = Intake(

@@ -144,8 +144,9 @@ def run(args: argparse.Namespace, conf: Path, base: Path) -> int:
     how = "measured" if measured == len(jobs) else f"extrapolated from {measured:,} measured"
     print(f"baseline, one sbatch per shard: {naive:.2f} s for {len(jobs):,} jobs ({how}), "
           f"{len(jobs):,} Slurm calls")  # fmt: skip
-    print(f"ratio, Slurm submission, watchd / baseline: time {seconds / naive:.4f}, "
-          f"calls {sum(calls.values()) / len(jobs):.4f}")  # fmt: skip
+    made = sum(calls.values())
+    print(f"ratio, Slurm submission, watchd / baseline: time {seconds / naive:.2g}, "
+          f"calls {made} / {len(jobs):,} = {made / len(jobs):.2g}")  # fmt: skip
     whole = f"intake, {args.images:,} inputs checked, planning, {len(jobs):,} spec files"
     print(f"ratio, manifest → submitted ({whole}) / the baseline: {took / naive:.2f}")
     return 0

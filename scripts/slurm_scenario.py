@@ -10,6 +10,8 @@ tests and the Slurm benchmark scripts.
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,6 +50,14 @@ def start_cluster() -> Path:
     return Path(line.split("=", 1)[1].strip("'\""))
 
 
+def node_gpus(slurm_conf: Path) -> int:
+    """The test node's (fake) GPUs: 2, or 0 where the machine refused to make device nodes."""
+    env = {**os.environ, "SLURM_CONF": str(slurm_conf)}
+    out = subprocess.run(["sinfo", "-h", "-o", "%G"], env=env, capture_output=True, text=True)
+    found = re.search(r"gpu:(\d+)", out.stdout)
+    return int(found.group(1)) if found else 0
+
+
 @contextlib.contextmanager
 def drill_ground(prefix: str) -> Iterator[tuple[Path, Path]]:
     """For a script: quiet logs, the cluster running, a scratch folder; (slurm.conf, folder).
@@ -70,9 +80,9 @@ def slurm_config(
     pauses; ``sections`` override values (``slurm={...}`` those of ``[executor.slurm]``)."""
     slurm = {
         "client": client, "slurm_conf": str(slurm_conf), "python": sys.executable,
-        "poll_seconds": 0.5, "array_throttle": 4, "time_minutes": 10, "memory_mb": 1024,
-        "max_gpus": 2, "retry_attempts": 1, "retry_wait_seconds": 0.5,
-        "max_backoff_seconds": 2.0, "command_timeout_seconds": 30,
+        "poll_seconds": 0.5, "result_grace_seconds": 0.0, "array_throttle": 4,
+        "time_minutes": 10, "memory_mb": 1024, "max_gpus": 2, "retry_attempts": 1,
+        "retry_wait_seconds": 0.5, "max_backoff_seconds": 2.0, "command_timeout_seconds": 30,
     }  # fmt: skip
     document: dict[str, Any] = {
         "daemon": {"state_dir": str(base / "state"), "tick_seconds": 0.05,
@@ -104,14 +114,15 @@ def batches_and_jobs(config: Config) -> list[tuple[Batch, list[Job]]]:
 
 def train_model(base: Path, slurm_conf: Path, client: str = "cli") -> tuple[Batch, Job]:
     """Train a tiny model through the cluster, into ``base/registry``; the training batch and
-    its training job. The manifest asks for one of the node's (fake) GPUs."""
+    its training job. The manifest asks for one of the node's (fake) GPUs, if it has any."""
     root = base / "drop"
     root.mkdir(parents=True)
     config = slurm_config(base, root, base / "registry", slurm_conf, client)
     staging = base / "staging"
     synth.make_batch(staging, "training", count=8, size=48, seed=3)
     text = manifest_text(staging, Kind.TRAINING, model=MODEL, params=TINY_TRAINING)
-    (staging / "manifest.toml").write_bytes(text + b"\n[resources]\ngpus = 1\n")
+    gpus = min(1, node_gpus(slurm_conf))
+    (staging / "manifest.toml").write_bytes(text + f"\n[resources]\ngpus = {gpus}\n".encode())
     with Replay(config) as replay:
         replay.run(copy_slowly(staging, root / "training", 0.0, 0.01), timeout=300)
     ((batch, jobs),) = batches_and_jobs(config)
