@@ -33,17 +33,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import synth
 import tomli_w
 from PIL import Image
+from replay import Replay, copy_slowly, manifest_text
 
-import synth
 from daemon import logs
 from daemon.config import Config, load_config
 from daemon.manifest import STATUS_NAME, Kind
 from daemon.records import Batch
 from daemon.states import BatchState
 from daemon.store import Store
-from replay import Replay, copy_slowly, manifest_text
 
 BIN = Path(sys.executable).parent
 MODEL = "spheroid-unet"
@@ -302,8 +302,9 @@ def main() -> int:
         run = one_run(number, random.Random(rng.random()), run_dir, seed_registry, args.deadline)
         runs.append(run)
         verdict = "ok" if not run.violations else "VIOLATED: " + "; ".join(run.violations)
-        print(f"run {number:3d}: {run.batches} batches, {run.daemon_kills} daemon kills, "
-              f"{run.worker_kills} worker kills, {run.seconds:5.1f} s: {verdict}", flush=True)  # fmt: skip
+        line = f"run {number:3d}: {run.batches} batches, {run.daemon_kills} daemon kills, "
+        line += f"{run.worker_kills} worker kills, {run.seconds:5.1f} s: {verdict}"
+        print(line, flush=True)
         if not run.violations or not args.keep:
             shutil.rmtree(run_dir, ignore_errors=True)
     violations = sum(len(r.violations) for r in runs)
