@@ -7,6 +7,7 @@ the state, progress, each problem with its location and a next step, and the his
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -137,9 +138,30 @@ def write(folder: Path, text: str) -> None:
     The daemon is the only writer of this file, so a temporary one still lying next to it
     after the rename was left by a daemon killed mid-write: it is removed.
     """
-    atomicfile.write_text(folder / STATUS_NAME, text, fsync=False)
+    try:
+        atomicfile.write_text(folder / STATUS_NAME, text, fsync=False)
+    except OSError as exc:
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        if not (full and _overwrite(folder / STATUS_NAME, text)):
+            raise
     for stale in folder.glob(f"{atomicfile.TMP_PREFIX}{STATUS_NAME}.*"):
         stale.unlink(missing_ok=True)
+
+
+def _overwrite(path: Path, text: str) -> bool:
+    """With the share full, a new file cannot be made, but the old status file's blocks can be
+    written again: overwrite it in place if the text fits in them (one write call; not atomic,
+    the one exception, because a stale "RUNNING" would mislead the owner more)."""
+    data = text.encode("utf-8")
+    try:
+        with open(path, "r+b") as handle:
+            if len(data) > os.fstat(handle.fileno()).st_blocks * 512:
+                return False
+            handle.write(data)
+            handle.truncate()
+    except OSError:
+        return False
+    return True
 
 
 def gather(store: Store, batch: Batch, waiting: tuple[Problem, ...], timing: Timing) -> StatusInput:

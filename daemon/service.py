@@ -12,6 +12,7 @@ the next start).
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import socket
@@ -436,11 +437,11 @@ class Service:
             self._unwritable(batch, exc, now)
 
     def _unwritable(self, batch: Batch, exc: OSError, now: float) -> None:
-        problem = Problem(
-            "results folder",
-            f"cannot be written: {exc.strerror or exc}",
-            "make the batch folder writable for the watchd service, then ask for a retry",
-        )
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            hint = "the share is full (or over quota): free space, then ask for a retry"
+        else:
+            hint = "make the batch folder writable for the watchd service, then ask for a retry"
+        problem = Problem("results folder", f"cannot be written: {exc.strerror or exc}", hint)
         if not self.store.batch(batch.id).state.terminal:
             jobs = [j.id for j in self.store.jobs([batch.id]) if not j.state.terminal]
             self._cancel(Cancel(tuple(jobs), "batch failed"), now)
