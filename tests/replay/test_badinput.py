@@ -22,6 +22,10 @@ from typing import Any
 import pytest
 import structlog
 from badinput_cases import CASES, Case, images, make_all
+
+# At import, while "conftest" is this folder's (a conftest of another folder collected later,
+# e.g. tests/slurm/, takes the name over).
+from conftest import MODEL, write_config
 from replay import Replay, copy_slowly, write_atomically
 
 from daemon.config import Config
@@ -46,8 +50,6 @@ class Outcome:
 
 @pytest.fixture(scope="module")
 def outcome(tmp_path_factory: pytest.TempPathFactory, trained_registry: Path) -> Iterator[Outcome]:
-    from conftest import MODEL, write_config
-
     base = tmp_path_factory.mktemp("bad input")
     root, registry = base / "drop röot 'q'", base / "registry"
     root.mkdir()
@@ -229,8 +231,6 @@ def test_a_full_disk_while_writing_fails_cleanly_and_leaves_no_half_written_outp
     try:
         root = small / "drop"
         root.mkdir()
-        from conftest import write_config
-
         config = write_config(
             tmp_path, root, config_for().registry.path, planner={"shard_size": 100}
         )
