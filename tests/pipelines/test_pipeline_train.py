@@ -52,7 +52,7 @@ def test_training_writes_curves_model_card_and_previews_inside_the_run(
     card = json.loads((training / "model.json").read_text())
     assert (card["name"], card["version"]) == (trained.name, 1)
     assert job.result is not None and job.result.summary["model"]["version"] == 1
-    assert len(list((training / "previews").glob("*.png"))) == 4
+    assert len(list((training / "previews").glob("*.png"))) == 3
     batch_dir = Path(job.spec.batch_dir)
     assert sorted(p.name for p in batch_dir.iterdir()) == ["images", "masks", "results"]
     assert {"jobs", "training"} <= {p.name for p in job.run_dir.iterdir()}
@@ -81,7 +81,7 @@ def test_training_log_is_plain_and_quiet(trained: TrainedModel) -> None:
     log = trained.run.log
     assert "epoch 2/2: train_loss" in log and "registered spheroids version 1" in log
     assert "Warning" not in log and "Traceback" not in log
-    assert all(line[:4].isdigit() for line in log.splitlines() if line.strip())
+    assert [line for line in log.splitlines() if line.strip() and not line[:4].isdigit()] == []
 
 
 def test_bad_training_inputs_fail_with_every_problem(
@@ -121,3 +121,33 @@ def test_bad_training_inputs_fail_with_every_problem(
         "copy it again",
     ]
     assert not (tmp_path / "registry").exists()
+
+
+def test_training_with_two_tasks_runs_cpu_ddp_and_only_rank_zero_publishes(
+    synth: ModuleType,
+    tmp_path: Path,
+    manifest_inputs: Callable[..., Any],
+    job_spec: Callable[..., Any],
+    run: Callable[..., JobRun],
+    train_params: dict[str, Any],
+) -> None:
+    """tasks = 2: Lightning starts a second rank (gloo on CPU); one version, one result."""
+    batch_dir = tmp_path / "ddp batch"
+    files = synth.make_batch(batch_dir, "training", count=8, size=32, seed=4)
+    spec = job_spec(
+        batch_dir,
+        Pipeline.TRAIN,
+        manifest_inputs(batch_dir, files),
+        registry=tmp_path / "registry",
+        model=ModelRef("ddp"),
+        params={**train_params, "tasks": 2},
+        batch_kind="training",
+    )
+    job = run(spec)
+    assert job.returncode == 0 and job.result is not None and job.result.ok, job.log
+    assert registry.list_versions(tmp_path / "registry", "ddp") == [1]
+    published = registry.resolve(tmp_path / "registry", "ddp", "latest")
+    assert published.metadata["training"]["processes"] == 2
+    assert job.log.count("rank 1 finished: rank 0 writes the result") == 1
+    assert job.log.count("registered ddp version 1") == 1
+    assert job.log.count("epoch 2/2: train_loss") == 1
