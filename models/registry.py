@@ -43,6 +43,7 @@ __all__ = [
     "list_models",
     "list_versions",
     "load",
+    "load_file",
     "publish",
     "read_aliases",
     "register",
@@ -52,25 +53,31 @@ __all__ = [
 
 def load(model: ModelVersion) -> dict[str, torch.Tensor]:
     """Read and verify the weights of ``model``; only tensors are ever unpickled."""
-    where = f"model {model.name!r} version {model.version}"
+    return load_file(
+        model.weights_path, model.sha256, f"model {model.name!r} version {model.version}"
+    )
+
+
+def load_file(path: Path, sha256: str, where: str) -> dict[str, torch.Tensor]:
+    """Read ``path``, check its sha256, unpickle tensors only (``where`` names it in errors)."""
     try:
-        data = model.weights_path.read_bytes()
+        data = path.read_bytes()
     except OSError as exc:
-        raise ModelError(f"{where}: cannot read {model.weights_path} ({exc})") from exc
+        raise ModelError(f"{where}: cannot read {path} ({exc})") from exc
     actual = hashlib.sha256(data).hexdigest()
-    if actual != model.sha256:
+    if actual != sha256:
         raise ModelError(
-            f"{where}: {WEIGHTS_FILE} has sha256 {actual} ({len(data)} bytes), the registry "
-            f"recorded {model.sha256}: the file was truncated or changed after publication"
+            f"{where}: {path.name} has sha256 {actual} ({len(data)} bytes), the registry "
+            f"recorded {sha256}: the file was truncated or changed after publication"
         )
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # any unpickling failure means: refuse this file
-        raise ModelError(f"{where}: refused to load {WEIGHTS_FILE} ({exc})") from exc
+        raise ModelError(f"{where}: refused to load {path.name} ({exc})") from exc
     if not isinstance(state, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
     ):
-        raise ModelError(f"{where}: {WEIGHTS_FILE} is not a state_dict of tensors")
+        raise ModelError(f"{where}: {path.name} is not a state_dict of tensors")
     return state
 
 
