@@ -28,6 +28,8 @@ TABLE_HEADER = [
     "equivalent_diameter_px",
     "objects",
     "mean_intensity",
+    "confidence",
+    "tiled",
     "model_name",
     "model_version",
     "model_sha256",
