@@ -59,7 +59,9 @@ def test_trials_register_nothing_and_the_sweep_job_registers_only_the_best(
     assert [row["job"] for row in rows][0] == f"b1-trial-{best:04d}" and len(rows) == 2
     assert set(rows[0]) >= {"rank", "trial", "learning_rate", "val_dice", "val_loss"}
     record = json.loads((run_dir / "sweep" / "sweep.json").read_text())
-    assert record["wandb_sweep_config"]["parameters"] == {"learning_rate": {"values": [0.05, 0.0001]}}
+    assert record["wandb_sweep_config"]["parameters"] == {
+        "learning_rate": {"values": [0.05, 0.0001]}
+    }
     assert record["wandb_sweep_id"] is None  # offline: no W&B sweep is created
     card = json.loads((run_dir / "training" / "model.json").read_text())
     assert (card["name"], card["version"]) == ("swept", 1)
@@ -68,7 +70,10 @@ def test_trials_register_nothing_and_the_sweep_job_registers_only_the_best(
 
 
 def test_a_sweep_job_missing_trials_fails_as_internal(
-    tmp_path: Path, job_spec: Callable[..., Any], run: Callable[..., JobRun], train_params: dict[str, Any]
+    tmp_path: Path,
+    job_spec: Callable[..., Any],
+    run: Callable[..., JobRun],
+    train_params: dict[str, Any],
 ) -> None:
     batch_dir = tmp_path / "empty sweep"
     batch_dir.mkdir()
