@@ -88,8 +88,13 @@ def best_metrics(recorder: fitting.EpochRecorder) -> dict[str, float | int | Non
 
 
 def origin(spec: JobSpec) -> dict[str, Any]:
-    """What identifies the training job in the metadata of the version it publishes."""
-    return {"batch_id": spec.batch_id, "batch_revision": spec.batch_revision, "job_id": spec.job_id}
+    """What identifies the training job in the metadata of the version it publishes.
+
+    Ids alone are not enough: another daemon (or a fresh database) numbers its batches from 1
+    again; the run folder (time and manifest hash) and the job name make it unique.
+    """
+    return {"batch_id": spec.batch_id, "batch_revision": spec.batch_revision,
+            "job_id": spec.job_id, "job_name": spec.job_name, "run_dir": spec.run_dir}  # fmt: skip
 
 
 def metadata(
@@ -131,6 +136,7 @@ def best_rule(params: dict[str, Any]) -> BestRule:
 def _fit(spec: JobSpec, data: TrainingData, out_dir: Path) -> tuple[UNet, dict[str, Any], bool]:
     """Fit; (best net, registry metadata, whether this process is rank 0)."""
     started = time.monotonic()
+    out_dir.mkdir(parents=True, exist_ok=True)
     params = dict(spec.params)
     group = f"batch-{spec.batch_id}-r{spec.batch_revision}"
     logger = fitting.wandb_logger(out_dir, spec.job_name, group, params, os.environ)

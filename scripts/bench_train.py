@@ -1,0 +1,109 @@
+"""Training overhead: the pipeline's seconds per epoch against a plain PyTorch loop's.
+
+The pipeline is :func:`pipelines.fitting.fit`, what the training job runs: Lightning's Trainer
+with the per-epoch recorder, early stopping, torchmetrics and the W&B logger (offline). The
+plain loop trains the same U-Net with the same loaders, loss and optimiser and validates every
+epoch (loss and Dice), with no framework. Both run in this invocation, interleaved,
+``--rounds`` times; each figure is wall time (set-up included) divided by epochs. Medians and
+their ratio are printed.
+
+    python scripts/bench_train.py [--out /tmp/watchd-bench] [--images 64] [--epochs 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import jobrun
+import synth
+
+from models.unet import UNet, segmentation_loss
+from pipelines import fitting
+from pipelines.pairs import load_dataset
+
+PARAMS = {"epochs": 4, "batch_size": 8, "learning_rate": 0.003, "val_fraction": 0.2, "seed": 0,
+          "depth": 3, "width": 16, "patience": 100}  # fmt: skip
+
+
+def plain(data: object, params: dict[str, object]) -> float:
+    """Seconds per epoch of a hand-written loop (train, then validate loss and Dice)."""
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    train, val = fitting.loaders(data, params)  # type: ignore[arg-type]
+    net = UNet(int(params["depth"]), int(params["width"]))  # type: ignore[call-overload]
+    optimiser = torch.optim.Adam(net.parameters(), lr=float(params["learning_rate"]))  # type: ignore[arg-type]
+    epochs = int(params["epochs"])  # type: ignore[call-overload]
+    for _ in range(epochs):
+        net.train()
+        for images, masks in train:
+            optimiser.zero_grad()
+            segmentation_loss(net(images), masks).backward()
+            optimiser.step()
+        net.eval()
+        hits = total = 0.0
+        with torch.no_grad():
+            for images, masks in val:
+                logits = net(images)
+                segmentation_loss(logits, masks)
+                predicted = logits > 0
+                hits += float((predicted & (masks > 0.5)).sum())
+                total += float(predicted.sum() + (masks > 0.5).sum())
+        _ = 2 * hits / max(total, 1)
+    return (time.perf_counter() - started) / epochs
+
+
+def pipeline(data: object, params: dict[str, object], folder: Path) -> float:
+    """Seconds per epoch of the training job's fit (Trainer, callbacks, metrics, W&B offline)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    started = time.perf_counter()
+    logger = fitting.wandb_logger(folder, "bench", "bench", params, os.environ)
+    _, recorder, _ = fitting.fit(data, params, folder / "metrics.csv", logger)  # type: ignore[arg-type]
+    if logger is not None:
+        logger.experiment.finish()
+    return (time.perf_counter() - started) / len(recorder.rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("/tmp/watchd-bench"))
+    parser.add_argument("--images", type=int, default=64)
+    parser.add_argument("--size", type=int, default=128)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cpus", type=int, default=2)
+    args = parser.parse_args()
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    torch.set_num_threads(args.cpus)
+    batch_dir = args.out / "train-overhead"
+    shutil.rmtree(batch_dir, ignore_errors=True)
+    files = synth.make_batch(batch_dir, "training", args.images, args.size, seed=400)
+    data = load_dataset(batch_dir, jobrun.inputs_of(batch_dir, files))
+    params = {**PARAMS, "epochs": args.epochs}
+    loop, lightning = [], []
+    for round_ in range(args.rounds):
+        loop.append(plain(data, params))
+        lightning.append(pipeline(data, params, batch_dir / f"fit-{round_}"))
+    print(f"{args.images} images {args.size}², batch 8, U-Net depth 3 width 16, "
+          f"{args.epochs} epochs per run, {args.cpus} threads")  # fmt: skip
+    print("plain loop s/epoch per round: " + " ".join(f"{s:.2f}" for s in loop))
+    print("pipeline   s/epoch per round: " + " ".join(f"{s:.2f}" for s in lightning))
+    ratio = statistics.median(lightning) / statistics.median(loop)
+    print(f"median plain {statistics.median(loop):.2f} s/epoch, pipeline "
+          f"{statistics.median(lightning):.2f} s/epoch, ratio {ratio:.3f} "
+          "(target <= 1.10)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
