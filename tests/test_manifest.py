@@ -257,7 +257,9 @@ def test_pairing_lists_images_without_masks() -> None:
 REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("name", ["inference.toml", "training.toml", "inference-patterns.toml"])
+@pytest.mark.parametrize(
+    "name", ["inference.toml", "training.toml", "inference-patterns.toml", "sweep.toml"]
+)
 def test_the_documented_examples_are_valid(name: str) -> None:
     parse_manifest((REPO / "docs" / "examples" / name).read_bytes())
 
