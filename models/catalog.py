@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.atomicfile import write_text
+from daemon.manifest_writer import sha256_of
 
 WEIGHTS_FILE = "weights.pt"
 METADATA_FILE = "metadata.json"
@@ -292,20 +292,17 @@ def update_aliases(model_dir: Path, version: int, rule: BestRule) -> dict[str, i
 
 def verify(model: ModelVersion) -> None:
     """Check the weights' sha256 against the metadata without loading them (no torch)."""
-    digest = hashlib.sha256()
     try:
-        with open(model.weights_path, "rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(chunk)
+        digest = sha256_of(model.weights_path)
     except OSError as exc:
         raise ModelError(
             f"model {model.name!r} version {model.version}: "
             f"cannot read {model.weights_path} ({exc})"
         ) from exc
-    if digest.hexdigest() != model.sha256:
+    if digest != model.sha256:
         raise ModelError(
             f"model {model.name!r} version {model.version}: {WEIGHTS_FILE} has sha256 "
-            f"{digest.hexdigest()}, the registry recorded {model.sha256}: the file was truncated "
+            f"{digest}, the registry recorded {model.sha256}: the file was truncated "
             "or changed after publication"
         )
 

@@ -95,15 +95,6 @@ def read_image_hashed(batch_dir: Path, item: InputFile) -> tuple[np.ndarray, str
     return pixels, item.sha256.lower() if item.sha256 else hashlib.sha256(data).hexdigest()
 
 
-def file_sha256(path: Path) -> str:
-    """The sha256 of a file, read in 1 MiB blocks (for inputs too large to hold)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def peek_size(path: Path) -> tuple[int, int] | None:
     """(height, width) from a PNG's or TIFF's header without decoding pixels; None if unknown."""
     try:

@@ -46,12 +46,12 @@ from torch.utils.data import Dataset as TorchDataset
 
 from daemon.atomicfile import write_text
 from daemon.jobspec import InputFile, JobSpec, Pipeline, Problem
+from daemon.manifest_writer import sha256_of as file_sha256
 from models import registry
 from models.registry import ModelError, ModelVersion
 from models.unet import UNet
 from pipelines.images import (
     check_suffix,
-    file_sha256,
     peek_size,
     read_image_hashed,
     where,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from daemon.jobspec import InputFile
-from pipelines.images import file_sha256
+from daemon.manifest_writer import sha256_of as file_sha256
 
 
 def params_hash(params: Mapping[str, Any]) -> str:

@@ -11,12 +11,13 @@ import importlib.util
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import jobrun
 import pytest
 
 from daemon.jobspec import (
@@ -88,19 +89,7 @@ def synth() -> ModuleType:
     return _load_synth()
 
 
-def inputs_for(
-    batch_dir: Path, files: Iterable[Path], *, checksums: bool = False
-) -> tuple[InputFile, ...]:
-    """Manifest-style inputs for ``files``; files under a ``masks`` folder get role "mask"."""
-    import hashlib
-
-    items = []
-    for path in sorted(files):
-        relative = path.relative_to(batch_dir).as_posix()
-        digest = hashlib.sha256(path.read_bytes()).hexdigest() if checksums else None
-        role = "mask" if "masks" in Path(relative).parts[:-1] else "image"
-        items.append(InputFile(relative, path.stat().st_size, digest, role))
-    return tuple(items)
+inputs_for = jobrun.inputs_of  # manifest-style inputs; files under ``masks/`` are masks
 
 
 def write_spec(
