@@ -221,28 +221,28 @@ class Segmenter:
         self.batch_size = int(params.get("batch_size", 1))
         self.masks_dir = Path(spec.run_dir) / MASKS_DIR
         self.rows: dict[str, dict[str, Any]] = {}
-        self.pending: list[Loaded] = []
+        self.pending: list[tuple[InputFile, str, np.ndarray]] = []
 
-    def add(self, loaded: Loaded) -> None:
+    def add(self, item: InputFile, digest: str, pixels: np.ndarray) -> None:
         """Queue a decoded image; a full batch, or an image of another size, flushes."""
-        assert loaded.pixels is not None
-        if self.pending and self.pending[0].pixels.shape != loaded.pixels.shape:  # type: ignore[union-attr]
+        if self.pending and self.pending[0][2].shape != pixels.shape:
             self.flush()
-        self.pending.append(loaded)
+        self.pending.append((item, digest, pixels))
         if len(self.pending) >= self.batch_size:
             self.flush()
 
     def flush(self) -> None:
         if not self.pending:
             return
-        stack = np.stack([p.pixels for p in self.pending])  # type: ignore[misc]
-        for loaded, probabilities in zip(self.pending, predict(self.net, stack), strict=True):
-            assert loaded.pixels is not None
+        stack = np.stack([pixels for _, _, pixels in self.pending])
+        for (item, digest, pixels), probabilities in zip(
+            self.pending, predict(self.net, stack), strict=True
+        ):
             mask, objects = clean_mask(probabilities, self.threshold, self.min_area)
-            write_mask(output_path(self.masks_dir, loaded.item.path), mask)
+            write_mask(output_path(self.masks_dir, item.path), mask)
             confidence = float(np.abs(2 * probabilities - 1).mean())
-            row = {**measure(loaded.pixels, mask, objects), "confidence": round(confidence, 4)}
-            self._done(loaded.item, loaded.sha256, {**row, "tiled": 0})
+            row = {**measure(pixels, mask, objects), "confidence": round(confidence, 4)}
+            self._done(item, digest, {**row, "tiled": 0})
         self.pending = []
 
     def tiled(self, item: InputFile) -> list[Problem]:
@@ -284,7 +284,7 @@ def segment(
             segmenter.flush()
             problems += segmenter.tiled(loaded.item)
         elif loaded.pixels is not None:
-            segmenter.add(loaded)
+            segmenter.add(loaded.item, loaded.sha256, loaded.pixels)
         progress.tick()
     segmenter.flush()
     return segmenter.rows, problems

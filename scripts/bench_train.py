@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,20 +29,20 @@ import synth
 
 from models.unet import UNet, segmentation_loss
 from pipelines import fitting
-from pipelines.pairs import load_dataset
+from pipelines.pairs import TrainingData, load_dataset
 
 PARAMS = {"epochs": 4, "batch_size": 8, "learning_rate": 0.003, "val_fraction": 0.2, "seed": 0,
           "depth": 3, "width": 16, "patience": 100}  # fmt: skip
 
 
-def plain(data: object, params: dict[str, object]) -> float:
+def plain(data: TrainingData, params: dict[str, Any]) -> float:
     """Seconds per epoch of a hand-written loop (train, then validate loss and Dice)."""
     started = time.perf_counter()
     torch.manual_seed(0)
-    train, val = fitting.loaders(data, params)  # type: ignore[arg-type]
-    net = UNet(int(params["depth"]), int(params["width"]))  # type: ignore[call-overload]
-    optimiser = torch.optim.Adam(net.parameters(), lr=float(params["learning_rate"]))  # type: ignore[arg-type]
-    epochs = int(params["epochs"])  # type: ignore[call-overload]
+    train, val = fitting.loaders(data, params)
+    net = UNet(int(params["depth"]), int(params["width"]))
+    optimiser = torch.optim.Adam(net.parameters(), lr=float(params["learning_rate"]))
+    epochs = int(params["epochs"])
     for _ in range(epochs):
         net.train()
         for images, masks in train:
@@ -61,13 +62,13 @@ def plain(data: object, params: dict[str, object]) -> float:
     return (time.perf_counter() - started) / epochs
 
 
-def pipeline(data: object, params: dict[str, object], folder: Path) -> float:
+def pipeline(data: TrainingData, params: dict[str, Any], folder: Path) -> float:
     """Seconds per epoch of the training job's fit (Trainer, callbacks, metrics, W&B offline)."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     started = time.perf_counter()
     logger = fitting.wandb_logger(folder, "bench", "bench", params, os.environ)
-    _, recorder, _ = fitting.fit(data, params, folder / "metrics.csv", logger)  # type: ignore[arg-type]
+    _, recorder, _ = fitting.fit(data, params, folder / "metrics.csv", logger)
     if logger is not None:
         logger.experiment.finish()
     return (time.perf_counter() - started) / len(recorder.rows)
