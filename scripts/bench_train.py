@@ -18,6 +18,7 @@ import shutil
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ import synth
 from models.unet import UNet, segmentation_loss
 from pipelines import fitting
 from pipelines.pairs import TrainingData, load_dataset
+from pipelines.train import QUIET_WARNINGS
 
 PARAMS = {"epochs": 4, "batch_size": 8, "learning_rate": 0.003, "val_fraction": 0.2, "seed": 0,
           "depth": 3, "width": 16, "patience": 100}  # fmt: skip
@@ -83,6 +85,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cpus", type=int, default=2)
     args = parser.parse_args()
+    for pattern in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
     torch.set_num_threads(args.cpus)
