@@ -211,6 +211,21 @@ class Progress:
             log.info("%d/%d images (%.3f s/image)", self.done, self.total, per_image)
 
 
+class TiledProgress:
+    """Logs "rows of windows done" of one large image at most every 30 s, and at the end."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.started = path, time.monotonic()
+        self.last = self.started
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.last > _PROGRESS_EVERY_S or done == total:
+            self.last = now
+            log.info("%s: %d/%d rows of windows (%.0f s)", self.path, done, total,
+                     now - self.started)  # fmt: skip
+
+
 class Segmenter:
     """Segments loaded images (batched by size) and tiled ones; writes masks, ledger rows."""
 
@@ -260,7 +275,7 @@ class Segmenter:
         result = segment_tiled(
             source, target, lambda tiles: predict(self.net, tiles), self.threshold,
             self.min_area, int(params.get("tile_size", 512)), int(params.get("tile_overlap", 64)),
-            self.batch_size,
+            self.batch_size, TiledProgress(item.path),
         )  # fmt: skip
         row = _stats(result.width, result.height, result.area, result.objects, result.intensity)
         self._done(item, digest, {**row, "confidence": round(result.confidence, 4), "tiled": 1})

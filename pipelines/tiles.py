@@ -35,6 +35,7 @@ _EIGHT = np.ones((3, 3), dtype=bool)
 _LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
 
 Predict = Callable[[np.ndarray], np.ndarray]  # (N, h, w) grey → (N, h, w) probabilities
+Progress = Callable[[int, int], None]  # (window rows done, window rows in all)
 
 
 class RegionReader:
@@ -117,7 +118,12 @@ def coverage(length: int, window: int, positions: list[int], overlap: int) -> np
 
 
 def probability_bands(
-    reader: RegionReader, predict: Predict, window: int, overlap: int, batch: int
+    reader: RegionReader,
+    predict: Predict,
+    window: int,
+    overlap: int,
+    batch: int,
+    progress: Progress | None = None,
 ) -> Iterator[tuple[int, np.ndarray]]:
     """(first row, blended probabilities) for consecutive bands of rows, top to bottom."""
     height, width = reader.height, reader.width
@@ -134,6 +140,8 @@ def probability_bands(
             tiles = np.stack([reader.region(top, top + win_h, x, x + win_w) for x in chunk])
             for x, prob in zip(chunk, predict(tiles), strict=True):
                 acc[:, x : x + win_w] += prob * weight
+        if progress is not None:
+            progress(r + 1, len(rows))
         done = rows[r + 1] - top if r + 1 < len(rows) else win_h
         yield top, acc[:done] / (norm_y[top : top + done, None] * norm_x[None, :])
         acc[: win_h - done] = acc[done:]
@@ -239,7 +247,7 @@ class TiledResult:
 
 def segment_tiled(
     source: Path, target: Path, predict: Predict, threshold: float, min_area: int,
-    window: int = 512, overlap: int = 64, batch: int = 1,
+    window: int = 512, overlap: int = 64, batch: int = 1, progress: Progress | None = None,
 ) -> TiledResult:  # fmt: skip
     """Segment ``source`` into the tiled TIFF mask ``target``; the per-image statistics."""
     reader = RegionReader(source, cache_pixel_rows=window + 2 * TILE)
@@ -248,7 +256,7 @@ def segment_tiled(
     try:
 
         def masks() -> Iterator[np.ndarray]:
-            bands = probability_bands(reader, predict, window, overlap, batch)
+            bands = probability_bands(reader, predict, window, overlap, batch, progress)
             top = 0
             for band in rebanded(bands):
                 certainty[0] += float(np.abs(2 * band - 1).sum())
