@@ -79,7 +79,7 @@ class InferenceParams(_Strict):
     batch_size: Annotated[int, Field(ge=1, le=256)] = 1
     tile_size: Annotated[int, Field(ge=64, le=8192)] = 512
     tile_overlap: Annotated[int, Field(ge=0, le=1024)] = 64
-    max_whole_pixels: Annotated[int, Field(ge=1, le=2**31)] = 4096 * 4096
+    max_whole_pixels: Annotated[int, Field(ge=1, le=2**31)] = 2048 * 2048
 
 
 PARAMS_BY_KIND: Mapping[Kind, type[_Strict]] = {

@@ -168,7 +168,7 @@ def _as_is(loaded: Loaded) -> Loaded:
 def _loaded(spec: JobSpec, items: list[InputFile]) -> Iterator[Loaded]:
     # One or two reader processes hide the share's latency; the rest of the cores run the net.
     workers = min(2, max(0, spec.resources.cpus - 1))
-    max_pixels = int(spec.params.get("max_whole_pixels", 4096 * 4096))
+    max_pixels = int(spec.params.get("max_whole_pixels", 2048 * 2048))
     loader = DataLoader(
         ShardImages(Path(spec.batch_dir), items, max_pixels),
         batch_size=None,
