@@ -56,15 +56,22 @@ def model(out: Path) -> tuple[Path, UNet, str]:
 
 
 @torch.inference_mode()
-def forward_rate(net: UNet, images: list[np.ndarray], batch: int, channels_last: bool) -> float:
-    """Images per second of the bare forward pass (plus sigmoid) over decoded images."""
+def forward_rates(
+    net: UNet, images: list[np.ndarray], batch: int, channels_last: bool
+) -> tuple[float, float]:
+    """Images per second and per CPU-second of the bare forward pass (plus sigmoid)."""
     layout = torch.channels_last if channels_last else torch.contiguous_format
     net = net.to(memory_format=layout)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     for first in range(0, len(images), batch):
         stack = torch.from_numpy(np.stack(images[first : first + batch]))[:, None]
         torch.sigmoid(net(stack.contiguous(memory_format=layout)))
-    return len(images) / (time.perf_counter() - started)
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
+    return len(images) / wall, len(images) / cpu
+
+
+def forward_rate(net: UNet, images: list[np.ndarray], batch: int, channels_last: bool) -> float:
+    return forward_rates(net, images, batch, channels_last)[0]
 
 
 def main() -> int:
@@ -84,15 +91,20 @@ def main() -> int:
     inputs = jobrun.inputs_of(batch_dir, files, checksums=True)
     params = {"threshold": 0.5, "min_object_area": 16, "batch_size": 1}
     forward_rate(net, images[:4], 1, True)  # warm-up: the first calls allocate
-    bare, pipeline, walls = [forward_rate(net, images, 1, True)], [], []
+    first = forward_rates(net, images, 1, True)
+    bare, pipeline, walls = [first[0]], [], []
+    bare_cpu, pipeline_cpu = [first[1]], []
     for _ in range(args.rounds):
         shutil.rmtree(batch_dir / "results", ignore_errors=True)  # else the ledger skips all
         job = jobrun.run(batch_dir, Pipeline.INFER, inputs, root, ModelRef(MODEL), params,
                          name="infer", kind="inference", cpus=args.cpus)  # fmt: skip
         assert job.returncode == 0, "inference failed"
         pipeline.append(1 / job.summary["seconds_per_image"])
+        pipeline_cpu.append(1 / job.summary["cpu_seconds_per_image"])
         walls.append(job.wall_s)
-        bare.append(forward_rate(net, images, 1, True))
+        wall_rate, cpu_rate = forward_rates(net, images, 1, True)
+        bare.append(wall_rate)
+        bare_cpu.append(cpu_rate)
     print(f"model: {note}; {args.images} PNG images {args.size}², {args.cpus} threads")
     print("bare forward img/s per round:  " + " ".join(f"{r:.2f}" for r in bare))
     print("end-to-end img/s per round:    " + " ".join(f"{r:.2f}" for r in pipeline))
@@ -102,6 +114,10 @@ def main() -> int:
     ratios = [p / ((a + b) / 2) for p, a, b in zip(pipeline, bare, bare[1:], strict=False)]
     print("bracketed ratios per round:    " + " ".join(f"{r:.3f}" for r in ratios))
     print(f"median of bracketed ratios {statistics.median(ratios):.3f} (target >= 0.90)")
+    cpu_ratio = statistics.median(pipeline_cpu) / statistics.median(bare_cpu)
+    print("bare forward img/CPU-s:        " + " ".join(f"{r:.2f}" for r in bare_cpu))
+    print("end-to-end img/CPU-s:          " + " ".join(f"{r:.2f}" for r in pipeline_cpu))
+    print(f"per CPU-second (job process and its loader worker): ratio of medians {cpu_ratio:.3f}")
     ratio = statistics.median(pipeline) / statistics.median(bare)
     print(f"median bare {statistics.median(bare):.2f} img/s, end-to-end "
           f"{statistics.median(pipeline):.2f} img/s, ratio {ratio:.3f} "
