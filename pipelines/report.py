@@ -221,6 +221,14 @@ def _training(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return summary, page
 
 
+def _number(text: str) -> str | float:
+    """A CSV cell as a float when it is a fraction (shown rounded), else as written."""
+    try:
+        return float(text) if "." in text or "e" in text else text
+    except ValueError:
+        return text
+
+
 def _sweep(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(summary part, page part) for a sweep: every trial ranked, their validation curves."""
     record = json.loads((run_dir / SWEEP_DIR / SWEEP_FILE).read_text(encoding="utf-8"))
@@ -235,7 +243,8 @@ def _sweep(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     summary = {"method": record.get("method"), "metric": metric, "trials": len(trials),
                "winner": record.get("winner"), "table": f"{SWEEP_DIR}/{TRIALS_TABLE}",
                "wandb_sweep_id": record.get("wandb_sweep_id")}  # fmt: skip
-    page = {"summary": summary, "trials": trials, "chart": figures.data_uri(chart),
+    shown = [{k: _number(v) for k, v in trial.items()} for trial in trials]
+    page = {"summary": summary, "trials": shown, "chart": figures.data_uri(chart),
             "space": record.get("space", {})}  # fmt: skip
     return summary, page
 
