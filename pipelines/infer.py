@@ -35,6 +35,7 @@ import math
 import resource
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -238,6 +239,10 @@ class Segmenter:
         self.masks_dir = Path(spec.run_dir) / MASKS_DIR
         self.rows: dict[str, dict[str, Any]] = {}
         self.pending: list[tuple[InputFile, str, np.ndarray]] = []
+        # One thread finishes a batch (label, write, measure, ledger) while the net runs the
+        # next: torch releases the GIL in the forward pass. One, so rows and ledger stay ordered.
+        self.finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="finish")
+        self.finishing: Future[None] | None = None
 
     def add(self, item: InputFile, digest: str, pixels: np.ndarray) -> None:
         """Queue a decoded image; a full batch, or an image of another size, flushes."""
@@ -250,16 +255,26 @@ class Segmenter:
     def flush(self) -> None:
         if not self.pending:
             return
-        stack = np.stack([pixels for _, _, pixels in self.pending])
-        for (item, digest, pixels), probabilities in zip(
-            self.pending, predict(self.net, stack), strict=True
-        ):
-            mask, objects = clean_mask(probabilities, self.threshold, self.min_area)
+        batch, self.pending = self.pending, []
+        probabilities = predict(self.net, np.stack([pixels for _, _, pixels in batch]))
+        self.wait()
+        self.finishing = self.finisher.submit(self._finish, batch, probabilities)
+
+    def wait(self) -> None:
+        """Until the batch being finished is done (its error, if any, raised here)."""
+        if self.finishing is not None:
+            self.finishing.result()
+            self.finishing = None
+
+    def _finish(
+        self, batch: list[tuple[InputFile, str, np.ndarray]], probabilities: np.ndarray
+    ) -> None:
+        for (item, digest, pixels), probability in zip(batch, probabilities, strict=True):
+            mask, objects = clean_mask(probability, self.threshold, self.min_area)
             write_mask(output_path(self.masks_dir, item.path), mask)
-            confidence = float(np.abs(2 * probabilities - 1).mean())
+            confidence = float(np.abs(2 * probability - 1).mean())
             row = {**measure(pixels, mask, objects), "confidence": round(confidence, 4)}
             self._done(item, digest, {**row, "tiled": 0})
-        self.pending = []
 
     def tiled(self, item: InputFile) -> list[Problem]:
         """Segment one large TIFF window by window; its problems (checksum) if any."""
@@ -294,15 +309,20 @@ def segment(
     """Segment every item, writing its mask; return the table rows and the input problems."""
     problems: list[Problem] = []
     progress = Progress(len(items))
-    for loaded in _loaded(spec, items):
-        problems += loaded.problems
-        if loaded.tiled:
-            segmenter.flush()
-            problems += segmenter.tiled(loaded.item)
-        elif loaded.pixels is not None:
-            segmenter.add(loaded.item, loaded.sha256, loaded.pixels)
-        progress.tick()
-    segmenter.flush()
+    try:
+        for loaded in _loaded(spec, items):
+            problems += loaded.problems
+            if loaded.tiled:
+                segmenter.flush()
+                segmenter.wait()
+                problems += segmenter.tiled(loaded.item)
+            elif loaded.pixels is not None:
+                segmenter.add(loaded.item, loaded.sha256, loaded.pixels)
+            progress.tick()
+        segmenter.flush()
+        segmenter.wait()
+    finally:
+        segmenter.finisher.shutdown()
     return segmenter.rows, problems
 
 
