@@ -11,9 +11,10 @@ shard only its own), inside ``run_dir``:
 The model is loaded (and its sha256 checked) once per shard. Images are read and decoded by
 DataLoader workers ahead of the net (prefetch); images of one size go through the net in
 batches of ``batch_size``, under ``inference_mode`` in channels-last layout (what measured
-fastest on CPU; see docs/benchmarks.md). An image of more than ``max_whole_pixels`` pixels must
-be a TIFF: it is segmented window by window and its mask written as a tiled TIFF, in memory
-bounded by the window size (:mod:`pipelines.tiles`).
+fastest on CPU; see docs/benchmarks.md), and one thread finishes a batch (label, write the
+mask, measure, ledger) while the net runs the next. An image of more than
+``max_whole_pixels`` pixels must be a TIFF: it is segmented window by window and its mask
+written as a tiled TIFF, in memory bounded by the window size (:mod:`pipelines.tiles`).
 
 A pixel is foreground when the sigmoid probability exceeds ``threshold``; connected components
 (8-connected) smaller than ``min_object_area`` pixels are removed and not counted. Per image:
