@@ -151,3 +151,21 @@ def test_training_with_two_tasks_runs_cpu_ddp_and_only_rank_zero_publishes(
     assert job.log.count("rank 1 finished: rank 0 writes the result") == 1
     assert job.log.count("registered ddp version 1") == 1
     assert job.log.count("epoch 2/2: train_loss") == 1
+
+
+def test_the_trainer_layout_follows_tasks_locally_and_slurm_under_srun() -> None:
+    """Locally Lightning spawns the ranks; inside ``srun --ntasks`` Slurm's variables decide
+    (and Lightning's Slurm environment, not ours, reads them)."""
+    from lightning.pytorch.plugins.environments import LightningEnvironment
+
+    from pipelines.fitting import layout
+
+    alone = layout(1, 0, {})
+    assert (alone["devices"], alone["num_nodes"], alone["strategy"]) == (1, 1, "auto")
+    assert isinstance(alone["plugins"][0], LightningEnvironment)
+    local = layout(2, 0, {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"})
+    assert (local["devices"], local["strategy"]) == (2, "ddp")
+    assert isinstance(local["plugins"][0], LightningEnvironment)
+    srun = layout(4, 0, {"SLURM_NTASKS": "4", "SLURM_NNODES": "2", "SLURM_PROCID": "3"})
+    assert (srun["accelerator"], srun["devices"], srun["num_nodes"]) == ("cpu", 2, 2)
+    assert srun["strategy"] == "ddp" and srun["plugins"] == []
