@@ -11,10 +11,9 @@ shard only its own), inside ``run_dir``:
 The model is loaded (and its sha256 checked) once per shard. Images are read and decoded by
 DataLoader workers ahead of the net (prefetch); images of one size go through the net in
 batches of ``batch_size``, under ``inference_mode`` in channels-last layout (what measured
-fastest on CPU; see docs/benchmarks.md), and one thread finishes a batch (label, write the
-mask, measure, ledger) while the net runs the next. An image of more than
-``max_whole_pixels`` pixels must be a TIFF: it is segmented window by window and its mask
-written as a tiled TIFF, in memory bounded by the window size (:mod:`pipelines.tiles`).
+fastest on CPU; see docs/benchmarks.md). An image of more than ``max_whole_pixels`` pixels must
+be a TIFF: it is segmented window by window and its mask written as a tiled TIFF, in memory
+bounded by the window size (:mod:`pipelines.tiles`).
 
 A pixel is foreground when the sigmoid probability exceeds ``threshold``; connected components
 (8-connected) smaller than ``min_object_area`` pixels are removed and not counted. Per image:
@@ -36,7 +35,6 @@ import math
 import resource
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -240,10 +238,6 @@ class Segmenter:
         self.masks_dir = Path(spec.run_dir) / MASKS_DIR
         self.rows: dict[str, dict[str, Any]] = {}
         self.pending: list[tuple[InputFile, str, np.ndarray]] = []
-        # One thread finishes a batch (label, write, measure, ledger) while the net runs the
-        # next: torch releases the GIL in the forward pass. One, so rows and ledger stay ordered.
-        self.finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="finish")
-        self.finishing: Future[None] | None = None
 
     def add(self, item: InputFile, digest: str, pixels: np.ndarray) -> None:
         """Queue a decoded image; a full batch, or an image of another size, flushes."""
@@ -256,26 +250,16 @@ class Segmenter:
     def flush(self) -> None:
         if not self.pending:
             return
-        batch, self.pending = self.pending, []
-        probabilities = predict(self.net, np.stack([pixels for _, _, pixels in batch]))
-        self.wait()
-        self.finishing = self.finisher.submit(self._finish, batch, probabilities)
-
-    def wait(self) -> None:
-        """Until the batch being finished is done (its error, if any, raised here)."""
-        if self.finishing is not None:
-            self.finishing.result()
-            self.finishing = None
-
-    def _finish(
-        self, batch: list[tuple[InputFile, str, np.ndarray]], probabilities: np.ndarray
-    ) -> None:
-        for (item, digest, pixels), probability in zip(batch, probabilities, strict=True):
-            mask, objects = clean_mask(probability, self.threshold, self.min_area)
+        stack = np.stack([pixels for _, _, pixels in self.pending])
+        for (item, digest, pixels), probabilities in zip(
+            self.pending, predict(self.net, stack), strict=True
+        ):
+            mask, objects = clean_mask(probabilities, self.threshold, self.min_area)
             write_mask(output_path(self.masks_dir, item.path), mask)
-            confidence = float(np.abs(2 * probability - 1).mean())
+            confidence = float(np.abs(2 * probabilities - 1).mean())
             row = {**measure(pixels, mask, objects), "confidence": round(confidence, 4)}
             self._done(item, digest, {**row, "tiled": 0})
+        self.pending = []
 
     def tiled(self, item: InputFile) -> list[Problem]:
         """Segment one large TIFF window by window; its problems (checksum) if any."""
@@ -310,20 +294,15 @@ def segment(
     """Segment every item, writing its mask; return the table rows and the input problems."""
     problems: list[Problem] = []
     progress = Progress(len(items))
-    try:
-        for loaded in _loaded(spec, items):
-            problems += loaded.problems
-            if loaded.tiled:
-                segmenter.flush()
-                segmenter.wait()
-                problems += segmenter.tiled(loaded.item)
-            elif loaded.pixels is not None:
-                segmenter.add(loaded.item, loaded.sha256, loaded.pixels)
-            progress.tick()
-        segmenter.flush()
-        segmenter.wait()
-    finally:
-        segmenter.finisher.shutdown()
+    for loaded in _loaded(spec, items):
+        problems += loaded.problems
+        if loaded.tiled:
+            segmenter.flush()
+            problems += segmenter.tiled(loaded.item)
+        elif loaded.pixels is not None:
+            segmenter.add(loaded.item, loaded.sha256, loaded.pixels)
+        progress.tick()
+    segmenter.flush()
     return segmenter.rows, problems
 
 
