@@ -60,12 +60,14 @@ def find_config(explicit: Path | None) -> Path:
 @watchd_app.command("run")
 def run_command(config: ConfigOption = None) -> None:
     """Run the daemon in the foreground (what systemd runs)."""
-    from daemon.notify import Notifier
+    from daemon.notify import SYSTEMD_VARIABLES, Notifier
     from daemon.service import Service
 
     cfg = load_config(find_config(config))
     logs.configure(cfg.daemon.log_format, cfg.daemon.log_level)
-    service = Service(cfg, make_executor(cfg, os.environ), notifier=Notifier.from_environment())
+    jobs_env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_VARIABLES}
+    notifier = Notifier.from_environment(os.environ)
+    service = Service(cfg, make_executor(cfg, jobs_env), notifier=notifier)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: service.request_stop())
     service.run()
@@ -75,7 +77,7 @@ def run_command(config: ConfigOption = None) -> None:
 def check_config_command(config: ConfigOption = None) -> None:
     """Validate the configuration and print it resolved."""
     cfg = load_config(find_config(config))
-    console.print_json(cfg.model_dump_json(exclude={"source"}))
+    console.print_json(cfg.model_dump_json(exclude={"source"}, by_alias=True))
 
 
 # -- watchctl: reading -------------------------------------------------------------------------

@@ -8,12 +8,13 @@ valid keys listed; every problem is reported in one go.
 from __future__ import annotations
 
 import enum
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
 
 import pydantic
-from pydantic import Field
+from pydantic import AfterValidator, BeforeValidator, Field
 
 from daemon.errors import ConfigError
 from daemon.validation import problems
@@ -82,6 +83,42 @@ class JobsSection(_Section):
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
 
 
+class MetricsSection(_Section):
+    """The Prometheus endpoint (off by default)."""
+
+    enabled: bool = False
+    address: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 9464  # 0: any free port (it is logged)
+
+
+def _address(value: str) -> str:
+    if value and not re.match(r"^[^@\s]+@[^@\s]+$", value):
+        raise ValueError("must be an e-mail address such as watchd@example.org")
+    return value
+
+
+class MailSection(_Section):
+    """E-mail to a batch's owner when it ends (off by default). The password is never in the
+    config: ``password_file`` names a file that holds it (e.g. a systemd credential)."""
+
+    enabled: bool = False
+    host: str = "localhost"
+    port: Annotated[int, Field(ge=1, le=65535)] = 25
+    sender: Annotated[str, AfterValidator(_address)] = Field(default="", alias="from")
+    starttls: bool = False
+    username: str = ""
+    password_file: Annotated[Path | None, BeforeValidator(lambda v: v or None)] = None  # "": none
+    timeout_seconds: Annotated[float, Field(gt=0, le=600)] = 30.0
+
+    @pydantic.model_validator(mode="after")
+    def _complete(self) -> MailSection:
+        if self.enabled and not self.sender:
+            raise ValueError("'from' is needed when mail is enabled")
+        if self.username and self.password_file is None:
+            raise ValueError("'username' needs 'password_file' (never a password in the config)")
+        return self
+
+
 class Config(_Section):
     daemon: DaemonSection = DaemonSection()
     roots: tuple[RootSection, ...]
@@ -90,6 +127,8 @@ class Config(_Section):
     executor: ExecutorSection = ExecutorSection()
     registry: RegistrySection = RegistrySection()
     jobs: JobsSection = JobsSection()
+    metrics: MetricsSection = MetricsSection()
+    mail: MailSection = MailSection()
     source: Path = Field(default=Path("config.toml"), exclude=True)
 
 
@@ -136,5 +175,11 @@ def _resolved(config: Config, base: Path) -> Config:
                 update={"state_dir": absolute(config.daemon.state_dir)}
             ),
             "registry": config.registry.model_copy(update={"path": absolute(config.registry.path)}),
+            "mail": config.mail.model_copy(
+                update={
+                    "password_file": config.mail.password_file
+                    and absolute(config.mail.password_file)
+                }
+            ),
         }
     )

@@ -1,7 +1,8 @@
 """Write a correct manifest for a folder of images: the expert's helper behind
 ``watchctl manifest``.
 
-Lists the image files (PNG, TIFF) with their sizes and, unless told not to, their sha256; marks
+Lists the image files (PNG, TIFF; regular files only: never links, FIFOs or devices) with
+their sizes and, unless told not to, their sha256; marks
 files under the masks folder as ground truth for training; validates the result with the same
 parser the daemon uses; writes it to a temporary name and renames it into place, which is
 exactly the "manifest last" the daemon waits for.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,9 +70,18 @@ def image_files(folder: Path) -> list[str]:
         for name in filenames:
             if name.startswith(".") or name in (MANIFEST_NAME, STATUS_NAME):
                 continue
-            if Path(name).suffix.lower() in IMAGE_SUFFIXES:
+            if Path(name).suffix.lower() in IMAGE_SUFFIXES and _regular(Path(dirpath) / name):
                 found.append((relative_dir / name).as_posix())
     return sorted(found)
+
+
+def _regular(path: Path) -> bool:
+    """A regular file, not a link: a FIFO named like an image would block the checksum read,
+    and a link may lead out of the folder."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def sha256_of(path: Path) -> str:

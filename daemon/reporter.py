@@ -7,6 +7,7 @@ the state, progress, each problem with its location and a next step, and the his
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ class StatusInput:
     batch: Batch
     jobs: tuple[Job, ...]
     waiting: tuple[Problem, ...]  # what a waiting batch still waits for
-    events: tuple[Event, ...]
+    events: tuple[Event, ...]  # the batch's own (job events are for `watchctl show`)
     settle_seconds: float
     timeout_seconds: float
 
@@ -62,7 +63,7 @@ def render(status: StatusInput, now: float) -> str:
     if b.state not in (BatchState.WAITING, BatchState.FAILED) or status.jobs:
         lines.append(f"Results:   {_relative(b.run_dir, b.path)}{os.sep}")
     lines += ["", *_body(status)]
-    lines += ["", "History (UTC):", *(_event_line(e) for e in status.events[-30:])]
+    lines += ["", "History (UTC):", *(_event_line(e) for e in status.events)]
     return "\n".join(lines) + "\n"
 
 
@@ -117,8 +118,7 @@ def _progress(jobs: Sequence[Job]) -> str:
 
 def _event_line(event: Event) -> str:
     moved = f"{event.from_state or '·'} → {event.to_state}" if event.to_state else "note"
-    who = f" job {event.job_id}" if event.job_id else ""
-    return f"  {_time(event.at)}{who}  {moved}  {event.reason}"
+    return f"  {_time(event.at)}  {moved}  {event.reason}"
 
 
 def _relative(path: str, base: Path) -> str:
@@ -133,8 +133,44 @@ def _time(at: float) -> str:
 
 
 def write(folder: Path, text: str) -> None:
-    """Replace the folder's status file; raises OSError when the folder cannot be written."""
-    atomicfile.write_text(folder / STATUS_NAME, text, fsync=False)
+    """Replace the folder's status file; raises OSError when the folder cannot be written.
+
+    The daemon is the only writer of this file, so a temporary one still lying next to it
+    after the rename was left by a daemon killed mid-write: it is removed.
+    """
+    try:
+        atomicfile.write_text(folder / STATUS_NAME, text, fsync=False)
+    except OSError as exc:
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        if not (full and _overwrite(folder / STATUS_NAME, text)):
+            raise
+    for stale in folder.glob(f"{atomicfile.TMP_PREFIX}{STATUS_NAME}.*"):
+        stale.unlink(missing_ok=True)
+
+
+def _overwrite(path: Path, text: str) -> bool:
+    """With the share full, a new file cannot be made, but the old status file's blocks can be
+    written again: overwrite it in place if the text fits in them (one write call; not atomic,
+    the one exception, because a stale "RUNNING" would mislead the owner more)."""
+    data = text.encode("utf-8")
+    try:
+        with open(path, "r+b") as handle:
+            if len(data) > os.fstat(handle.fileno()).st_blocks * 512:
+                return False
+            handle.write(data)
+            handle.truncate()
+    except OSError:
+        return False
+    return True
+
+
+def gather(store: Store, batch: Batch, waiting: tuple[Problem, ...], timing: Timing) -> StatusInput:
+    """What the status file of ``batch`` shows, read from the store."""
+    history = tuple(store.events(batch.id, limit=50, jobs=False))
+    return StatusInput(
+        batch, tuple(store.jobs([batch.id])), waiting, history,
+        timing.settle_seconds, timing.timeout_seconds,
+    )  # fmt: skip
 
 
 def publish(
@@ -146,11 +182,7 @@ def publish(
     latest = store.latest_revision(batch.root, batch.folder)
     if latest is None or latest.id != batch.id or not inside_root(Path(batch.root), batch.folder):
         return
-    status = StatusInput(
-        batch, tuple(store.jobs([batch.id])), waiting, tuple(store.events(batch.id, limit=30)),
-        timing.settle_seconds, timing.timeout_seconds,
-    )  # fmt: skip
     try:
-        write(batch.path, render(status, now))
+        write(batch.path, render(gather(store, batch, waiting, timing), now))
     except OSError as exc:
         log.warning("cannot write status file", batch_id=batch.id, error=str(exc))

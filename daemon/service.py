@@ -12,6 +12,7 @@ the next start).
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import socket
@@ -27,11 +28,14 @@ import structlog
 from daemon import inputs, readiness, reporter
 from daemon.config import Config
 from daemon.dispatch import Dispatcher
+from daemon.endings import Endings
 from daemon.errors import ManifestError
 from daemon.executors import Executor
 from daemon.intake import Deferred, Intake
 from daemon.jobspec import Problem
+from daemon.mailer import Mailer
 from daemon.manifest import Manifest, parse_manifest
+from daemon.metrics import Metrics
 from daemon.notify import Notifier
 from daemon.planner import (
     Action,
@@ -90,6 +94,11 @@ class Service:
         )
         self.policy = Policy(config.planner.shard_size, config.planner.max_attempts, executor.name)
         self.timing = readiness.Timing(config.intake.settle_seconds, config.intake.timeout_seconds)
+        self.metrics = Metrics()
+        mailer = Mailer.from_config(config.mail)
+        self.endings = Endings(self.store, self.metrics, mailer, self.timing, config.mail.sender)
+        self._ping_every = self.notifier.ping_seconds  # None: no systemd watchdog
+        self._next_ping = 0.0
         self.stop_requested = threading.Event()
         self.force_stop = threading.Event()
         self._manifests: dict[int, Manifest] = {}
@@ -118,6 +127,8 @@ class Service:
         if live:
             log.info("re-adopting jobs", jobs=[j.name for j in live])
         self._beat(now, force=True)
+        self.metrics.serve(self.config.metrics)
+        self.endings.start()
         self.notifier.ready(self._status_line())
         log.info("started", pid=os.getpid(), executor=self.executor.name, live_jobs=len(live))
 
@@ -132,11 +143,18 @@ class Service:
         self.start()
         try:
             while not self.stop_requested.is_set():
-                self._wait_for_work(self.config.daemon.tick_seconds)
+                self._wait_for_work(self._until_next_tick())
                 if not self.stop_requested.is_set():
                     self.tick(self.clock())
         finally:
             self.shutdown()
+
+    def _until_next_tick(self) -> float:
+        """A tick period, or less when the watchdog's next ping is due sooner."""
+        if self._ping_every is None:
+            return self.config.daemon.tick_seconds
+        due = self._next_ping - time.monotonic()
+        return max(0.0, min(self.config.daemon.tick_seconds, due))
 
     def _wait_for_work(self, timeout: float) -> None:
         """Sleep until the next tick, waking early when the watcher has news."""
@@ -161,6 +179,8 @@ class Service:
             log.warning(
                 "left running", jobs=[j.name for j in left], note="re-adopted at next start"
             )
+        self.endings.close(self.clock(), self.config.mail.timeout_seconds)
+        self.metrics.close()
         self._beat(self.clock(), force=True, stopped=True)
         self.executor.close()
         self.store.close()
@@ -188,7 +208,9 @@ class Service:
         for action in plan(snapshot):
             self._act_safely(action, now)
         self._write_statuses(now)
+        self.endings.follow(now)
         self._beat(now)
+        self._ping(now)
 
     def _drain(self, now: float) -> None:
         touched: dict[tuple[Path, str], None] = {}
@@ -213,6 +235,7 @@ class Service:
             deferred = self.intake.look(root, folder, now)
         except Exception:  # one bad folder never stops the loop
             log.exception("intake failed", root=str(root), folder=folder)
+            self.metrics.intake_errors.inc()
             return
         if deferred is not None:
             self._deferred.append(deferred)
@@ -237,12 +260,9 @@ class Service:
             for seen in found:
                 if self.intake.changed(root.path, seen.folder, seen.manifest_stat):
                     self._look(root.path, seen.folder, now)
-            log.debug(
-                "scanned",
-                root=str(root.path),
-                folders=len(found),
-                seconds=round(time.monotonic() - started, 4),
-            )
+            seconds = time.monotonic() - started
+            self.metrics.scanned(root.path, seconds)
+            log.debug("scanned", root=str(root.path), folders=len(found), seconds=round(seconds, 4))
 
     def _root_lost(self, root: Path) -> None:
         if root not in self._lost_roots:
@@ -344,6 +364,8 @@ class Service:
                 reason=action.reason,
             )
             self._dirty.add(job.batch_id)
+            if job.state.terminal:
+                self.metrics.job_ended(job)
         elif isinstance(action, PlanJobs):
             jobs = self.store.create_jobs(action.batch_id, action.jobs, now)
             log.info("jobs planned", batch_id=action.batch_id, jobs=len(jobs))
@@ -402,11 +424,11 @@ class Service:
             self._unwritable(batch, exc, now)
 
     def _unwritable(self, batch: Batch, exc: OSError, now: float) -> None:
-        problem = Problem(
-            "results folder",
-            f"cannot be written: {exc.strerror or exc}",
-            "make the batch folder writable for the watchd service, then ask for a retry",
-        )
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            hint = "the share is full (or over quota): free space, then ask for a retry"
+        else:
+            hint = "make the batch folder writable for the watchd service, then ask for a retry"
+        problem = Problem("results folder", f"cannot be written: {exc.strerror or exc}", hint)
         if not self.store.batch(batch.id).state.terminal:
             jobs = [j.id for j in self.store.jobs([batch.id]) if not j.state.terminal]
             self._cancel(Cancel(tuple(jobs), "batch failed"), now)
@@ -433,7 +455,8 @@ class Service:
         if now < self._next_beat and not force:
             return
         self._next_beat = now + self.config.daemon.heartbeat_seconds
-        counts = {s.value: n for s, n in self.store.counts().items()}
+        by_state = self.store.counts()
+        counts = {s.value: n for s, n in by_state.items()}
         self.store.beat(
             Heartbeat(
                 pid=os.getpid(),
@@ -450,8 +473,19 @@ class Service:
                 },
             )
         )
-        self.notifier.watchdog()
+        live = self._live_jobs()
+        entered = self.store.entered_at([BatchState.WAITING, BatchState.QUEUED, BatchState.RUNNING])
+        self.metrics.beat(by_state, entered, len(live), len(self._lost_roots), now)
         self.notifier.status(self._status_line(counts))
+
+    def _ping(self, now: float) -> None:
+        """Tell systemd's watchdog that the loop is alive, at its pace (monotonic, so a clock
+        step cannot delay it). Only the loop pings: a hung loop stops, and systemd restarts it."""
+        self.metrics.ticked(now)
+        if self._ping_every is None or time.monotonic() < self._next_ping:
+            return
+        self._next_ping = time.monotonic() + self._ping_every
+        self.notifier.watchdog()
 
     def _status_line(self, counts: dict[str, int] | None = None) -> str:
         counts = counts or {s.value: n for s, n in self.store.counts().items()}

@@ -239,6 +239,16 @@ class Store:
         found = {BatchState(state): n for state, n in rows}
         return {state: found.get(state, 0) for state in BatchState}
 
+    def entered_at(self, states: Iterable[BatchState]) -> dict[BatchState, float]:
+        """For each of ``states`` that has batches: when its longest-standing one entered it."""
+        wanted = [s.value for s in states]
+        marks = ",".join("?" * len(wanted))
+        rows = self.db.execute(
+            f"SELECT state, min(updated_at) FROM batches WHERE state IN ({marks}) GROUP BY state",
+            wanted,
+        )
+        return {BatchState(state): at for state, at in rows}
+
     # -- jobs --------------------------------------------------------------------------------
 
     def create_jobs(self, batch_id: int, jobs: Sequence[NewJob], now: float) -> list[Job]:
@@ -374,10 +384,44 @@ class Store:
         with self.atomic():
             self._event(now, batch_id, None, None, None, reason, detail)
 
-    def events(self, batch_id: int | None = None, *, limit: int = 1000) -> list[Event]:
-        where, params = ("WHERE batch_id = ?", [batch_id]) if batch_id is not None else ("", [])
+    def events(
+        self, batch_id: int | None = None, *, limit: int = 1000, jobs: bool = True
+    ) -> list[Event]:
+        """The newest ``limit`` events, oldest first; of one batch, and without job events."""
+        clauses, params = [], []
+        if batch_id is not None:
+            clauses.append("batch_id = ?")
+            params.append(batch_id)
+        if not jobs:
+            clauses.append("job_id IS NULL")
+        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
         sql = f"SELECT * FROM events {where} ORDER BY id DESC LIMIT {int(limit)}"
         return [Event(**r) for r in reversed(list(self.db.query(sql, params)))]
+
+    def events_after(self, event_id: int, *, limit: int = 1000) -> list[Event]:
+        """Events appended after ``event_id``, oldest first (to follow the log)."""
+        rows = self.db.query(
+            "SELECT * FROM events WHERE id > ? ORDER BY id LIMIT ?", [event_id, int(limit)]
+        )
+        return [Event(**r) for r in rows]
+
+    def last_event_id(self, at_or_before: float | None = None) -> int:
+        """The newest event's id (0 if none), or the newest one recorded at or before a time;
+        read from the end, so it is quick when that time is recent."""
+        limit = float("inf") if at_or_before is None else at_or_before
+        row = self.db.execute(
+            "SELECT id FROM events WHERE at <= ? ORDER BY id DESC LIMIT 1", [limit]
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+    def noted_after(self, batch_id: int, event_id: int, prefix: str) -> bool:
+        """Whether a note starting with ``prefix`` was made on the batch after ``event_id``."""
+        row = self.db.execute(
+            "SELECT 1 FROM events WHERE batch_id = ? AND id > ? AND to_state IS NULL"
+            " AND substr(reason, 1, ?) = ? LIMIT 1",
+            [batch_id, event_id, len(prefix), prefix],
+        ).fetchone()
+        return row is not None
 
     def add_intent(self, action: str, batch_id: int, now: float, requested_by: str) -> Intent:
         with self.atomic():

@@ -59,7 +59,7 @@ def problems(
         where = location(loc)
         if err["type"] == "extra_forbidden":
             owner = _model_at(model, loc)
-            valid = ", ".join(sorted(owner.model_fields)) if owner is not None else ""
+            valid = ", ".join(sorted(_keys(owner))) if owner is not None else ""
             message = f"unknown key '{loc[-1]}'" + (f" (valid keys: {valid})" if valid else "")
         elif err["type"] == "missing":
             message = "required key is missing"
@@ -69,6 +69,11 @@ def problems(
                 message += f" (got {_short(err['input'])})"
         found.append((where, message))
     return found
+
+
+def _keys(model: type[pydantic.BaseModel]) -> list[str]:
+    """The keys as written in the file: a field's alias where it has one (``from``)."""
+    return [field.alias or name for name, field in model.model_fields.items()]
 
 
 def _short(value: Any) -> str:

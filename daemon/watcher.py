@@ -160,7 +160,7 @@ class _DepthOneInotify:
         self.fd.remove_callbacks([(wd, self.id) for wd in wds])
 
 
-class _ManifestListing:
+class ManifestListing:
     """A listdir for watchdog's polling observer that lists the root's folders and, inside
     each, only the manifest: a poll costs a few stats per batch, however many images."""
 
@@ -228,7 +228,7 @@ class Watcher:
                 self._inotify[root.path] = _DepthOneInotify(self._fd, root.path, self.events)
             else:
                 observer = PollingObserverVFS(
-                    os.stat, _ManifestListing(root.path), polling_interval=root.poll_seconds
+                    os.stat, ManifestListing(root.path), polling_interval=root.poll_seconds
                 )
                 observer.schedule(
                     _PollingHandler(root.path, self.events), os.fspath(root.path), recursive=True

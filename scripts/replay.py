@@ -93,7 +93,7 @@ def manifest_text(folder: Path, kind: Kind = Kind.INFERENCE, **options: object) 
         kind=kind,
         model=str(options.pop("model", "spheroid-unet")),
         owner=str(options.pop("owner", "Replay Tester")),
-        email="tester@example.org",
+        email=options.pop("email", "tester@example.org"),  # type: ignore[arg-type]
         masks="masks" if kind.trains else None,
         **options,  # type: ignore[arg-type]
     )

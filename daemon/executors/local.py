@@ -21,6 +21,7 @@ from daemon.jobspec import LOG_FILE
 from daemon.subprocesses import process_start_ticks, signal_group, spawn
 
 LAUNCH_FILE = "launch.json"
+CANCEL_GRACE_SECONDS = 10.0
 
 
 class LocalExecutor:
@@ -33,6 +34,7 @@ class LocalExecutor:
         self.python = python or sys.executable
         self.env = dict(env or {})
         self._children: dict[str, subprocess.Popen[bytes]] = {}
+        self._ending: list[subprocess.Popen[bytes]] = []  # cancelled, not yet seen to exit
 
     def slots(self) -> int | None:
         return self.max_parallel
@@ -63,6 +65,7 @@ class LocalExecutor:
         return handle if _alive(handle) else None
 
     def poll(self, handles: Sequence[str]) -> dict[str, Status]:
+        self._ending = [p for p in self._ending if p.poll() is None]  # reap the cancelled
         return {h: self._status(h) for h in handles}
 
     def _status(self, handle: str) -> Status:
@@ -79,9 +82,20 @@ class LocalExecutor:
         for handle in handles:
             if _alive(handle):
                 signal_group(_pid(handle), signal.SIGTERM)
+            proc = self._children.pop(handle, None)
+            if proc is not None:
+                self._ending.append(proc)
 
     def close(self) -> None:
-        """Forget the children: they keep running and a later daemon re-adopts them."""
+        """Forget the running children (they keep running; a later daemon re-adopts them) and
+        see the cancelled ones end, killing those that ignore SIGTERM for long."""
+        for proc in self._ending:
+            try:
+                proc.wait(timeout=CANCEL_GRACE_SECONDS)
+            except subprocess.TimeoutExpired:
+                signal_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self._ending.clear()
         self._children.clear()
 
 

@@ -35,7 +35,7 @@ def write_config(tmp_path: Path, root: Path, registry: Path, **sections: dict) -
         if name == "roots":
             document["roots"] = [{**document["roots"][0], **values}]
         else:
-            document[name] = {**document[name], **values}
+            document[name] = {**document.get(name, {}), **values}
     path = tmp_path / "config.toml"
     path.write_text(tomli_w.dumps(document))
     return load_config(path)

@@ -322,3 +322,21 @@ def test_a_drop_made_while_the_daemon_was_down_is_found_at_start_up(
         replay.run()
     assert only_batch(config).state is BatchState.DONE
     assert [e for e in logged if e["event"] == "batch recorded"][0]["folder"] == "while down"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_drop_root_that_goes_away_and_comes_back_is_watched_again(
+    mode: str, config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path
+) -> None:
+    config = config_for(roots={"observer": mode}, daemon={"rescan_seconds": 0.5})
+    away = drop_root.with_name("unmounted")
+    source = staged(count=2)
+    steps = [
+        at(0.2, "unmount", lambda: drop_root.rename(away)),
+        at(1.5, "mount again", lambda: away.rename(drop_root)),
+    ] + copy_slowly(source, drop_root / "after remount", 2.5, 0.01)
+    with structlog.testing.capture_logs() as logged, Replay(config) as replay:
+        replay.run(steps)
+    assert only_batch(config).state is BatchState.DONE
+    events = [e["event"] for e in logged]
+    assert "drop root unavailable" in events and "drop root back" in events

@@ -1,0 +1,102 @@
+"""What follows a batch's end: it is counted in the metrics, and its owner gets an e-mail.
+
+The loop calls :meth:`Endings.follow` once per tick. It reads the events appended since its
+last call: the store's audit log records every state change, whichever path made it (intake
+refusing a manifest, the planner, an operator's intent, an internal error), so no ending is
+missed and none is seen twice.
+
+At most one e-mail per batch end: a note ``e-mail to ADDRESS`` is recorded before the letter
+goes to the mailer's thread, and an ending already followed by such a note is never mailed
+again. After a restart, following resumes at the previous run's last heartbeat: an ending
+recorded in the moments before a crash is still mailed if it was not, and no earlier one is.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from daemon import reporter
+from daemon.mailer import Mailer, compose
+from daemon.metrics import Metrics
+from daemon.readiness import Timing
+from daemon.records import Event
+from daemon.states import BatchState
+from daemon.store import Store
+
+log = structlog.get_logger("watchd.endings")
+
+ENDED = frozenset(s.value for s in BatchState if s.terminal)
+MAILED = frozenset({BatchState.DONE, BatchState.FAILED})
+NOTE = "e-mail to "
+
+
+class Endings:
+    def __init__(
+        self,
+        store: Store,
+        metrics: Metrics,
+        mailer: Mailer | None,
+        timing: Timing,
+        sender: str = "",
+    ) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.mailer = mailer
+        self.timing = timing
+        self.sender = sender
+        beat = store.heartbeat()
+        self.cursor = store.last_event_id(beat.beat_at if beat else None)
+
+    def start(self) -> None:
+        if self.mailer is not None:
+            self.mailer.start()
+
+    def follow(self, now: float) -> None:
+        """Act on the batch endings recorded since the last call; record finished deliveries."""
+        self._record_deliveries(now)
+        while events := self.store.events_after(self.cursor):
+            for event in events:
+                self.cursor = event.id
+                if event.job_id is None and event.batch_id is not None and event.to_state in ENDED:
+                    self._ended(event, now)
+
+    def close(self, now: float, timeout: float) -> None:
+        """Give queued e-mails up to ``timeout`` seconds, then record what became of them."""
+        if self.mailer is None:
+            return
+        for letter in self.mailer.close(timeout):
+            self._note(letter.batch_id, f"{NOTE}{letter.to} not sent: the daemon stopped", now)
+            self.metrics.mails.labels("unsent").inc()
+        self._record_deliveries(now)
+
+    def _ended(self, event: Event, now: float) -> None:
+        batch = self.store.batch(event.batch_id or 0)
+        state = BatchState(event.to_state)
+        self.metrics.batch_ended(state, event.from_state, self.store.jobs([batch.id]))
+        if self.mailer is None or state not in MAILED or not batch.contact:
+            return
+        if self.store.noted_after(batch.id, event.id, NOTE):
+            return  # mailed before a restart
+        status = reporter.render(reporter.gather(self.store, batch, (), self.timing), now)
+        letter = compose(batch, state, status, self.sender, now)
+        self.store.note(batch.id, f"{NOTE}{letter.to}", now)
+        log.info("e-mail queued", batch_id=batch.id, to=letter.to)
+        if not self.mailer.post(letter):
+            self._note(batch.id, f"{NOTE}{letter.to} dropped: too many e-mails waiting", now)
+            self.metrics.mails.labels("dropped").inc()
+
+    def _record_deliveries(self, now: float) -> None:
+        if self.mailer is None:
+            return
+        for delivery in self.mailer.deliveries():
+            letter = delivery.letter
+            if delivery.error is None:
+                log.info("e-mail sent", batch_id=letter.batch_id, to=letter.to)
+                self.metrics.mails.labels("sent").inc()
+            else:
+                self._note(letter.batch_id, f"{NOTE}{letter.to} failed: {delivery.error}", now)
+                self.metrics.mails.labels("failed").inc()
+
+    def _note(self, batch_id: int, reason: str, now: float) -> None:
+        log.warning("e-mail not delivered", batch_id=batch_id, note=reason)
+        self.store.note(batch_id, reason, now)

@@ -1,0 +1,261 @@
+"""The bad-input catalogue, against the real daemon: every case's owner finds a clear reason in
+the batch folder's status file, the operator finds it in `watchctl show` and in the log, no
+other batch is affected, and the daemon keeps running.
+
+All static cases are dropped at once into one drop root beside good batches; the cases that
+need something to happen mid-run (a folder deleted, a manifest replaced, a results folder that
+cannot be written, a full disk) have scenarios of their own below.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+from badinput_cases import CASES, Case, images, make_all
+from replay import Replay, copy_slowly, write_atomically
+
+from daemon.config import Config
+from daemon.manifest import STATUS_NAME
+from daemon.records import Batch
+from daemon.states import BatchState
+from daemon.store import Store
+
+BIN = Path(sys.executable).parent
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "bad-input.md"
+IS_ROOT = os.geteuid() == 0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    config: Config
+    root: Path
+    batches: dict[str, Batch]  # folder name → its newest revision
+    logged: list[dict[str, Any]]
+    alive_after: bool
+
+
+@pytest.fixture(scope="module")
+def outcome(tmp_path_factory: pytest.TempPathFactory, trained_registry: Path) -> Iterator[Outcome]:
+    from conftest import MODEL, write_config
+
+    base = tmp_path_factory.mktemp("bad input")
+    root, registry = base / "drop röot 'q'", base / "registry"
+    root.mkdir()
+    shutil.copytree(trained_registry, registry)
+    config = write_config(
+        base, root, registry,
+        intake={"timeout_seconds": 4, "max_manifest_bytes": 65536, "settle_seconds": 0.3},
+    )  # fmt: skip
+    cases = tuple(c for c in CASES if IS_ROOT or not c.root_only)
+    make_all(root, cases)
+    for name in ("good one", "good two"):
+        images(root / name, 3)
+        from replay import manifest_text
+
+        from daemon.manifest import Kind
+
+        (root / name / "manifest.toml").write_bytes(
+            manifest_text(root / name, Kind.INFERENCE, model=MODEL, version="latest")
+        )
+    with structlog.testing.capture_logs() as logged, Replay(config) as replay:
+        replay.run(timeout=240)
+        # Still running? A good batch dropped after all the bad ones goes through.
+        late = base / "staging late"
+        images(late, 2)
+        (late / "manifest.toml").write_bytes(
+            manifest_text(late, Kind.INFERENCE, model=MODEL, version="latest")
+        )
+        replay.run(copy_slowly(late, root / "good late", 0.0, 0.01), timeout=120)
+    store = Store(config.daemon.database)
+    batches = {b.folder: b for b in store.batches()}  # later revisions overwrite earlier ones
+    store.close()
+    yield Outcome(config, root, batches, logged, batches["good late"].state is BatchState.DONE)
+
+
+def test_the_catalogue_has_at_least_40_cases_and_the_docs_list_each() -> None:
+    assert len(CASES) >= 40
+    documented = DOCS.read_text(encoding="utf-8")
+    missing = [c.id for c in CASES if f"`{c.id}`" not in documented]
+    assert missing == [], f"docs/bad-input.md lacks {missing}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_the_owner_and_the_operator_read_a_clear_reason(case: Case, outcome: Outcome) -> None:
+    if case.root_only and not IS_ROOT:
+        pytest.skip("making a device file needs root")
+    folder = f"case {case.id}"
+    batch = outcome.batches[folder]
+    assert batch.state is BatchState.FAILED, f"{case.id}: {batch.state} ({batch.reason})"
+    status = (outcome.root / folder / STATUS_NAME).read_text(encoding="utf-8")
+    assert "State:     FAILED" in status
+    assert case.says in status, f"{case.id}: the status file does not say {case.says!r}:\n{status}"
+    assert "Next step:" in status
+    shown = subprocess.run(
+        [str(BIN / "watchctl"), "show", str(batch.id), "--json", "--config", str(outcome.config.source)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    detail = json.loads(shown.stdout)
+    told = (
+        detail["reason"]
+        + " "
+        + " ".join(p["where"] + " " + p["message"] for p in detail["problems"])
+    )
+    assert told.strip() and detail["state"] == "failed"
+    logged = [
+        e
+        for e in outcome.logged
+        if e.get("batch_id") == batch.id
+        and e.get("state", e["event"]) in ("failed", "batch failed")
+    ]
+    assert logged, f"{case.id}: no log event says the batch failed"
+
+
+def test_no_other_batch_is_affected_and_the_daemon_kept_running(outcome: Outcome) -> None:
+    for name in ("good one", "good two", "good late"):
+        assert outcome.batches[name].state is BatchState.DONE, name
+    assert outcome.alive_after
+    reasons = {b.folder: b.reason for b in outcome.batches.values()}
+    assert len({r for f, r in reasons.items() if f.startswith("case ")}) > 5  # each says its own
+
+
+# -- cases that need something to happen during the run ---------------------------------------
+
+
+def only(config: Config, folder: str) -> Batch:
+    found = newest(config, folder)
+    assert found is not None, f"no batch for {folder}"
+    return found
+
+
+def newest(config: Config, folder: str) -> Batch | None:
+    store = Store(config.daemon.database)
+    try:
+        return store.latest_revision(str(config.roots[0].path), folder)
+    finally:
+        store.close()
+
+
+def in_state(config: Config, folder: str, state: BatchState) -> Callable[[object], bool]:
+    def check(service: object) -> bool:
+        batch = newest(config, folder)
+        return batch is not None and batch.state is state
+
+    return check
+
+
+def test_a_folder_deleted_mid_run_fails_its_batch_and_nothing_else(
+    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path
+) -> None:
+    config = config_for(executor={"local": {"max_parallel": 1}}, planner={"shard_size": 1})
+    doomed, kept = drop_root / "deleted mid run", drop_root / "kept"
+    steps = copy_slowly(staged("d", count=4), doomed, 0.0, 0.01) + copy_slowly(
+        staged("k", count=2), kept, 0.0, 0.01
+    )
+
+    with structlog.testing.capture_logs() as logged, Replay(config) as replay:
+        replay.run(steps, until=in_state(config, doomed.name, BatchState.RUNNING))
+        shutil.rmtree(doomed)
+        replay.run()
+    gone = only(config, doomed.name)
+    assert gone.state is BatchState.FAILED
+    assert only(config, kept.name).state is BatchState.DONE
+    assert any(e.get("batch_id") == gone.id and e["event"] == "batch failed" for e in logged)
+
+
+def test_a_manifest_replaced_mid_run_cancels_the_old_revision_and_runs_the_new(
+    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path
+) -> None:
+    config = config_for(executor={"local": {"max_parallel": 1}}, planner={"shard_size": 1})
+    folder = drop_root / "replaced"
+    source = staged(count=3)
+    replaced = (source / "manifest.toml").read_text().replace('title = ""', 'title = "second try"')
+
+    with Replay(config) as replay:
+        replay.run(
+            copy_slowly(source, folder, 0.0, 0.01),
+            until=in_state(config, folder.name, BatchState.RUNNING),
+        )
+        replay.run([write_atomically(folder / "manifest.toml", replaced.encode(), 0.0)])
+    store = Store(config.daemon.database)
+    first, second = store.batches()
+    store.close()
+    assert first.state is BatchState.CANCELLED and "superseded by revision 2" in first.reason
+    assert second.state is BatchState.DONE
+    status = (folder / STATUS_NAME).read_text()
+    assert "revision 2" in status and "State:     DONE" in status
+
+
+@pytest.mark.skipif(not IS_ROOT or shutil.which("chattr") is None, reason="needs root and chattr")
+def test_a_results_folder_that_cannot_be_written_fails_the_batch_with_a_reason(
+    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path
+) -> None:
+    config = config_for()
+    folder = drop_root / "read only"
+    shutil.copytree(staged(count=1), folder)
+    (folder / "results").mkdir()
+    subprocess.run(["chattr", "+i", str(folder / "results")], check=True)  # even root cannot write
+    try:
+        with Replay(config) as replay:
+            replay.run()
+    finally:
+        subprocess.run(["chattr", "-i", str(folder / "results")], check=True)
+    batch = only(config, folder.name)
+    assert batch.state is BatchState.FAILED and batch.reason == "results folder not writable"
+    status = (folder / STATUS_NAME).read_text()
+    assert "results folder: cannot be written: Operation not permitted" in status
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="mounting a small filesystem needs root")
+def test_a_full_disk_while_writing_fails_cleanly_and_leaves_no_half_written_output(
+    config_for: Callable[..., Config], staged: Callable[..., Path], tmp_path: Path
+) -> None:
+    small = tmp_path / "small share"
+    small.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(small)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        root = small / "drop"
+        root.mkdir()
+        from conftest import write_config
+
+        config = write_config(
+            tmp_path, root, config_for().registry.path, planner={"shard_size": 100}
+        )
+        folder = root / "fills the disk"
+        shutil.copytree(staged(count=6), folder)
+        filler = small / "filler"
+        filler.write_bytes(
+            b"\0" * (small_free(small) - 40_000)
+        )  # room for the inputs, not the outputs
+        with Replay(config) as replay:
+            replay.run(timeout=120)
+        batch = only(config, folder.name)
+        assert batch.state is BatchState.FAILED
+        leftovers = [p for p in folder.rglob("*") if p.name.startswith(".tmp-")]
+        assert leftovers == [], "a half-written file was left behind"
+        assert batch.problems[0].render() == (
+            "results folder: cannot be written: No space left on device — "
+            "the share is full (or over quota): free space, then ask for a retry"
+        )
+        status = (folder / STATUS_NAME).read_text()  # overwritten in place: no room for a new file
+        assert "State:     FAILED" in status and "the share is full" in status
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def small_free(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize

@@ -1,0 +1,194 @@
+"""watchd and watchctl as operators and experts run them: real subprocesses on a real database.
+Expected errors are one `Error: …` line with exit status 1 and no traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import synth
+from replay import Replay
+
+from daemon.config import Config
+from daemon.manifest import parse_manifest
+from daemon.states import BatchState
+from daemon.store import Store
+
+BIN = Path(sys.executable).parent
+
+
+def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        [str(BIN / args[0]), *args[1:]], capture_output=True, text=True, timeout=60
+    )
+    if check:
+        assert done.returncode == 0, done.stderr
+    return done
+
+
+@pytest.fixture
+def finished(
+    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path
+) -> Config:
+    """A database holding one done batch and one failed batch; the daemon has stopped."""
+    config = config_for()
+    shutil.copytree(staged("ok", count=2), drop_root / "plate ok")
+    (drop_root / "plate bad").mkdir()
+    (drop_root / "plate bad" / "manifest.toml").write_text('watchd = 1\nkind = "guess"\n')
+    with Replay(config) as replay:
+        replay.run()
+    return config
+
+
+def test_status_reads_the_database_while_the_daemon_is_down(finished: Config) -> None:
+    out = cli("watchctl", "status", "--config", str(finished.source)).stdout
+    assert out.startswith("watchd: stopped at ")
+    assert "batches: 0 waiting, 0 queued, 0 running, 1 done, 1 failed, 0 cancelled" in out
+    assert "Last failures" in out and "plate bad" in out and "manifest refused" in out
+    data = json.loads(cli("watchctl", "status", "--json", "--config", str(finished.source)).stdout)
+    assert data["daemon"]["alive"] is False
+    assert data["counts"] == {
+        "waiting": 0,
+        "queued": 0,
+        "running": 0,
+        "done": 1,
+        "failed": 1,
+        "cancelled": 0,
+    }
+    assert data["recent_failures"][0]["problems"][0].startswith(
+        "manifest.toml, kind: Input should be"
+    )
+
+
+def test_status_says_running_from_a_fresh_heartbeat(config_for: Callable[..., Config]) -> None:
+    config = config_for()
+    with Replay(config):
+        data = json.loads(
+            cli("watchctl", "status", "--json", "--config", str(config.source)).stdout
+        )
+    assert data["daemon"]["alive"] is True and data["daemon"]["state"] == "running"
+    assert data["daemon"]["info"]["roots"] == {str(config.roots[0].path): "inotify"}
+
+
+def test_show_gives_one_batch_with_jobs_problems_and_history(finished: Config) -> None:
+    store = Store(finished.daemon.database)
+    done = next(b for b in store.batches() if b.state is BatchState.DONE)
+    store.close()
+    out = cli("watchctl", "show", str(done.id), "--config", str(finished.source)).stdout
+    assert f"batch {done.id} " in out and "plate ok" in out and "all jobs succeeded" in out
+    data = json.loads(
+        cli("watchctl", "show", str(done.id), "--json", "--config", str(finished.source)).stdout
+    )
+    assert [j["state"] for j in data["jobs"]] == ["succeeded", "succeeded"]
+    assert [h["to"] for h in data["history"] if h["job_id"] is None] == [
+        "waiting",
+        "queued",
+        "running",
+        "done",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("show", "999"), "Error: no batch 999"),
+        (("retry", "999"), "Error: no batch 999"),
+    ],
+)
+def test_expected_errors_are_one_line_and_exit_1(
+    finished: Config, args: tuple[str, ...], message: str
+) -> None:
+    done = cli("watchctl", *args, "--config", str(finished.source), check=False)
+    assert (done.returncode, done.stderr.strip(), done.stdout) == (1, message, "")
+
+
+def test_a_missing_config_or_database_is_a_clear_error(tmp_path: Path) -> None:
+    done = cli("watchctl", "status", "--config", str(tmp_path / "nope.toml"), check=False)
+    assert done.returncode == 1
+    assert (
+        done.stderr.strip()
+        == f"Error: {tmp_path / 'nope.toml'}: 1 problem(s)\n  - file not found".strip()
+    )
+    config = tmp_path / "c.toml"
+    config.write_text(f'[daemon]\nstate_dir = "{tmp_path}/state"\n[[roots]]\npath = "{tmp_path}"\n')
+    done = cli("watchctl", "status", "--config", str(config), check=False)
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        f"Error: no database at {tmp_path}/state/watchd.sqlite: has the daemon ever run with this config?"
+    )
+
+
+def test_an_invalid_config_lists_every_problem(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('[daemon]\ntick_seconds = 0\nfoo = 1\n[[roots]]\npath = "d"\n')
+    done = cli("watchd", "run", "--config", str(config), check=False)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines[0] == f"Error: {config}: 2 problem(s)"
+    assert lines[1] == "  - daemon.tick_seconds: Input should be greater than 0 (got 0)"
+    assert lines[2].startswith("  - daemon.foo: unknown key 'foo' (valid keys: heartbeat_seconds,")
+
+
+def test_cancel_and_retry_are_intents_the_daemon_applies(
+    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path
+) -> None:
+    config = config_for(intake={"settle_seconds": 30})  # the batch stays waiting
+    shutil.copytree(staged(count=2), drop_root / "to cancel")
+    with Replay(config) as replay:
+        replay.run(until=lambda s: bool(s.store.active_batches()))
+        out = cli("watchctl", "cancel", "1", "--config", str(config.source)).stdout
+        assert out.strip().startswith("cancel of batch 1 recorded (intent 1)")
+        replay.run(until=lambda s: s.store.batch(1).state is BatchState.CANCELLED)
+        cli("watchctl", "retry", "1", "--config", str(config.source))
+        replay.run(until=lambda s: s.store.batch(1).state is BatchState.WAITING)
+        store = Store(config.daemon.database)
+        intents = [(i.action, i.outcome) for i in [store.intent(1), store.intent(2)]]
+        store.close()
+    assert intents == [("cancel", "cancelled"), ("retry", "retry: waiting for inputs again")]
+
+
+def test_manifest_writes_a_valid_manifest_atomically_and_never_overwrites_silently(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "annotated ä"
+    synth.make_batch(folder, "training", count=3, size=32, seed=1)
+    out = cli(
+        "watchctl",
+        "manifest",
+        str(folder),
+        "--kind",
+        "training",
+        "--model",
+        "m1",
+        "--owner",
+        "Anna",
+        "--email",
+        "anna@example.org",
+        "--param",
+        "epochs=3",
+    ).stdout
+    assert out.strip() == f"wrote {folder / 'manifest.toml'}"
+    manifest = parse_manifest((folder / "manifest.toml").read_bytes())
+    assert manifest.params["epochs"] == 3 and len(manifest.files) == 6
+    assert sum(f.role == "mask" for f in manifest.files) == 3
+    assert all(f.sha256 and f.size for f in manifest.files)
+    again = cli("watchctl", "manifest", str(folder), check=False)
+    assert again.returncode == 1
+    assert (
+        again.stderr.strip()
+        == f"Error: {folder / 'manifest.toml'} exists; pass --force to replace it (a new revision)"
+    )
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    nothing = cli("watchctl", "manifest", str(empty), check=False)
+    assert nothing.stderr.strip() == f"Error: {empty} holds no PNG or TIFF images"
+    bad = cli("watchctl", "manifest", str(folder), "--force", "--param", "threshold=7", check=False)
+    assert bad.returncode == 1
+    assert bad.stderr.startswith(
+        "Error: the manifest would not be valid: manifest.toml, params.threshold"
+    )

@@ -1,0 +1,148 @@
+"""The watcher sees manifests appear, in both modes, and watches nothing deeper than the batch
+folders: never the image folders inside them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import time
+from pathlib import Path
+
+import pytest
+from watchdog.utils.dirsnapshot import DirectorySnapshot
+
+from daemon.config import ObserverMode, RootSection
+from daemon.mounts import choose_mode, mount_of, parse_mounts
+from daemon.watcher import FolderTouched, ManifestListing, RootLost, Watcher, scan_root
+
+
+def inotify_watches() -> int:
+    """How many inotify watches this process holds, from /proc (black-box)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != "anon_inode:inotify":
+                continue
+            count += Path(f"/proc/self/fdinfo/{fd}").read_text().count("inotify wd:")
+        except OSError:
+            continue
+    return count
+
+
+def batch_with_images(root: Path, name: str, images: int = 50) -> Path:
+    folder = root / name
+    (folder / "images" / "deeper").mkdir(parents=True)
+    for i in range(images):
+        (folder / "images" / f"{i}.png").write_bytes(b"x")
+    return folder
+
+
+def events_within(events: queue.Queue, seconds: float) -> list:
+    deadline, found = time.monotonic() + seconds, []
+    while time.monotonic() < deadline:
+        with contextlib.suppress(queue.Empty):
+            found.append(events.get(timeout=0.05))
+    return found
+
+
+def test_inotify_watches_the_root_and_each_batch_folder_only(drop_root: Path) -> None:
+    for name in ("a", "b ä", "c 'q'"):
+        batch_with_images(drop_root, name)
+    before = inotify_watches()
+    events: queue.Queue = queue.Queue()
+    watcher = Watcher([RootSection(path=drop_root, observer=ObserverMode.INOTIFY)], events)
+    watcher.start()
+    try:
+        assert inotify_watches() - before == 1 + 3
+        batch_with_images(drop_root, "new one")
+        (drop_root / "new one" / "manifest.toml").write_text("x")
+        (drop_root / "a" / "images" / "manifest.toml").write_text("deeper: not a batch")
+        seen = {e.folder for e in events_within(events, 0.5) if isinstance(e, FolderTouched)}
+        assert seen == {"new one"}
+        assert inotify_watches() - before == 1 + 4
+    finally:
+        watcher.stop()
+    assert inotify_watches() == before
+
+
+@pytest.mark.parametrize("mode", [ObserverMode.INOTIFY, ObserverMode.POLLING])
+def test_a_manifest_renamed_in_or_a_folder_moved_in_whole_is_seen(
+    mode: ObserverMode, drop_root: Path, tmp_path: Path
+) -> None:
+    events: queue.Queue = queue.Queue()
+    watcher = Watcher([RootSection(path=drop_root, observer=mode, poll_seconds=0.1)], events)
+    watcher.start()
+    try:
+        folder = batch_with_images(drop_root, "renamed")
+        (folder / ".m.partial").write_text("x")
+        os.replace(folder / ".m.partial", folder / "manifest.toml")
+        outside = batch_with_images(tmp_path, "moved whole")
+        (outside / "manifest.toml").write_text("x")
+        os.rename(outside, drop_root / "moved whole")
+        seen = {e.folder for e in events_within(events, 1.0) if isinstance(e, FolderTouched)}
+    finally:
+        watcher.stop()
+    assert {"renamed", "moved whole"} <= seen
+
+
+@pytest.mark.parametrize("mode", [ObserverMode.INOTIFY, ObserverMode.POLLING])
+def test_a_root_that_disappears_is_reported_lost(mode: ObserverMode, tmp_path: Path) -> None:
+    root = tmp_path / "share"
+    root.mkdir()
+    events: queue.Queue = queue.Queue()
+    watcher = Watcher([RootSection(path=root, observer=mode, poll_seconds=0.1)], events)
+    watcher.start()
+    try:
+        root.rmdir()
+        lost = [e for e in events_within(events, 1.0) if isinstance(e, RootLost)]
+        assert lost and not watcher.armed(root)
+    finally:
+        watcher.stop()
+
+
+def test_the_polling_listing_stops_at_the_manifest(drop_root: Path) -> None:
+    folder = batch_with_images(drop_root, "big", images=500)
+    (folder / "manifest.toml").write_text("x")
+    batch_with_images(drop_root, "no manifest yet")
+    snapshot = DirectorySnapshot(str(drop_root), recursive=True, listdir=ManifestListing(drop_root))
+    relative = sorted(os.path.relpath(p, drop_root) for p in snapshot.paths)
+    assert relative == [".", "big", "big/manifest.toml", "no manifest yet"]
+
+
+def test_the_catch_up_scan_finds_manifests_without_entering_folders(drop_root: Path) -> None:
+    batch_with_images(drop_root, "waiting for manifest")
+    (batch_with_images(drop_root, "ready") / "manifest.toml").write_text("x")
+    (drop_root / "stray file.txt").write_text("not a batch")
+    found = list(scan_root(drop_root))
+    assert [f.folder for f in found] == ["ready"]
+    assert found[0].manifest_stat.count(":") == 2
+
+
+MOUNTS = """\
+/dev/vda / ext4 rw,relatime 0 0
+gpfs01 /lsdf gpfs rw 0 0
+server:/export /mnt/nfs\\040share nfs4 rw 0 0
+sshfs#x /mnt/remote fuse.sshfs rw 0 0
+"""
+
+
+@pytest.mark.parametrize(
+    ("path", "fstype", "mode"),
+    [
+        ("/home/user/drop", "ext4", ObserverMode.INOTIFY),
+        ("/lsdf/projects/dma", "gpfs", ObserverMode.POLLING),
+        ("/mnt/nfs share/drop", "nfs4", ObserverMode.POLLING),
+        ("/mnt/remote/x", "fuse.sshfs", ObserverMode.POLLING),
+        ("/lsdfx", "ext4", ObserverMode.INOTIFY),
+    ],
+)
+def test_auto_polls_on_network_filesystems(path: str, fstype: str, mode: ObserverMode) -> None:
+    mount = mount_of(path, parse_mounts(MOUNTS))
+    assert mount is not None and mount.fstype == fstype
+    assert choose_mode(ObserverMode.AUTO, mount.fstype) is mode
+
+
+def test_an_explicit_mode_wins_and_unknown_filesystems_are_polled() -> None:
+    assert choose_mode(ObserverMode.INOTIFY, "nfs4") is ObserverMode.INOTIFY
+    assert choose_mode(ObserverMode.AUTO, None) is ObserverMode.POLLING
