@@ -26,12 +26,13 @@ from rich.table import Table
 
 from daemon import logs, manifest_writer, overview
 from daemon.config import Config, load_config
-from daemon.errors import WatchdError
+from daemon.errors import CommandFailed, WatchdError
 from daemon.executors import make_executor
 from daemon.manifest import Kind, ManifestModel
 from daemon.states import BatchState
 from daemon.store import Store
 from daemon.subprocesses import process_start_ticks
+from daemon.subprocesses import run as run_command_line
 
 ConfigOption = Annotated[
     Path | None, typer.Option("--config", "-c", help="config.toml to use", show_default=False)
@@ -242,7 +243,7 @@ def doctor_command(config: ConfigOption = None, as_json: JsonOption = False) -> 
 @watchctl_app.command("manifest")
 def manifest_command(
     folder: Annotated[Path | None, typer.Argument(help="the batch folder")] = None,
-    kind: Annotated[Kind, typer.Option(help="training or inference")] = Kind.INFERENCE,
+    kind: Annotated[Kind, typer.Option(help="training, inference or sweep")] = Kind.INFERENCE,
     model: Annotated[
         str, typer.Option(help="model to use (inference) or to produce (training)")
     ] = "spheroid-unet",
@@ -264,7 +265,7 @@ def manifest_command(
         return
     if folder is None:
         raise WatchdError("name the batch folder")
-    if kind is Kind.TRAINING and masks is None and (folder / "masks").is_dir():
+    if kind.trains and masks is None and (folder / "masks").is_dir():
         masks = "masks"
     request = manifest_writer.ManifestRequest(
         folder=folder, kind=kind, model=model, version=version,
@@ -288,6 +289,71 @@ def _params(pairs: list[str]) -> dict[str, Any]:
         except tomllib.TOMLDecodeError:
             params[name] = value
     return params
+
+
+# -- watchctl: models -------------------------------------------------------------------------
+
+models_app = typer.Typer(no_args_is_help=True, help="The model registry: versions and aliases.")
+watchctl_app.add_typer(models_app, name="models")
+
+
+def _catalog(cfg: Config, *args: str) -> dict[str, Any]:
+    """Run ``python -m models.catalog`` in the pipelines' interpreter (the daemon never imports
+    models/) and return its JSON; its ``Error: …`` becomes ours."""
+    import json
+
+    python = cfg.executor.local.python or sys.executable
+    command = [python, "-m", "models.catalog", str(cfg.registry.path), *args]
+    try:
+        output = run_command_line(command, timeout=120)
+    except CommandFailed as exc:
+        message = exc.stderr.strip()
+        if exc.returncode == 1 and message.startswith("Error: "):
+            raise WatchdError(message.removeprefix("Error: ")) from None
+        raise
+    return dict(json.loads(output))
+
+
+@models_app.command("list")
+def models_list_command(
+    name: Annotated[str | None, typer.Argument(help="one model (default: all)")] = None,
+    config: ConfigOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Every model's versions, newest first, with validation metrics and aliases."""
+    cfg = load_config(find_config(config))
+    data = _catalog(cfg, "list", *([name] if name else []))
+    if as_json:
+        print(overview.to_json(data))
+        return
+    if not data["models"]:
+        console.print(f"no models in {data['registry']}")
+    for model in data["models"]:
+        table = Table(title=model["name"], title_justify="left")
+        for column in ("version", "aliases", "val_dice", "val_iou", "created_at", "sha256"):
+            table.add_column(column)
+        for v in model["versions"]:
+            dice, iou = v.get("val_dice"), v.get("val_iou")
+            table.add_row(
+                str(v["version"]), ", ".join(v.get("aliases", [])),
+                "" if dice is None else f"{dice:.4f}", "" if iou is None else f"{iou:.4f}",
+                str(v.get("created_at") or v.get("error", "")), str(v.get("sha256", ""))[:12],
+            )  # fmt: skip
+        console.print(table)
+
+
+@models_app.command("promote")
+def models_promote_command(
+    name: Annotated[str, typer.Argument(help="the model")],
+    version: Annotated[str, typer.Argument(help="a version number, or latest/best")],
+    alias: Annotated[str, typer.Option(help="the alias to move: best or latest")] = "best",
+    config: ConfigOption = None,
+) -> None:
+    """Point an alias at a version (its weights are checked whole first)."""
+    cfg = load_config(find_config(config))
+    data = _catalog(cfg, "promote", name, version, "--alias", alias, "--by", getpass.getuser())
+    aliases = ", ".join(f"{k} = {v}" for k, v in sorted(data["aliases"].items()))
+    console.print(f"{name}: {alias} → version {data['aliases'][alias]} ({aliases})")
 
 
 # -- entry points ---------------------------------------------------------------------------

@@ -69,6 +69,8 @@ class LocalExecutorSection(_Section):
     max_parallel: Annotated[int, Field(ge=1, le=256)] = 2
     cpus_per_job: Annotated[int, Field(ge=1, le=256)] = 1
     python: str = ""  # interpreter that runs the pipelines; empty: the daemon's own
+    max_tasks: Annotated[int, Field(ge=1, le=64)] = 2  # DDP processes one training job may start
+    max_gpus: Annotated[int, Field(ge=0, le=64)] = 0  # GPUs a manifest may ask for, per job
 
 
 Minutes = Annotated[int, Field(ge=1, le=365 * 24 * 60)]
@@ -132,6 +134,13 @@ class ExecutorSection(_Section):
     def cpus_per_job(self) -> int:
         """Threads each job may use, from the section of the executor in use."""
         return self.slurm.cpus_per_task if self.kind == "slurm" else self.local.cpus_per_job
+
+    @property
+    def training_shape(self) -> tuple[int, int]:
+        """GPUs and tasks a training job gets when its manifest does not say."""
+        if self.kind == "slurm":
+            return self.slurm.gpus, self.slurm.tasks
+        return 0, 1
 
     @property
     def result_grace_seconds(self) -> float:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import structlog
 
-from daemon import atomicfile
+from daemon import atomicfile, resources
 from daemon.errors import ExecutorUnavailable, SubmissionError
 from daemon.executors import Executor, Phase, Submission
-from daemon.jobspec import LOG_FILE, RESULT_FILE, SPEC_FILE, JobResult, JobSpec
+from daemon.jobspec import LOG_FILE, RESULT_FILE, SPEC_FILE, JobResult, JobSpec, Resources
 from daemon.manifest import Manifest
 from daemon.planner import JobSeen, job_spec
 from daemon.records import Batch, Job, JobChange
@@ -47,6 +47,7 @@ class Dispatcher:
         registry_dir: str,
         cpus: int,
         result_grace: float = 0.0,
+        training_shape: tuple[int, int] = (0, 1),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``result_grace``: how long a job that ended without a result is given for its result
@@ -56,6 +57,7 @@ class Dispatcher:
         self.executor = executor
         self.registry_dir = registry_dir
         self.cpus = cpus
+        self.training_shape = training_shape
         self.result_grace = result_grace
         self.clock = clock
         self._no_result_since: dict[int, float] = {}
@@ -106,9 +108,10 @@ class Dispatcher:
         done: list[Job] = []
         unwritable: list[tuple[Batch, OSError]] = []
         for job, batch, manifest in work:
-            spec = job_spec(
-                job, batch, manifest, self.store.job_inputs(job.id), self.registry_dir, self.cpus
-            )
+            gpus, tasks = resources.shape(manifest.resources, job.pipeline, *self.training_shape)
+            given = Resources(cpus=self.cpus, gpus=gpus, tasks=tasks)
+            inputs = self.store.job_inputs(job.id)
+            spec = job_spec(job, batch, manifest, inputs, self.registry_dir, given)
             try:
                 finished = prepare_job_dir(spec)
             except OSError as exc:

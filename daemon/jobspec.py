@@ -33,6 +33,7 @@ class Pipeline(enum.Enum):
 
     TRAIN = "train"
     INFER = "infer"
+    SWEEP = "sweep"  # compares a sweep's trials and registers the best
     REPORT = "report"
 
     @property
@@ -78,8 +79,12 @@ class Shard:
 
 @dataclass(frozen=True)
 class Resources:
+    """What one job may use. ``tasks`` > 1: that many processes (DDP ranks), each with ``cpus``
+    threads and ``gpus`` GPUs; under Slurm they are started by ``srun`` (``--ntasks``)."""
+
     cpus: int = 1
     gpus: int = 0
+    tasks: int = 1
 
 
 @dataclass(frozen=True)

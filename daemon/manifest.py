@@ -22,6 +22,7 @@ from pydantic import AfterValidator, Field
 
 from daemon.errors import ManifestError
 from daemon.jobspec import InputFile, ModelRef, Problem
+from daemon.sweep import SweepModel, SweepPlan, check_space, expand
 from daemon.validation import problems
 
 MANIFEST_NAME = "manifest.toml"
@@ -37,6 +38,12 @@ SHA256_RE = r"^[0-9a-fA-F]{64}$"
 class Kind(enum.Enum):
     TRAINING = "training"
     INFERENCE = "inference"
+    SWEEP = "sweep"  # several trainings over a search space ([sweep]); the best is registered
+
+    @property
+    def trains(self) -> bool:
+        """Whether the batch trains (image/mask pairs, no model version to name)."""
+        return self is not Kind.INFERENCE
 
 
 class Role(enum.Enum):
@@ -59,6 +66,8 @@ class TrainingParams(_Strict):
     depth: Annotated[int, Field(ge=2, le=6)] = 3
     width: Annotated[int, Field(ge=4, le=128)] = 16
     patience: Annotated[int, Field(ge=1, le=100)] = 5
+    best_metric: Literal["val_dice", "val_iou"] = "val_dice"
+    best_margin: Annotated[float, Field(ge=0, le=0.5)] = 0.0
 
 
 class InferenceParams(_Strict):
@@ -66,11 +75,16 @@ class InferenceParams(_Strict):
 
     threshold: Annotated[float, Field(gt=0, lt=1)] = 0.5
     min_object_area: Annotated[int, Field(ge=0, le=10**8)] = 0
+    batch_size: Annotated[int, Field(ge=1, le=256)] = 1
+    tile_size: Annotated[int, Field(ge=64, le=8192)] = 512
+    tile_overlap: Annotated[int, Field(ge=0, le=1024)] = 64
+    max_whole_pixels: Annotated[int, Field(ge=1, le=2**31)] = 2048 * 2048
 
 
 PARAMS_BY_KIND: Mapping[Kind, type[_Strict]] = {
     Kind.TRAINING: TrainingParams,
     Kind.INFERENCE: InferenceParams,
+    Kind.SWEEP: TrainingParams,
 }
 
 
@@ -133,6 +147,7 @@ class ManifestModel(_Strict):
     files: Annotated[list[FileEntry], Field(max_length=MAX_INPUTS)] = []
     patterns: Annotated[list[PatternEntry], Field(max_length=1000)] = []
     resources: ResourcesSection = ResourcesSection()
+    sweep: SweepModel | None = None
 
 
 @dataclass(frozen=True)
@@ -167,6 +182,7 @@ class Manifest:
     patterns: tuple[Pattern, ...] = ()
     resources: ResourceRequest = ResourceRequest()
     raw: str = field(default="", repr=False, compare=False)
+    sweep: SweepPlan | None = None
 
     @property
     def images(self) -> tuple[InputFile, ...]:
@@ -196,9 +212,11 @@ def parse_manifest(data: bytes, *, max_bytes: int = 16 << 20) -> Manifest:
     found += _check_semantics(model)
     params, param_problems = _params(model)
     found.extend(param_problems)
+    plan, sweep_problems = _sweep(model)
+    found.extend(sweep_problems)
     if found:
         raise ManifestError(found)
-    return _to_manifest(model, params, manifest_sha256(data), text)
+    return _to_manifest(model, params, manifest_sha256(data), text, plan)
 
 
 _HINT_DOCS = "see docs/manifest.md, or let `watchctl manifest FOLDER` write one"
@@ -326,13 +344,13 @@ def _check_semantics(model: ManifestModel) -> list[Problem]:
             Problem(f"{MANIFEST_NAME}", "lists no inputs", "add [[files]] or [[patterns]] entries")
         )
     found.extend(_check_model(model))
-    if model.kind is Kind.TRAINING and not model.patterns:
+    if model.kind.trains and not model.patterns:
         found.extend(pairing_problems(_inputs(model)))
-    if model.kind is not Kind.TRAINING and model.resources.tasks not in (None, 1):
+    if not model.kind.trains and model.resources.tasks not in (None, 1):
         found.append(
             Problem(
                 f"{MANIFEST_NAME}, resources.tasks",
-                "only a training batch runs several tasks (DDP)",
+                "only training (and a sweep's trials) runs several tasks (DDP)",
                 "remove it",
             )
         )
@@ -342,7 +360,7 @@ def _check_semantics(model: ManifestModel) -> list[Problem]:
 def _check_model(model: ManifestModel) -> list[Problem]:
     where = f"{MANIFEST_NAME}, model.version"
     version = model.model.version
-    if model.kind is Kind.TRAINING:
+    if model.kind.trains:
         if version is not None:
             return [Problem(where, "is chosen by the registry for a training batch", "remove it")]
         return []
@@ -388,6 +406,29 @@ def _params(model: ManifestModel) -> tuple[dict[str, Any], list[Problem]]:
         ]
 
 
+def _check_training_value(name: str, value: Any) -> str | None:
+    try:
+        TrainingParams.model_validate({name: value})
+    except pydantic.ValidationError as exc:
+        return "; ".join(message for _, message in problems(exc, TrainingParams))
+    return None
+
+
+def _sweep(model: ManifestModel) -> tuple[SweepPlan | None, list[Problem]]:
+    """The trials of a sweep batch; a [sweep] section belongs to sweep batches only."""
+    where = f"{MANIFEST_NAME}, sweep"
+    if model.kind is not Kind.SWEEP:
+        if model.sweep is not None:
+            return None, [Problem(where, f'is for kind = "sweep", not {model.kind.value!r}')]
+        return None, []
+    if model.sweep is None:
+        hint = "add [sweep] with method, trials and a [sweep.space] (see docs/manifest.md)"
+        return None, [Problem(where, "is missing", hint)]
+    fields = {name: info.annotation for name, info in TrainingParams.model_fields.items()}
+    found, integer = check_space(model.sweep, _check_training_value, fields)
+    return (None, found) if found else (expand(model.sweep, integer), [])
+
+
 def _inputs(model: ManifestModel) -> tuple[InputFile, ...]:
     return tuple(
         InputFile(
@@ -400,7 +441,9 @@ def _inputs(model: ManifestModel) -> tuple[InputFile, ...]:
     )
 
 
-def _to_manifest(model: ManifestModel, params: dict[str, Any], sha: str, text: str) -> Manifest:
+def _to_manifest(
+    model: ManifestModel, params: dict[str, Any], sha: str, text: str, plan: SweepPlan | None
+) -> Manifest:
     version = model.model.version
     return Manifest(
         sha256=sha,
@@ -416,4 +459,5 @@ def _to_manifest(model: ManifestModel, params: dict[str, Any], sha: str, text: s
         ),
         resources=ResourceRequest(**model.resources.model_dump()),
         raw=text,
+        sweep=plan,
     )

@@ -47,6 +47,16 @@ class ManifestRequest:
     masks: str | None = None  # folder (relative) holding the ground-truth masks
     checksums: bool = True
     params: Mapping[str, Any] = field(default_factory=dict)
+    sweep: Mapping[str, Any] | None = None  # kind sweep: the [sweep] section (a starter if None)
+
+
+# What `watchctl manifest --kind sweep` proposes: edit [sweep.space] to search what matters.
+STARTER_SWEEP = {
+    "method": "random",
+    "trials": 4,
+    "seed": 0,
+    "space": {"learning_rate": {"min": 1e-4, "max": 1e-2, "log": True}, "width": [8, 16]},
+}
 
 
 def image_files(folder: Path) -> list[str]:
@@ -111,6 +121,8 @@ def build(request: ManifestRequest) -> str:
         "params": dict(request.params),
         "files": entries,
     }
+    if request.kind is Kind.SWEEP:
+        document["sweep"] = dict(request.sweep or STARTER_SWEEP)
     text = tomli_w.dumps(document)
     _validate(text)
     return text

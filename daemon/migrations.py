@@ -87,4 +87,10 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         );
         """,
     ),
+    (
+        2,
+        """
+        ALTER TABLE jobs ADD COLUMN params TEXT NOT NULL DEFAULT '{}'
+        """,
+    ),
 )

@@ -26,6 +26,7 @@ from daemon.manifest import Kind, Manifest, Role
 from daemon.readiness import NotReady, Ready, Verdict
 from daemon.records import Batch, Intent, Job, NewJob
 from daemon.states import BatchState, JobState
+from daemon.sweep import trial_params
 
 LOST = "lost"  # error kind of a job that ended without writing its result
 
@@ -238,10 +239,26 @@ def _plan_waiting(view: BatchView, policy: Policy) -> list[Action]:
 def compute_jobs(
     batch: Batch, manifest: Manifest, inputs: Sequence[InputFile], policy: Policy
 ) -> tuple[NewJob, ...]:
-    """A training batch is one job; an inference batch is shards of ``shard_size`` images."""
+    """A training batch is one job; an inference batch is shards of ``shard_size`` images; a
+    sweep batch is one training job per trial (one group: one job array under Slurm)."""
     prefix = f"b{batch.id:06d}"
     if manifest.kind is Kind.TRAINING:
         return (NewJob(f"{prefix}-train", Pipeline.TRAIN, 0, 0, 1, tuple(inputs), policy.executor),)
+    if manifest.kind is Kind.SWEEP and manifest.sweep is not None:
+        trials = trial_params(manifest.sweep)
+        return tuple(
+            NewJob(
+                f"{prefix}-trial-{i:04d}",
+                Pipeline.TRAIN,
+                0,
+                i,
+                len(trials),
+                tuple(inputs),
+                policy.executor,
+                params=params,
+            )
+            for i, params in enumerate(trials)
+        )
     images = [f for f in inputs if f.role == Role.IMAGE.value]
     size = policy.shard_size
     count = max(1, -(-len(images) // size))
@@ -260,23 +277,24 @@ def compute_jobs(
 
 
 def _next_stage(view: BatchView, jobs: Sequence[Job], policy: Policy) -> list[Action]:
-    """The report after every compute job succeeded; done after the report succeeded."""
+    """Once every job so far succeeded: a sweep's trials are followed by the sweep job (compare,
+    register the best), compute jobs by the report; done after the report succeeded."""
     if not jobs or any(j.state is not JobState.SUCCEEDED for j in jobs):
         return []
     batch = view.batch
-    if all(j.pipeline is not Pipeline.REPORT for j in jobs):
-        report = NewJob(
-            f"b{batch.id:06d}-report",
-            Pipeline.REPORT,
-            1,
-            0,
-            1,
-            (),
-            policy.executor,
-            inherit_inputs=True,
-        )
-        return [PlanJobs(batch.id, (report,))]
-    return [MoveBatch(batch.id, BatchState.DONE, "all jobs succeeded")]
+    pipelines = {j.pipeline for j in jobs}
+    if Pipeline.REPORT in pipelines:
+        return [MoveBatch(batch.id, BatchState.DONE, "all jobs succeeded")]
+    stage = max(j.stage for j in jobs) + 1
+    if batch.kind == Kind.SWEEP.value and Pipeline.SWEEP not in pipelines:
+        plan = view.manifest.sweep if view.manifest else None
+        params = {"sweep": plan.describe() if plan else {}}
+        sweep = NewJob(f"b{batch.id:06d}-sweep", Pipeline.SWEEP, stage, 0, 1, (),
+                       policy.executor, inherit_inputs=True, params=params)  # fmt: skip
+        return [PlanJobs(batch.id, (sweep,))]
+    report = NewJob(f"b{batch.id:06d}-report", Pipeline.REPORT, stage, 0, 1, (),
+                    policy.executor, inherit_inputs=True)  # fmt: skip
+    return [PlanJobs(batch.id, (report,))]
 
 
 # -- jobs ---------------------------------------------------------------------------------------
@@ -390,9 +408,11 @@ def job_spec(
     manifest: Manifest,
     inputs: Sequence[InputFile],
     registry_dir: str,
-    cpus: int,
+    resources: Resources,
 ) -> JobSpec:
-    """The spec of the job's next attempt."""
+    """The spec of the job's next attempt; the job's own params override the manifest's;
+    ``resources``: what the executor gives this job."""
+    params = {**manifest.params, **job.params}
     return JobSpec(
         job_id=job.id,
         job_name=job.name,
@@ -407,8 +427,8 @@ def job_spec(
         inputs=tuple(inputs),
         model=manifest.model,
         registry_dir=registry_dir,
-        params=dict(manifest.params),
+        params=params,
         shard=Shard(job.shard_index, job.shard_count),
-        resources=Resources(cpus=cpus),
+        resources=resources,
         title=manifest.title,
     )

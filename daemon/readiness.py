@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from daemon.inputs import FileSeen, InputsSeen, PatternSeen, Presence
 from daemon.jobspec import InputFile, Problem
-from daemon.manifest import MANIFEST_NAME, Kind, Manifest, pairing_problems
+from daemon.manifest import MANIFEST_NAME, Manifest, pairing_problems
 
 MAX_LISTED = 20
 
@@ -106,7 +106,7 @@ def _ready_or_wrong(manifest: Manifest, seen: InputsSeen) -> Verdict:
     if wrong:
         return NotReady(_capped(wrong), "inputs differ from the manifest")
     inputs = _resolved(manifest, seen)
-    if manifest.kind is Kind.TRAINING and manifest.patterns:
+    if manifest.kind.trains and manifest.patterns:
         unpaired = pairing_problems(inputs)
         if unpaired:
             return NotReady(tuple(unpaired), "training images and masks do not pair up")

@@ -3,6 +3,7 @@ the store returns them; nothing here touches the database."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,8 @@ class Job:
     updated_at: float
     submitted_at: float | None
     finished_at: float | None
+    # This job's own parameters (a sweep trial's point), merged over the manifest's [params].
+    params: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ class NewJob:
     inputs: tuple[InputFile, ...]
     executor: str
     inherit_inputs: bool = False  # take the inputs of the batch's stage-0 jobs (the report)
+    params: Mapping[str, Any] = field(default_factory=dict)  # merged over the manifest's
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@ status file; the executor applies the same rules again when it submits.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from daemon.config import SlurmExecutorSection
+from daemon.config import LocalExecutorSection, SlurmExecutorSection
 from daemon.jobspec import Pipeline, Problem
 from daemon.manifest import MANIFEST_NAME, ResourceRequest
 
@@ -23,10 +24,11 @@ class Allocation:
     tasks: int
 
 
-def problems(request: ResourceRequest, site: SlurmExecutorSection) -> list[Problem]:
+def problems(request: ResourceRequest, bounds: Mapping[str, int]) -> list[Problem]:
     """Each value of ``request`` above the site's bound, said so that the owner can act."""
     found = []
-    for name, value, bound in _pairs(request, site):
+    for name, bound in bounds.items():
+        value = getattr(request, name)
         if value is not None and value > bound:
             found.append(
                 Problem(
@@ -49,22 +51,33 @@ def allocation(
     """
     time_minutes = min(request.time_minutes or site.time_minutes, site.max_time_minutes)
     memory_mb = min(request.memory_mb or site.memory_mb, site.max_memory_mb)
-    if pipeline is Pipeline.TRAIN:
-        gpus = site.gpus if request.gpus is None else request.gpus
-        tasks = request.tasks or site.tasks
-    elif pipeline is Pipeline.INFER:
-        gpus, tasks = request.gpus or 0, 1
-    else:
-        gpus, tasks = 0, 1
+    gpus, tasks = shape(request, pipeline, site.gpus, site.tasks)
     return Allocation(time_minutes, memory_mb, min(gpus, site.max_gpus), min(tasks, site.max_tasks))
 
 
-def _pairs(
-    request: ResourceRequest, site: SlurmExecutorSection
-) -> list[tuple[str, int | None, int]]:
-    return [
-        ("time_minutes", request.time_minutes, site.max_time_minutes),
-        ("memory_mb", request.memory_mb, site.max_memory_mb),
-        ("gpus", request.gpus, site.max_gpus),
-        ("tasks", request.tasks, site.max_tasks),
-    ]
+def shape(
+    request: ResourceRequest, pipeline: Pipeline, training_gpus: int = 0, training_tasks: int = 1
+) -> tuple[int, int]:
+    """GPUs and tasks of one job: a training job (a sweep's trials too) gets the site's
+    training defaults unless the manifest asks otherwise; each inference shard the GPUs the
+    manifest asks for (none by default) and one task; the other jobs one task, no GPU."""
+    if pipeline is Pipeline.TRAIN:
+        gpus = training_gpus if request.gpus is None else request.gpus
+        return gpus, request.tasks or training_tasks
+    if pipeline is Pipeline.INFER:
+        return request.gpus or 0, 1
+    return 0, 1
+
+
+def slurm_bounds(site: SlurmExecutorSection) -> dict[str, int]:
+    return {
+        "time_minutes": site.max_time_minutes,
+        "memory_mb": site.max_memory_mb,
+        "gpus": site.max_gpus,
+        "tasks": site.max_tasks,
+    }
+
+
+def local_bounds(local: LocalExecutorSection) -> dict[str, int]:
+    """The local executor has no time or memory limits to ask for; GPUs and DDP tasks it has."""
+    return {"gpus": local.max_gpus, "tasks": local.max_tasks}

@@ -85,7 +85,7 @@ class Service:
         self.store = Store.open(config.daemon.database)
         self.dispatch = Dispatcher(
             self.store, executor, str(config.registry.path), config.executor.cpus_per_job,
-            config.executor.result_grace_seconds,
+            config.executor.result_grace_seconds, config.executor.training_shape,
         )  # fmt: skip
         self.events: queue.Queue[WatchEvent] = queue.Queue()
         self.watcher = Watcher(config.roots, self.events)
@@ -506,12 +506,13 @@ class Service:
         return ", ".join(f"{counts.get(s, 0)} {s}" for s in shown)
 
 
-def _site_limits(config: Config) -> Callable[[Manifest], list[Problem]] | None:
-    """The cluster's bounds on a manifest's [resources], when jobs go to Slurm."""
-    if config.executor.kind != "slurm":
-        return None
-    site = config.executor.slurm
-    return lambda manifest: resources.problems(manifest.resources, site)
+def _site_limits(config: Config) -> Callable[[Manifest], list[Problem]]:
+    """The executor's bounds on a manifest's [resources]."""
+    if config.executor.kind == "slurm":
+        bounds = resources.slurm_bounds(config.executor.slurm)
+    else:
+        bounds = resources.local_bounds(config.executor.local)
+    return lambda manifest: resources.problems(manifest.resources, bounds)
 
 
 def _batch_of(action: Action, store: Store) -> int | None:

@@ -261,6 +261,7 @@ class Store:
                     "inputs": self._inherited_inputs(batch_id)
                     if new.inherit_inputs
                     else json.dumps([asdict(f) for f in new.inputs]),
+                    "params": json.dumps(dict(new.params), sort_keys=True),
                     "batch_id": batch_id,
                     "state": JobState.PENDING.value,
                     "created_at": now,
@@ -273,11 +274,17 @@ class Store:
         return [self.job(i) for i in ids]
 
     def _inherited_inputs(self, batch_id: int) -> str:
-        """The inputs of all the batch's stage-0 jobs as one JSON list, built inside SQLite."""
+        """The inputs of all the batch's stage-0 jobs as one JSON list, built inside SQLite.
+
+        An input that several stage-0 jobs share (every trial of a sweep trains on all the
+        inputs) is listed once, where it first appears.
+        """
         row = self.db.execute(
-            "SELECT json_group_array(json(each.value)) FROM"
-            " (SELECT id, inputs FROM jobs WHERE batch_id = ? AND stage = 0 ORDER BY id) AS j,"
-            " json_each(j.inputs) AS each",
+            "SELECT json_group_array(json(value)) FROM ("
+            " SELECT each.value AS value, min(j.id) AS job, min(each.key) AS position"
+            " FROM jobs AS j, json_each(j.inputs) AS each"
+            " WHERE j.batch_id = ? AND j.stage = 0"
+            " GROUP BY each.value ORDER BY job, position)",
             [batch_id],
         ).fetchone()
         return str(row[0])
@@ -474,6 +481,7 @@ def _batch(row: dict[str, Any]) -> Batch:
 
 def _job(row: dict[str, Any]) -> Job:
     row = dict(row)
+    row["params"] = json.loads(row["params"])
     row["state"] = JobState(row["state"])
     row["pipeline"] = Pipeline(row["pipeline"])
     return Job(**row)

@@ -17,7 +17,9 @@ class UNetModule(L.LightningModule):
 
     Batches are ``(images, masks)``, both float (N, 1, H, W), masks 0/1. Logged per epoch:
     ``train_loss``, ``val_loss``, ``val_dice`` and ``val_iou`` (pixels of the whole validation
-    set, prediction = sigmoid > 0.5; Dice is the pixel F1 score).
+    set, prediction = sigmoid > 0.5; Dice is the pixel F1 score). Under DDP the losses are
+    averaged over the ranks and the torchmetrics states are gathered, so every rank logs the
+    same numbers. ``depth`` and ``width`` shape the :class:`UNet`.
     """
 
     def __init__(self, depth: int = 4, width: int = 16, learning_rate: float = 1e-3) -> None:
@@ -34,15 +36,16 @@ class UNetModule(L.LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         images, masks = batch
         loss = segmentation_loss(self(images), masks)
-        self.log("train_loss", loss, on_step=False, on_epoch=True, batch_size=len(images))
+        self.log(
+            "train_loss", loss, on_step=False, on_epoch=True, batch_size=len(images), sync_dist=True
+        )
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         images, masks = batch
         logits = self(images)
-        self.log(
-            "val_loss", segmentation_loss(logits, masks), on_epoch=True, batch_size=len(images)
-        )
+        loss = segmentation_loss(logits, masks)
+        self.log("val_loss", loss, on_epoch=True, batch_size=len(images), sync_dist=True)
         probabilities = torch.sigmoid(logits)
         self.val_dice(probabilities, masks.int())
         self.val_iou(probabilities, masks.int())

@@ -82,11 +82,35 @@ def read_input(batch_dir: Path, item: InputFile) -> bytes:
 
 def read_image(batch_dir: Path, item: InputFile) -> np.ndarray:
     """Read, verify and decode ``item`` to a float32 (H, W) array in [0, 1]."""
+    return read_image_hashed(batch_dir, item)[0]
+
+
+def read_image_hashed(batch_dir: Path, item: InputFile) -> tuple[np.ndarray, str]:
+    """:func:`read_image`, and the sha256 of the bytes it decoded (from one read)."""
     data = read_input(batch_dir, item)
     try:
-        return decode(data)
+        pixels = decode(data)
     except UnreadableImage as exc:
         raise InputError("unreadable image", [Problem(where(item), exc.message, exc.hint)]) from exc
+    return pixels, item.sha256.lower() if item.sha256 else hashlib.sha256(data).hexdigest()
+
+
+def peek_size(path: Path) -> tuple[int, int] | None:
+    """(height, width) from a PNG's or TIFF's header without decoding pixels; None if unknown."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(32)
+        if head.startswith(PNG_MAGIC) and len(head) >= 24:
+            width, height = struct.unpack(">II", head[16:24])
+            return height, width
+        if head[:4] in TIFF_MAGICS:
+            with tifffile.TiffFile(path) as tif:
+                page = tif.pages[0]
+                if isinstance(page, tifffile.TiffPage):
+                    return page.imagelength, page.imagewidth
+    except (OSError, *_TIFF_ERRORS):
+        return None
+    return None
 
 
 def decode(data: bytes) -> np.ndarray:

@@ -4,17 +4,27 @@
 shard only its own), inside ``run_dir``:
 
 - ``masks/<input path>``: the mask, same relative path, name and format as the input;
-- ``parts/table-<shard index, 4 digits>.csv``: one row per image (:data:`TABLE_COLUMNS`).
+- ``parts/table-<shard index, 4 digits>.csv``: one row per image (:data:`TABLE_COLUMNS`);
+- ``ledger/shard-<shard index>.jsonl``: what is done (:mod:`pipelines.ledger`): a re-run of the
+  shard skips images already segmented from the same bytes with the same model and params.
+
+The model is loaded (and its sha256 checked) once per shard. Images are read and decoded by
+DataLoader workers ahead of the net (prefetch); images of one size go through the net in
+batches of ``batch_size``, under ``inference_mode`` in channels-last layout (what measured
+fastest on CPU; see docs/benchmarks.md). An image of more than ``max_whole_pixels`` pixels must
+be a TIFF: it is segmented window by window and its mask written as a tiled TIFF, in memory
+bounded by the window size (:mod:`pipelines.tiles`).
 
 A pixel is foreground when the sigmoid probability exceeds ``threshold``; connected components
 (8-connected) smaller than ``min_object_area`` pixels are removed and not counted. Per image:
 ``area_px`` is the total foreground area, ``equivalent_diameter_px`` the diameter of a circle
 of that area, ``objects`` the number of components kept, ``mean_intensity`` the mean grey value
-(0–1) under the mask (empty when there is no object).
+(0–1) under the mask (empty when there is no object), ``confidence`` the mean of |2p − 1| over
+the image (1: every pixel decided with certainty), ``tiled`` whether it went window by window;
+then the provenance: model name, version and sha256, the manifest's sha256, the code version.
 
 Images with problems (unreadable, checksum mismatch) do not stop the others: every problem is
 collected, and the job fails with all of them at the end without writing the shard table.
-Every file is written atomically, so running a shard again simply replaces its outputs.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import resource
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,21 +47,33 @@ from torch.utils.data import Dataset as TorchDataset
 
 from daemon.atomicfile import write_text
 from daemon.jobspec import InputFile, JobSpec, Pipeline, Problem
+from daemon.manifest_writer import sha256_of as file_sha256
 from models import registry
 from models.registry import ModelError, ModelVersion
 from models.unet import UNet
-from pipelines.images import check_suffix, read_image, write_mask
+from pipelines.images import (
+    check_suffix,
+    peek_size,
+    read_image_hashed,
+    where,
+    write_mask,
+)
 from pipelines.job import InputError, code_version, log, run_job
 from pipelines.layout import (
+    LEDGER_DIR,
     MASKS_DIR,
     PARTS_DIR,
     TABLE_COLUMNS,
+    ledger_name,
     output_path,
     table_name,
 )
+from pipelines.ledger import Ledger
+from pipelines.tiles import segment_tiled
 
 _EIGHT_CONNECTED = np.ones((3, 3), dtype=bool)
 _PROGRESS_EVERY_S = 30.0
+TIFF_SUFFIXES = (".tif", ".tiff")
 
 
 def clean_mask(
@@ -65,17 +88,22 @@ def clean_mask(
     return keep[labels], int(keep.sum())
 
 
-def measure(image: np.ndarray, mask: np.ndarray, objects: int) -> dict[str, Any]:
-    """The per-image statistics of the table (without path and provenance)."""
-    area = int(mask.sum())
+def _stats(width: int, height: int, area: int, objects: int, intensity: float) -> dict[str, Any]:
     return {
-        "width": image.shape[1],
-        "height": image.shape[0],
+        "width": width,
+        "height": height,
         "area_px": area,
         "equivalent_diameter_px": round(math.sqrt(4 * area / math.pi), 3),
         "objects": objects,
-        "mean_intensity": round(float(image[mask].mean()), 6) if area else "",
+        "mean_intensity": round(intensity / area, 6) if area else "",
     }
+
+
+def measure(image: np.ndarray, mask: np.ndarray, objects: int) -> dict[str, Any]:
+    """The per-image statistics of the table (without confidence, path and provenance)."""
+    area = int(mask.sum())
+    intensity = float(image[mask].sum()) if area else 0.0
+    return _stats(image.shape[1], image.shape[0], area, objects, intensity)
 
 
 def load_model(spec: JobSpec) -> tuple[UNet, ModelVersion]:
@@ -96,18 +124,21 @@ def load_model(spec: JobSpec) -> tuple[UNet, ModelVersion]:
 
 @dataclass(frozen=True)
 class Loaded:
-    """One input as read by a loader worker: pixels, or the problems that prevented it."""
+    """One input as read by a loader worker: pixels, or the problems that prevented it, or
+    ``tiled`` (too large to decode whole: the main process segments it window by window)."""
 
     item: InputFile
     pixels: np.ndarray | None
     problems: tuple[Problem, ...]
+    sha256: str = ""
+    tiled: bool = False
 
 
 class ShardImages(TorchDataset[Loaded]):
     """Reads and verifies the shard's images (in DataLoader workers, overlapping the net)."""
 
-    def __init__(self, batch_dir: Path, items: list[InputFile]) -> None:
-        self.batch_dir, self.items = batch_dir, items
+    def __init__(self, batch_dir: Path, items: list[InputFile], max_pixels: int) -> None:
+        self.batch_dir, self.items, self.max_pixels = batch_dir, items, max_pixels
 
     def __len__(self) -> int:
         return len(self.items)
@@ -117,10 +148,18 @@ class ShardImages(TorchDataset[Loaded]):
         problem = check_suffix(item)
         if problem is not None:
             return Loaded(item, None, (problem,))
+        size = peek_size(self.batch_dir / item.path)
+        if size is not None and size[0] * size[1] > self.max_pixels:
+            if Path(item.path).suffix.lower() in TIFF_SUFFIXES:
+                return Loaded(item, None, (), tiled=True)
+            message = f"is {size[1]}×{size[0]} pixels, too large to segment as a whole"
+            hint = "save it as a tiled TIFF: those are segmented window by window"
+            return Loaded(item, None, (Problem(where(item), message, hint),))
         try:
-            return Loaded(item, read_image(self.batch_dir, item), ())
+            pixels, digest = read_image_hashed(self.batch_dir, item)
         except InputError as exc:
             return Loaded(item, None, exc.problems)
+        return Loaded(item, pixels, (), digest)
 
 
 def _as_is(loaded: Loaded) -> Loaded:
@@ -130,21 +169,23 @@ def _as_is(loaded: Loaded) -> Loaded:
 def _loaded(spec: JobSpec, items: list[InputFile]) -> Iterator[Loaded]:
     # One or two reader processes hide the share's latency; the rest of the cores run the net.
     workers = min(2, max(0, spec.resources.cpus - 1))
+    max_pixels = int(spec.params.get("max_whole_pixels", 2048 * 2048))
     loader = DataLoader(
-        ShardImages(Path(spec.batch_dir), items),
+        ShardImages(Path(spec.batch_dir), items, max_pixels),
         batch_size=None,
         num_workers=workers,
         collate_fn=_as_is,
-        prefetch_factor=2 if workers else None,
+        prefetch_factor=4 if workers else None,
     )
     yield from loader
 
 
 @torch.inference_mode()
-def predict(net: UNet, pixels: np.ndarray) -> np.ndarray:
-    """Sigmoid probabilities (H, W) for one grey image."""
-    tensor = torch.from_numpy(pixels)[None, None].contiguous(memory_format=torch.channels_last)
-    return torch.sigmoid(net(tensor))[0, 0].numpy()
+def predict(net: UNet, images: np.ndarray) -> np.ndarray:
+    """Sigmoid probabilities (N, H, W) for a stack of grey images (N, H, W)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(images))[:, None]
+    logits = net(tensor.contiguous(memory_format=torch.channels_last))
+    return torch.sigmoid(logits)[:, 0].numpy()
 
 
 def _table_csv(rows: list[dict[str, Any]]) -> str:
@@ -159,34 +200,110 @@ class Progress:
     """Logs "done/total images" at most every 30 s, and at the end."""
 
     def __init__(self, total: int) -> None:
-        self.total, self.started = total, time.monotonic()
+        self.total, self.started, self.done = total, time.monotonic(), 0
         self.last = self.started
 
-    def tick(self, done: int) -> None:
+    def tick(self, count: int = 1) -> None:
+        self.done += count
         now = time.monotonic()
-        if now - self.last > _PROGRESS_EVERY_S or done == self.total:
+        if now - self.last > _PROGRESS_EVERY_S or self.done == self.total:
             self.last = now
-            log.info("%d/%d images (%.3f s/image)", done, self.total, (now - self.started) / done)
+            per_image = (now - self.started) / max(self.done, 1)
+            log.info("%d/%d images (%.3f s/image)", self.done, self.total, per_image)
+
+
+class TiledProgress:
+    """Logs "rows of windows done" of one large image at most every 30 s, and at the end."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.started = path, time.monotonic()
+        self.last = self.started
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.last > _PROGRESS_EVERY_S or done == total:
+            self.last = now
+            log.info("%s: %d/%d rows of windows (%.0f s)", self.path, done, total,
+                     now - self.started)  # fmt: skip
+
+
+class Segmenter:
+    """Segments loaded images (batched by size) and tiled ones; writes masks, ledger rows."""
+
+    def __init__(self, spec: JobSpec, net: UNet, provenance: dict[str, Any], ledger: Ledger):
+        self.spec, self.net, self.provenance, self.ledger = spec, net, provenance, ledger
+        params = spec.params
+        self.threshold, self.min_area = float(params["threshold"]), int(params["min_object_area"])
+        self.batch_size = int(params.get("batch_size", 1))
+        self.masks_dir = Path(spec.run_dir) / MASKS_DIR
+        self.rows: dict[str, dict[str, Any]] = {}
+        self.pending: list[tuple[InputFile, str, np.ndarray]] = []
+
+    def add(self, item: InputFile, digest: str, pixels: np.ndarray) -> None:
+        """Queue a decoded image; a full batch, or an image of another size, flushes."""
+        if self.pending and self.pending[0][2].shape != pixels.shape:
+            self.flush()
+        self.pending.append((item, digest, pixels))
+        if len(self.pending) >= self.batch_size:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        stack = np.stack([pixels for _, _, pixels in self.pending])
+        for (item, digest, pixels), probabilities in zip(
+            self.pending, predict(self.net, stack), strict=True
+        ):
+            mask, objects = clean_mask(probabilities, self.threshold, self.min_area)
+            write_mask(output_path(self.masks_dir, item.path), mask)
+            confidence = float(np.abs(2 * probabilities - 1).mean())
+            row = {**measure(pixels, mask, objects), "confidence": round(confidence, 4)}
+            self._done(item, digest, {**row, "tiled": 0})
+        self.pending = []
+
+    def tiled(self, item: InputFile) -> list[Problem]:
+        """Segment one large TIFF window by window; its problems (checksum) if any."""
+        source = Path(self.spec.batch_dir) / item.path
+        digest = file_sha256(source)
+        if item.sha256 and digest != item.sha256.lower():
+            message = f"sha256 is {digest[:12]}…, expected {item.sha256.lower()[:12]}…"
+            hint = "the file changed or was damaged while copying; copy it again"
+            return [Problem(where(item), message, hint)]
+        target = output_path(self.masks_dir, item.path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        params = self.spec.params
+        log.info("%s: tiled inference", item.path)
+        result = segment_tiled(
+            source, target, lambda tiles: predict(self.net, tiles), self.threshold,
+            self.min_area, int(params.get("tile_size", 512)), int(params.get("tile_overlap", 64)),
+            self.batch_size, TiledProgress(item.path),
+        )  # fmt: skip
+        row = _stats(result.width, result.height, result.area, result.objects, result.intensity)
+        self._done(item, digest, {**row, "confidence": round(result.confidence, 4), "tiled": 1})
+        return []
+
+    def _done(self, item: InputFile, digest: str, stats: dict[str, Any]) -> None:
+        row = {"path": item.path, **stats, **self.provenance}
+        self.rows[item.path] = row
+        self.ledger.record(item.path, digest, row)
 
 
 def segment(
-    spec: JobSpec, net: UNet, items: list[InputFile], provenance: dict[str, Any]
-) -> tuple[list[dict[str, Any]], list[Problem]]:
+    spec: JobSpec, segmenter: Segmenter, items: list[InputFile]
+) -> tuple[dict[str, dict[str, Any]], list[Problem]]:
     """Segment every item, writing its mask; return the table rows and the input problems."""
-    threshold, min_area = float(spec.params["threshold"]), int(spec.params["min_object_area"])
-    masks_dir = Path(spec.run_dir) / MASKS_DIR
-    rows: list[dict[str, Any]] = []
     problems: list[Problem] = []
     progress = Progress(len(items))
-    for done, loaded in enumerate(_loaded(spec, items), start=1):
+    for loaded in _loaded(spec, items):
         problems += loaded.problems
-        if loaded.pixels is not None:
-            mask, objects = clean_mask(predict(net, loaded.pixels), threshold, min_area)
-            write_mask(output_path(masks_dir, loaded.item.path), mask)
-            row = {"path": loaded.item.path, **measure(loaded.pixels, mask, objects)}
-            rows.append({**row, **provenance})
-        progress.tick(done)
-    return rows, problems
+        if loaded.tiled:
+            segmenter.flush()
+            problems += segmenter.tiled(loaded.item)
+        elif loaded.pixels is not None:
+            segmenter.add(loaded.item, loaded.sha256, loaded.pixels)
+        progress.tick()
+    segmenter.flush()
+    return segmenter.rows, problems
 
 
 def infer(spec: JobSpec, job_dir: Path) -> dict[str, Any]:
@@ -200,23 +317,52 @@ def infer(spec: JobSpec, job_dir: Path) -> dict[str, Any]:
         "manifest_sha256": spec.manifest_sha256,
         "code_version": code_version(),
     }
+    run_dir = Path(spec.run_dir)
     items = [item for item in spec.inputs if item.role == "image"]
-    started = time.monotonic()
-    rows, problems = segment(spec, net, items, provenance)
+    ledger = Ledger(run_dir / LEDGER_DIR / ledger_name(spec.shard.index), version.sha256,
+                    spec.params)  # fmt: skip
+    resumed = {}
+    for item in items:
+        mask = output_path(run_dir / MASKS_DIR, item.path)
+        row = ledger.done_row(item, Path(spec.batch_dir), mask)
+        if row is not None:
+            resumed[item.path] = row
+    if resumed:
+        log.info("%d of %d images already done (ledger): skipped", len(resumed), len(items))
+    started, cpu_started = time.monotonic(), _cpu_seconds()
+    todo = [item for item in items if item.path not in resumed]
+    try:
+        rows, problems = segment(spec, Segmenter(spec, net, provenance, ledger), todo)
+    finally:
+        ledger.close()
     if problems:
         raise InputError(f"{len(problems)} problem(s) with the images of this shard", problems)
-    table = Path(spec.run_dir) / PARTS_DIR / table_name(spec.shard.index)
+    table_rows = [resumed.get(item.path) or rows[item.path] for item in items]
+    table = run_dir / PARTS_DIR / table_name(spec.shard.index)
     table.parent.mkdir(parents=True, exist_ok=True)
-    write_text(table, _table_csv(rows))
+    write_text(table, _table_csv(table_rows))
     return {
-        "images": len(rows),
-        "images_with_objects": sum(1 for row in rows if row["objects"]),
-        "objects": sum(row["objects"] for row in rows),
+        "images": len(table_rows),
+        "segmented": len(rows),
+        "resumed": len(resumed),
+        "images_with_objects": sum(1 for row in table_rows if int(row["objects"])),
+        "objects": sum(int(row["objects"]) for row in table_rows),
         "table": f"{PARTS_DIR}/{table.name}",
         "model": {**provenance, "requested_version": spec.model.version},
         "shard": {"index": spec.shard.index, "count": spec.shard.count},
         "seconds_per_image": round((time.monotonic() - started) / max(len(rows), 1), 4),
+        "cpu_seconds_per_image": round((_cpu_seconds() - cpu_started) / max(len(rows), 1), 4),
     }
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and its ended children (the loader's workers, once joined):
+    on a shared machine it shows the work done, whatever else competes for the cores."""
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ function, and as its last act writes ``JOB_DIR/result.json`` atomically:
 - it raised :class:`models.registry.ModelError` → kind MODEL, exit status 2;
 - anything else → kind INTERNAL with the traceback (the daemon may retry), exit status 1.
 
+In a job of several processes (DDP ranks, see :mod:`pipelines.fitting`) only rank 0 writes
+result.json; the work function returns None on the other ranks.
+
 Progress goes to stdout as plain timestamped lines; the executor sends it to ``log.txt``.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import os
 import platform
 import sys
 import time
@@ -41,7 +45,7 @@ from models.registry import ModelError
 
 log = logging.getLogger("pipelines")
 
-Work = Callable[[JobSpec, Path], Mapping[str, Any]]
+Work = Callable[[JobSpec, Path], Mapping[str, Any] | None]
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1
@@ -79,6 +83,12 @@ def configure_logging() -> None:
     logging.captureWarnings(True)
 
 
+def process_rank(environ: Mapping[str, str]) -> int:
+    """This process's rank in a multi-process job: 0 unless Lightning or Slurm says otherwise."""
+    ranks = (environ.get(key, "0") for key in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK"))
+    return max((int(value) for value in ranks if value.isdigit()), default=0)
+
+
 def read_spec(job_dir: Path) -> JobSpec:
     return JobSpec.from_json((job_dir / SPEC_FILE).read_text(encoding="utf-8"))
 
@@ -98,7 +108,8 @@ def _attempt(pipeline: Pipeline, work: Work, job_dir: Path) -> tuple[int, Any]:
             )
         torch.set_num_threads(max(1, spec.resources.cpus))
         log.info("job %s (%s) attempt %d started", spec.job_name, pipeline.value, spec.attempt)
-        return EXIT_OK, dict(work(spec, job_dir))
+        summary = work(spec, job_dir)
+        return EXIT_OK, None if summary is None else dict(summary)
     except InputError as exc:
         for problem in exc.problems:
             log.error("input problem: %s", problem.render())
@@ -121,10 +132,13 @@ def run_job(pipeline: Pipeline, work: Work, argv: Sequence[str] | None = None) -
     job_dir = Path(args[0]).resolve()
     started = time.monotonic()
     status, outcome = _attempt(pipeline, work, job_dir)
+    if process_rank(os.environ) != 0:
+        log.info("rank %d finished: rank 0 writes the result", process_rank(os.environ))
+        return status
     elapsed = round(time.monotonic() - started, 3)
     finished = datetime.now(UTC).isoformat(timespec="seconds")
     if status == EXIT_OK:
-        summary = {**outcome, "elapsed_s": elapsed, "host": platform.node()}
+        summary = {**(outcome or {}), "elapsed_s": elapsed, "host": platform.node()}
         summary["code_version"] = code_version()
         result = JobResult(ok=True, pipeline=pipeline.value, finished_at=finished, summary=summary)
     else:

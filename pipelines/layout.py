@@ -8,7 +8,11 @@
     summary.json, report.html       the report
     training/metrics.csv            per-epoch curves (CURVE_COLUMNS)
     training/model.json             the registered model: name, version, sha256, metrics
-    training/previews/<stem>.png    validation overlays for the report
+    training/previews/<stem>.png    validation overlays for the report (index.json: which, Dice)
+    training/wandb/                 the Weights & Biases run folder (offline unless configured)
+    trials/<job name>/              a sweep trial: metrics.csv, candidate.pt, candidate.json
+    sweep/trials.csv, sweep/sweep.json  the sweep's comparison of its trials, and its W&B config
+    ledger/shard-<index:04d>.jsonl  inference: one line per image done (resuming a shard)
     jobs/<job name>/                spec.json, log.txt, result.json (written by the daemon/runner)
 """
 
@@ -25,6 +29,15 @@ TRAINING_DIR = "training"
 METRICS_FILE = "metrics.csv"
 MODEL_FILE = "model.json"
 PREVIEWS_DIR = "previews"
+PREVIEW_INDEX = "index.json"
+WANDB_DIR = "wandb"
+TRIALS_DIR = "trials"
+CANDIDATE_WEIGHTS = "candidate.pt"
+CANDIDATE_FILE = "candidate.json"
+SWEEP_DIR = "sweep"
+TRIALS_TABLE = "trials.csv"
+SWEEP_FILE = "sweep.json"
+LEDGER_DIR = "ledger"
 TABLE_COLUMNS = (
     "path",
     "width",
@@ -33,6 +46,8 @@ TABLE_COLUMNS = (
     "equivalent_diameter_px",
     "objects",
     "mean_intensity",
+    "confidence",
+    "tiled",
     "model_name",
     "model_version",
     "model_sha256",
@@ -44,6 +59,10 @@ CURVE_COLUMNS = ("epoch", "train_loss", "val_loss", "val_dice", "val_iou")
 
 def table_name(shard_index: int) -> str:
     return f"table-{shard_index:04d}.csv"
+
+
+def ledger_name(shard_index: int) -> str:
+    return f"shard-{shard_index:04d}.jsonl"
 
 
 def output_path(root: Path, relative: str) -> Path:

@@ -14,7 +14,7 @@ from typing import Any
 from pipelines.layout import TABLE_COLUMNS
 
 MAX_ROWS = 500
-TABLE_VIEW = TABLE_COLUMNS[: TABLE_COLUMNS.index("mean_intensity") + 1]  # the measured columns
+TABLE_VIEW = TABLE_COLUMNS[: TABLE_COLUMNS.index("tiled") + 1]  # the measured columns
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
 h1 { margin-bottom: 0.2em; } .meta { color: #666; margin-top: 0; }
@@ -98,8 +98,9 @@ def _inference(part: Mapping[str, Any]) -> str:
     return (
         "<h2>Segmentation</h2>"
         + key_values(facts)
-        + gallery([("area distribution", part["histogram"])])
-        + "<h3>Examples</h3><p class=note>Predicted spheroids outlined and filled in orange.</p>"
+        + gallery([("object size distribution", part["histogram"])])
+        + "<h3>Examples</h3><p class=note>Predicted spheroids outlined and filled in orange: "
+        + "the most and the least confident image, and random others.</p>"
         + gallery(part["overlays"])
         + "<h3>Per image</h3>"
         + f'<p class="note">{note}the full table is <a href="table.csv">table.csv</a>.</p>'
@@ -127,10 +128,31 @@ def _training(part: Mapping[str, Any]) -> str:
         + key_values(facts)
         + gallery(part["charts"])
         + "<h3>Validation examples</h3>"
-        + "<p class=note>Prediction in orange, ground truth outlined in cyan.</p>"
+        + "<p class=note>Prediction in orange, ground truth outlined in cyan: the best, the "
+        + "worst and a random validation image by Dice.</p>"
         + gallery(part["previews"])
         + "<h3>Per epoch</h3>"
         + table(columns, epochs)
+    )
+
+
+def _sweep(part: Mapping[str, Any]) -> str:
+    summary, trials = part["summary"], part["trials"]
+    facts = {
+        "method": summary["method"],
+        "trials": summary["trials"],
+        "compared by": f"{summary['metric']} (higher is better)",
+        "winner (registered)": summary["winner"],
+        "W&B sweep": summary.get("wandb_sweep_id"),
+    }
+    headers = list(trials[0]) if trials else []
+    return (
+        "<h2>Sweep</h2>"
+        + key_values(facts)
+        + key_values({f"space: {k}": str(v) for k, v in part["space"].items()})
+        + gallery([("validation curves of every trial", part["chart"])])
+        + "<h3>Trials, best first</h3>"
+        + table(headers, ([row[h] for h in headers] for row in trials))
     )
 
 
@@ -154,6 +176,8 @@ def render(summary: Mapping[str, Any], pages: Mapping[str, Any]) -> str:
     ]
     if "inference" in pages:
         body.append(_inference(pages["inference"]))
+    if "sweep" in pages:
+        body.append(_sweep(pages["sweep"]))
     if "training" in pages:
         body.append(_training(pages["training"]))
     body.append(_jobs(summary.get("jobs", [])))

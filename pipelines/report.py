@@ -7,11 +7,13 @@
   input of the spec must have exactly one row, otherwise the job fails (INTERNAL: a shard's
   output is missing, which is not the data owner's doing);
 - ``summary.json``: counts, area statistics, model, manifest hash, per-job timings, and for
-  training the registered model and its metrics;
+  training the registered model and its metrics, for a sweep its trials and the winner;
 - ``report.html``: one file, no network references, pictures inlined as base64 PNG.
 
-What to report is decided by what the run left: shard tables (inference) and/or
-``training/model.json`` (training).
+What to report is decided by what the run left: shard tables (inference),
+``training/model.json`` (training, or a sweep's registered winner) and ``sweep/sweep.json``.
+Overlays show the most and least confident images and random others; training previews the
+best, the worst and a random validation image by Dice.
 """
 
 from __future__ import annotations
@@ -37,12 +39,17 @@ from pipelines.layout import (
     METRICS_FILE,
     MODEL_FILE,
     PARTS_DIR,
+    PREVIEW_INDEX,
     PREVIEWS_DIR,
     REPORT_FILE,
     SUMMARY_FILE,
+    SWEEP_DIR,
+    SWEEP_FILE,
     TABLE_COLUMNS,
     TABLE_FILE,
     TRAINING_DIR,
+    TRIALS_DIR,
+    TRIALS_TABLE,
     output_path,
 )
 from pipelines.page import render
@@ -132,18 +139,35 @@ def inference_summary(rows: list[dict[str, str]]) -> dict[str, Any]:
     }
 
 
+def overlay_picks(rows: list[dict[str, str]], seed: int = 0) -> list[tuple[str, dict[str, str]]]:
+    """(label, row) of the most and least confident images and random others (at most OVERLAYS
+    in all); images segmented window by window are too large to draw and are left out."""
+    small = [r for r in rows if r.get("tiled") in (None, "", "0") and r.get("confidence")]
+    order = sorted(small, key=lambda r: (float(r["confidence"]), r["path"]))
+    if not order:
+        return []
+    picks = [("most confident", order[-1])]
+    if len(order) > 1:
+        picks.append(("least confident", order[0]))
+    rest = order[1:-1]
+    chosen = np.random.default_rng(seed).permutation(len(rest))[: OVERLAYS - len(picks)]
+    return picks + [("random", rest[i]) for i in sorted(chosen)]
+
+
 def sample_overlays(spec: JobSpec, rows: list[dict[str, str]]) -> list[tuple[str, str]]:
-    """(caption, data URI) for up to OVERLAYS images spread over the table."""
-    picks = sorted({int(i) for i in np.linspace(0, len(rows) - 1, min(OVERLAYS, len(rows)))})
+    """(caption, data URI) for the images :func:`overlay_picks` chose."""
     pictures = []
-    for row in (rows[i] for i in picks):
+    for label, row in overlay_picks(rows):
         try:
             image = decode(output_path(Path(spec.batch_dir), row["path"]).read_bytes())
             mask = decode(output_path(Path(spec.run_dir) / MASKS_DIR, row["path"]).read_bytes())
         except (OSError, UnreadableImage) as exc:
             log.warning("no overlay for %s: %s", row["path"], exc)
             continue
-        caption = f"{row['path']}: {row['objects']} object(s), {row['area_px']} px"
+        caption = (
+            f"{label}: {row['path']}: {row['objects']} object(s), {row['area_px']} px, "
+            f"confidence {float(row['confidence']):.3f}"
+        )
         pictures.append((caption, figures.data_uri(figures.overlay(image, mask > 0.5))))
     return pictures
 
@@ -162,15 +186,26 @@ def training_charts(curves: list[dict[str, float]]) -> list[tuple[str, str]]:
     return [("loss per epoch", figures.data_uri(loss)), ("Dice and IoU", figures.data_uri(quality))]
 
 
+def _previews(folder: Path) -> list[tuple[str, str]]:
+    """(caption, data URI) of the training previews, captioned from their index."""
+    try:
+        index = json.loads((folder / PREVIEW_INDEX).read_text(encoding="utf-8"))["previews"]
+    except (OSError, ValueError, KeyError):
+        index = [{"file": p.name} for p in sorted(folder.glob("*.png"))]
+    previews = []
+    for entry in index:
+        caption = Path(entry["file"]).stem
+        if "pick" in entry:
+            caption = f"{entry['pick']}: {caption} (Dice {entry['dice']:.3f})"
+        previews.append((caption, figures.png_uri((folder / entry["file"]).read_bytes())))
+    return previews
+
+
 def _training(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(summary part, page part) for a training run."""
+    """(summary part, page part) for a training run (and a sweep's winner)."""
     training_dir = run_dir / TRAINING_DIR
     model = json.loads((training_dir / MODEL_FILE).read_text(encoding="utf-8"))
     curves = read_curves(training_dir / METRICS_FILE)
-    previews = [
-        (path.stem, figures.png_uri(path.read_bytes()))
-        for path in sorted((training_dir / PREVIEWS_DIR).glob("*.png"))
-    ]
     summary = {
         "model": model,
         "epochs_run": len(curves),
@@ -181,8 +216,36 @@ def _training(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         "curves": curves,
         "columns": CURVE_COLUMNS,
         "charts": training_charts(curves),
-        "previews": previews,
+        "previews": _previews(training_dir / PREVIEWS_DIR),
     }
+    return summary, page
+
+
+def _number(text: str) -> str | float:
+    """A CSV cell as a float when it is a fraction (shown rounded), else as written."""
+    try:
+        return float(text) if "." in text or "e" in text else text
+    except ValueError:
+        return text
+
+
+def _sweep(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(summary part, page part) for a sweep: every trial ranked, their validation curves."""
+    record = json.loads((run_dir / SWEEP_DIR / SWEEP_FILE).read_text(encoding="utf-8"))
+    with open(run_dir / SWEEP_DIR / TRIALS_TABLE, newline="", encoding="utf-8") as handle:
+        trials = list(csv.DictReader(handle))
+    metric = record.get("metric", "val_dice")
+    series = {}
+    for trial in trials:
+        curves = read_curves(run_dir / TRIALS_DIR / trial["job"] / METRICS_FILE)
+        series[f"trial {trial['trial']}"] = [(row["epoch"], row[metric]) for row in curves]
+    chart = figures.line_chart(f"{metric} per epoch, every trial", series)
+    summary = {"method": record.get("method"), "metric": metric, "trials": len(trials),
+               "winner": record.get("winner"), "table": f"{SWEEP_DIR}/{TRIALS_TABLE}",
+               "wandb_sweep_id": record.get("wandb_sweep_id")}  # fmt: skip
+    shown = [{k: _number(v) for k, v in trial.items()} for trial in trials]
+    page = {"summary": summary, "trials": shown, "chart": figures.data_uri(chart),
+            "space": record.get("space", {})}  # fmt: skip
     return summary, page
 
 
@@ -191,8 +254,8 @@ def _inference(spec: JobSpec, run_dir: Path) -> tuple[dict[str, Any], dict[str, 
     check_complete(spec, rows)
     write_text(run_dir / TABLE_FILE, table_csv(rows))
     summary = inference_summary(rows)
-    areas = [float(row["area_px"]) for row in rows if int(row["objects"])]
-    histogram = figures.histogram("spheroid area per image", areas, "area (pixels)")
+    sizes = [int(row["area_px"]) / int(row["objects"]) for row in rows if int(row["objects"])]
+    histogram = figures.histogram("object size (mean per image)", sizes, "area (pixels)")
     page = {
         "summary": summary,
         "rows": rows,
@@ -223,6 +286,8 @@ def report(spec: JobSpec, job_dir: Path) -> dict[str, Any]:
     pages: dict[str, Any] = {}
     if (run_dir / PARTS_DIR).is_dir():
         summary["inference"], pages["inference"] = _inference(spec, run_dir)
+    if (run_dir / SWEEP_DIR / SWEEP_FILE).is_file():
+        summary["sweep"], pages["sweep"] = _sweep(run_dir)
     if (run_dir / TRAINING_DIR / MODEL_FILE).is_file():
         summary["training"], pages["training"] = _training(run_dir)
     if not pages:

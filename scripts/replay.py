@@ -94,7 +94,7 @@ def manifest_text(folder: Path, kind: Kind = Kind.INFERENCE, **options: object) 
         model=str(options.pop("model", "spheroid-unet")),
         owner=str(options.pop("owner", "Replay Tester")),
         email=options.pop("email", "tester@example.org"),  # type: ignore[arg-type]
-        masks="masks" if kind is Kind.TRAINING else None,
+        masks="masks" if kind.trains else None,
         **options,  # type: ignore[arg-type]
     )
     return manifest_writer.build(request).encode()

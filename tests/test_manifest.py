@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from daemon.errors import ManifestError
 from daemon.jobspec import InputFile
 from daemon.manifest import (
+    InferenceParams,
     Kind,
     TrainingParams,
     check_relative_path,
@@ -41,7 +42,8 @@ def test_a_valid_inference_manifest_parses_with_default_parameters() -> None:
     manifest = parse_manifest(doc())
     assert manifest.kind is Kind.INFERENCE
     assert manifest.model.name == "spheroid-unet" and manifest.model.version == "latest"
-    assert manifest.params == {"threshold": 0.5, "min_object_area": 0}
+    assert manifest.params == InferenceParams().model_dump()
+    assert manifest.params["threshold"] == 0.5 and manifest.params["min_object_area"] == 0
     assert manifest.files[0] == InputFile("images/a.png", 100, None, "image")
     assert len(manifest.sha256) == 64
 
@@ -88,11 +90,11 @@ def test_every_problem_is_reported_at_once_with_its_location() -> None:
     )
     assert "manifest.toml, watchd: Input should be 1 (got 2)" in found
     assert any(
-        f.startswith("manifest.toml, kind: Input should be 'training' or 'inference'")
+        f.startswith("manifest.toml, kind: Input should be 'training', 'inference' or 'sweep'")
         for f in found
     )
     assert any(
-        "unknown key 'colour' (valid keys: files, kind, model, owner, params, patterns, resources, title, watchd)"
+        "unknown key 'colour' (valid keys: files, kind, model, owner, params, patterns, resources, sweep, title, watchd)"
         in f
         for f in found
     )
@@ -152,7 +154,7 @@ def test_parameters_are_bounded_and_unknown_ones_listed() -> None:
     found = problems_of(doc(params={"threshold": 2.0, "treshold": 0.1}))
     assert "manifest.toml, params.threshold: Input should be less than 1 (got 2.0)" in found
     assert (
-        "manifest.toml, params.treshold: unknown key 'treshold' (valid keys: min_object_area, threshold)"
+        "manifest.toml, params.treshold: unknown key 'treshold' (valid keys: batch_size, max_whole_pixels, min_object_area, threshold, tile_overlap, tile_size)"
         in found
     )
 
@@ -255,7 +257,9 @@ def test_pairing_lists_images_without_masks() -> None:
 REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("name", ["inference.toml", "training.toml", "inference-patterns.toml"])
+@pytest.mark.parametrize(
+    "name", ["inference.toml", "training.toml", "inference-patterns.toml", "sweep.toml"]
+)
 def test_the_documented_examples_are_valid(name: str) -> None:
     parse_manifest((REPO / "docs" / "examples" / name).read_bytes())
 
@@ -267,3 +271,79 @@ def test_the_published_schema_matches_the_parser() -> None:
 
     published = json.loads((REPO / "docs" / "manifest.schema.json").read_text())
     assert published == ManifestModel.model_json_schema()
+
+
+PAIRED = [
+    {"path": "images/a.png", "size": 1},
+    {"path": "masks/a.png", "size": 1, "role": "mask"},
+]
+
+
+def sweep_doc(sweep: dict[str, object], **overrides: object) -> bytes:
+    return doc(kind="sweep", model={"name": "m"}, files=PAIRED, sweep=sweep, **overrides)
+
+
+def test_a_grid_sweep_expands_to_the_product_of_its_value_lists_in_order() -> None:
+    space = {"learning_rate": [0.01, 0.001], "width": [8, 16, 32]}
+    manifest = parse_manifest(sweep_doc({"method": "grid", "space": space}))
+    assert manifest.kind is Kind.SWEEP and manifest.sweep is not None
+    assert [dict(t) for t in manifest.sweep.trials] == [
+        {"learning_rate": lr, "width": w} for lr in (0.01, 0.001) for w in (8, 16, 32)
+    ]
+    assert manifest.params == TrainingParams().model_dump()
+    capped = parse_manifest(sweep_doc({"method": "grid", "trials": 4, "space": space}))
+    assert capped.sweep is not None and len(capped.sweep.trials) == 4
+
+
+def test_a_random_sweep_draws_the_same_trials_for_the_same_seed_within_bounds() -> None:
+    sweep = {
+        "method": "random",
+        "trials": 6,
+        "seed": 3,
+        "space": {
+            "learning_rate": {"min": 1e-4, "max": 1e-2, "log": True},
+            "depth": {"min": 2, "max": 4},
+        },
+    }
+    first, second = parse_manifest(sweep_doc(sweep)), parse_manifest(sweep_doc(sweep))
+    assert first.sweep is not None and second.sweep is not None
+    assert first.sweep.trials == second.sweep.trials and len(first.sweep.trials) == 6
+    for trial in first.sweep.trials:
+        assert 1e-4 <= trial["learning_rate"] <= 1e-2
+        assert trial["depth"] in (2, 3, 4) and isinstance(trial["depth"], int)
+    other = parse_manifest(sweep_doc({**sweep, "seed": 4}))
+    assert other.sweep is not None and other.sweep.trials != first.sweep.trials
+
+
+def test_a_sweep_refuses_unknown_and_out_of_bound_parameters_and_grid_ranges() -> None:
+    found = problems_of(
+        sweep_doc(
+            {
+                "method": "grid",
+                "space": {
+                    "colour": [1],
+                    "epochs": [10, 1000],
+                    "learning_rate": {"min": 0.1, "max": 0.2},
+                },
+            }
+        )
+    )
+    assert found[0].startswith(
+        "manifest.toml, sweep.space.colour: is not a training parameter — use one of: "
+    )
+    assert (
+        "manifest.toml, sweep.space.epochs: 1000: Input should be less than or equal to 500 (got 1000)"
+        in found
+    )
+    assert (
+        'manifest.toml, sweep.space.learning_rate: a range needs method = "random" — list the values instead'
+        in found
+    )
+
+
+def test_a_sweep_needs_its_section_and_other_kinds_refuse_one() -> None:
+    assert problems_of(doc(kind="sweep", model={"name": "m"}, files=PAIRED)) == [
+        "manifest.toml, sweep: is missing — add [sweep] with method, trials and a [sweep.space] (see docs/manifest.md)"
+    ]
+    found = problems_of(doc(sweep={"space": {"width": [8]}}))
+    assert found == ["manifest.toml, sweep: is for kind = \"sweep\", not 'inference'"]

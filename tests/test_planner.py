@@ -5,7 +5,7 @@ from __future__ import annotations
 import tomli_w
 
 from daemon.executors import Phase
-from daemon.jobspec import ErrorKind, InputFile, JobError, JobResult, Pipeline, Problem
+from daemon.jobspec import ErrorKind, InputFile, JobError, JobResult, Pipeline, Problem, Resources
 from daemon.manifest import parse_manifest
 from daemon.planner import (
     BatchView,
@@ -27,9 +27,12 @@ from daemon.states import BatchState, JobState
 POLICY = Policy(shard_size=2, max_attempts=3, executor="local")
 
 
+SWEEP = {"method": "grid", "space": {"learning_rate": [0.01, 0.001], "width": [8, 16]}}
+
+
 def manifest(kind: str = "inference"):
     files = [{"path": f"i/{n}.png", "size": 1} for n in range(5)]
-    if kind == "training":
+    if kind in ("training", "sweep"):
         files += [{"path": f"m/{n}.png", "size": 1, "role": "mask"} for n in range(5)]
     doc = {
         "watchd": 1,
@@ -37,6 +40,7 @@ def manifest(kind: str = "inference"):
         "owner": {"name": "A"},
         "model": {"name": "m"},
         "files": files,
+        **({"sweep": SWEEP, "params": {"epochs": 3}} if kind == "sweep" else {}),
     }
     return parse_manifest(tomli_w.dumps(doc).encode())
 
@@ -59,13 +63,14 @@ def job(
     attempts: int = 1,
     handle: str | None = "h",
     error_kind: str | None = None,
+    stage: int | None = None,
 ) -> Job:
     return Job(
         id,
         batch_id,
         f"j{id}",
         pipeline,
-        1 if pipeline is Pipeline.REPORT else 0,
+        (1 if pipeline is Pipeline.REPORT else 0) if stage is None else stage,
         0,
         1,
         state,
@@ -264,3 +269,54 @@ def test_an_end_without_a_result_carries_the_executors_word_and_the_log_tail() -
     failure = actions[-1]
     assert failure.reason == f"job j1 failed after 3 attempt(s): {reason}"
     assert failure.problems[0].message == reason
+
+
+def test_a_sweep_batch_becomes_one_training_job_per_trial_with_its_own_params() -> None:
+    m = manifest("sweep")
+    actions = plan(snap(BatchView(batch(kind="sweep"), m, (), Ready(m.files))))
+    planned = actions[1]
+    assert isinstance(planned, PlanJobs)
+    assert [j.name for j in planned.jobs] == [f"b000001-trial-{i:04d}" for i in range(4)]
+    assert {j.pipeline for j in planned.jobs} == {Pipeline.TRAIN}
+    assert {j.stage for j in planned.jobs} == {0}
+    assert [dict(j.params) for j in planned.jobs] == [
+        {"learning_rate": lr, "width": w, "trial": i}
+        for i, (lr, w) in enumerate((lr, w) for lr in (0.01, 0.001) for w in (8, 16))
+    ]
+    assert all(len(j.inputs) == 10 for j in planned.jobs)
+
+
+def test_a_trial_spec_merges_its_params_over_the_manifest_and_carries_its_resources() -> None:
+    from dataclasses import replace
+
+    from daemon.planner import job_spec
+
+    m = manifest("sweep")
+    trial = replace(job(7, JobState.PENDING, pipeline=Pipeline.TRAIN),
+                    params={"learning_rate": 0.01, "trial": 3})  # fmt: skip
+    given = Resources(cpus=1, gpus=0, tasks=2)
+    spec = job_spec(trial, batch(kind="sweep"), m, m.files, "/registry", given)
+    assert spec.params["epochs"] == 3 and spec.params["learning_rate"] == 0.01
+    assert spec.params["trial"] == 3 and spec.resources == given
+    assert spec.batch_kind == "sweep"
+
+
+def test_after_all_trials_the_sweep_job_runs_then_the_report_then_done() -> None:
+    m = manifest("sweep")
+    running = batch(state=BatchState.RUNNING, kind="sweep")
+    trials = tuple(job(i, JobState.SUCCEEDED, pipeline=Pipeline.TRAIN) for i in range(1, 4))
+    actions = plan(snap(BatchView(running, m, trials)))
+    (planned,) = actions
+    assert isinstance(planned, PlanJobs)
+    (sweep,) = planned.jobs
+    assert (sweep.name, sweep.pipeline, sweep.stage) == ("b000001-sweep", Pipeline.SWEEP, 1)
+    assert sweep.inherit_inputs and sweep.params["sweep"]["method"] == "grid"
+    with_sweep = (*trials, job(4, JobState.SUCCEEDED, pipeline=Pipeline.SWEEP, stage=1))
+    (planned,) = plan(snap(BatchView(running, m, with_sweep)))
+    assert isinstance(planned, PlanJobs)
+    (report,) = planned.jobs
+    assert (report.pipeline, report.stage, report.inherit_inputs) == (Pipeline.REPORT, 2, True)
+    done = (*with_sweep, job(5, JobState.SUCCEEDED, pipeline=Pipeline.REPORT, stage=2))
+    assert plan(snap(BatchView(running, m, done))) == [
+        MoveBatch(1, BatchState.DONE, "all jobs succeeded")
+    ]

@@ -11,12 +11,13 @@ import importlib.util
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import jobrun
 import pytest
 
 from daemon.jobspec import (
@@ -46,6 +47,7 @@ TRAIN_PARAMS = {
 }
 INFER_PARAMS = {"threshold": 0.5, "min_object_area": 4}
 NO_SHARDING = Shard()
+ONE_CPU = Resources(cpus=1)
 
 
 @dataclass(frozen=True)
@@ -88,19 +90,7 @@ def synth() -> ModuleType:
     return _load_synth()
 
 
-def inputs_for(
-    batch_dir: Path, files: Iterable[Path], *, checksums: bool = False
-) -> tuple[InputFile, ...]:
-    """Manifest-style inputs for ``files``; files under a ``masks`` folder get role "mask"."""
-    import hashlib
-
-    items = []
-    for path in sorted(files):
-        relative = path.relative_to(batch_dir).as_posix()
-        digest = hashlib.sha256(path.read_bytes()).hexdigest() if checksums else None
-        role = "mask" if "masks" in Path(relative).parts[:-1] else "image"
-        items.append(InputFile(relative, path.stat().st_size, digest, role))
-    return tuple(items)
+inputs_for = jobrun.inputs_of  # manifest-style inputs; files under ``masks/`` are masks
 
 
 def write_spec(
@@ -114,6 +104,7 @@ def write_spec(
     shard: Shard = NO_SHARDING,
     job_name: str | None = None,
     batch_kind: str = "inference",
+    resources: Resources = ONE_CPU,
 ) -> JobSpec:
     """Write spec.json for a job of ``batch_dir`` (run_dir is ``batch_dir/results``)."""
     name = job_name or f"{pipeline.value}-{shard.index:04d}"
@@ -133,7 +124,7 @@ def write_spec(
         registry_dir=str(registry),
         params=dict(params),
         shard=shard,
-        resources=Resources(cpus=1),
+        resources=resources,
         title="test batch",
     )
     spec.job_dir.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ import csv
 import json
 import shutil
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,6 +29,8 @@ TABLE_HEADER = [
     "equivalent_diameter_px",
     "objects",
     "mean_intensity",
+    "confidence",
+    "tiled",
     "model_name",
     "model_version",
     "model_sha256",
@@ -211,3 +214,93 @@ def test_tampered_weights_are_a_model_error_naming_the_expected_hash(
     assert error is not None and error.kind is ErrorKind.MODEL
     assert f"recorded {expected}" in error.message
     assert not (batch_dir / "results" / "masks").exists()
+
+
+def _grid(synth: Any, cells: int, size: int, seed: int) -> np.ndarray:
+    """A slide of cells×cells synthetic droplets, float in [0, 1]."""
+    rows = [
+        np.hstack([synth.sample(seed, r * cells + c, size).image for c in range(cells)])
+        for r in range(cells)
+    ]
+    return np.vstack(rows)
+
+
+def test_a_rerun_skips_images_already_done_with_the_same_bytes_and_model(
+    inferred: InferredBatch,
+    tmp_path: Path,
+    job_spec: Callable[..., Any],
+    manifest_inputs: Callable[..., Any],
+    run: Callable[..., JobRun],
+    infer_params: dict[str, Any],
+) -> None:
+    batch_dir = tmp_path / "resumable"
+    shutil.copytree(inferred.batch_dir / "images", batch_dir / "images")
+    files = sorted((batch_dir / "images").iterdir())
+    inputs = manifest_inputs(batch_dir, files)  # no sha256: the ledger hashes the files
+    spec = _shard_spec(batch_dir, inputs, job_spec, inferred.model.registry,
+                       ModelRef(inferred.model.name, "latest"), infer_params)  # fmt: skip
+    first = run(spec)
+    assert first.returncode == 0 and first.result is not None, first.log
+    assert (first.result.summary["segmented"], first.result.summary["resumed"]) == (3, 0)
+    ledger = batch_dir / "results" / "ledger" / "shard-0002.jsonl"
+    assert len(ledger.read_text().splitlines()) == 3
+    table = (batch_dir / "results" / "parts" / "table-0002.csv").read_text()
+    again = run(spec)
+    assert again.result is not None and again.result.summary["resumed"] == 3, again.log
+    assert "3 of 3 images already done (ledger): skipped" in again.log
+    assert (batch_dir / "results" / "parts" / "table-0002.csv").read_text() == table
+    image = Image.open(files[1])
+    Image.fromarray(255 - np.asarray(image)).save(files[1])  # new bytes at the same path
+    changed = run(spec)
+    assert changed.result is not None and changed.result.summary["segmented"] == 1, changed.log
+    assert changed.result.summary["resumed"] == 2
+
+
+def test_a_large_rgb_16_bit_tiff_is_segmented_window_by_window_like_the_whole_image(
+    inferred: InferredBatch,
+    synth: ModuleType,
+    tmp_path: Path,
+    job_spec: Callable[..., Any],
+    manifest_inputs: Callable[..., Any],
+    run: Callable[..., JobRun],
+    infer_params: dict[str, Any],
+) -> None:
+    """Tiled and whole masks of the same RGB 16-bit slide agree; the tiled one is a tiled TIFF;
+    a PNG too large to decode whole is refused with a hint."""
+    grey = _grid(synth, 5, 64, seed=9)
+    rgb = np.round(np.repeat(grey[..., None], 3, axis=2) * 65535).astype(np.uint16)
+    batch_dir = tmp_path / "slides"
+    (batch_dir / "images").mkdir(parents=True)
+    tifffile.imwrite(batch_dir / "images" / "slide.tif", rgb, tile=(64, 64), compression="zlib")
+    Image.fromarray((grey * 255).astype(np.uint8)).save(batch_dir / "images" / "huge.png")
+    registry_dir, model = inferred.model.registry, ModelRef(inferred.model.name, "1")
+    slide = manifest_inputs(batch_dir, [batch_dir / "images" / "slide.tif"], checksums=True)
+    whole = run(job_spec(batch_dir, Pipeline.INFER, slide, registry=registry_dir, model=model,
+                         params=infer_params, job_name="whole"))  # fmt: skip
+    assert whole.returncode == 0, whole.log
+    whole_mask = read_mask(batch_dir / "results" / "masks" / "images" / "slide.tif") > 0
+    shutil.rmtree(batch_dir / "results" / "ledger")
+    params = {**infer_params, "max_whole_pixels": 100_000, "tile_size": 128, "tile_overlap": 32}
+    tiled = run(job_spec(batch_dir, Pipeline.INFER, slide, registry=registry_dir, model=model,
+                         params=params, job_name="tiled"))  # fmt: skip
+    assert tiled.returncode == 0, tiled.log
+    assert "images/slide.tif: tiled inference" in tiled.log
+    mask_path = batch_dir / "results" / "masks" / "images" / "slide.tif"
+    with tifffile.TiffFile(mask_path) as tif:
+        assert tif.pages[0].is_tiled and tif.pages[0].shape == (320, 320)
+    tiled_mask = read_mask(mask_path) > 0
+    # The session's model trained 2 epochs: many pixels sit near the threshold, where each
+    # window's own standardisation tips them. scripts/bench_tiled.py measures a trained model.
+    assert (tiled_mask == whole_mask).mean() > 0.9
+    with open(batch_dir / "results" / "parts" / "table-0000.csv", newline="") as handle:
+        (row,) = list(csv.DictReader(handle))
+    assert row["tiled"] == "1" and int(row["area_px"]) == int(tiled_mask.sum())
+    huge = manifest_inputs(batch_dir, [batch_dir / "images" / "huge.png"])
+    refused = run(job_spec(batch_dir, Pipeline.INFER, huge, registry=registry_dir, model=model,
+                           params=params, job_name="huge"))  # fmt: skip
+    assert refused.returncode == 2 and refused.result is not None
+    (problem,) = refused.result.error.problems  # type: ignore[union-attr]
+    assert problem.render() == (
+        "input 'images/huge.png': is 320×320 pixels, too large to segment as a whole — "
+        "save it as a tiled TIFF: those are segmented window by window"
+    )

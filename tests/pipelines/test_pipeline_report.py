@@ -85,7 +85,8 @@ def test_training_report_shows_curves_and_the_registered_model(
     assert "inference" not in summary
     page = (batch_dir / "results" / "report.html").read_text(encoding="utf-8")
     assert_self_contained(page)
-    assert page.count("data:image/png;base64,") == 2 + 4  # two charts, four previews
+    assert page.count("data:image/png;base64,") == 2 + 3  # two charts, best/worst/random previews
+    assert "best: " in page and "worst: " in page and "(Dice " in page
     assert "spheroids version 1" in page
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from daemon.jobspec import SPEC_FILE, ErrorKind, InputFile, ModelRef, Pipeline
+from daemon.jobspec import SPEC_FILE, ErrorKind, InputFile, ModelRef, Pipeline, Resources
 from models import registry
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ def test_training_writes_curves_model_card_and_previews_inside_the_run(
     card = json.loads((training / "model.json").read_text())
     assert (card["name"], card["version"]) == (trained.name, 1)
     assert job.result is not None and job.result.summary["model"]["version"] == 1
-    assert len(list((training / "previews").glob("*.png"))) == 4
+    assert len(list((training / "previews").glob("*.png"))) == 3
     batch_dir = Path(job.spec.batch_dir)
     assert sorted(p.name for p in batch_dir.iterdir()) == ["images", "masks", "results"]
     assert {"jobs", "training"} <= {p.name for p in job.run_dir.iterdir()}
@@ -81,7 +81,7 @@ def test_training_log_is_plain_and_quiet(trained: TrainedModel) -> None:
     log = trained.run.log
     assert "epoch 2/2: train_loss" in log and "registered spheroids version 1" in log
     assert "Warning" not in log and "Traceback" not in log
-    assert all(line[:4].isdigit() for line in log.splitlines() if line.strip())
+    assert [line for line in log.splitlines() if line.strip() and not line[:4].isdigit()] == []
 
 
 def test_bad_training_inputs_fail_with_every_problem(
@@ -121,3 +121,53 @@ def test_bad_training_inputs_fail_with_every_problem(
         "copy it again",
     ]
     assert not (tmp_path / "registry").exists()
+
+
+def test_training_with_two_tasks_runs_cpu_ddp_and_only_rank_zero_publishes(
+    synth: ModuleType,
+    tmp_path: Path,
+    manifest_inputs: Callable[..., Any],
+    job_spec: Callable[..., Any],
+    run: Callable[..., JobRun],
+    train_params: dict[str, Any],
+) -> None:
+    """resources.tasks = 2: Lightning starts a second rank (gloo on CPU); one version, one
+    result."""
+    batch_dir = tmp_path / "ddp batch"
+    files = synth.make_batch(batch_dir, "training", count=8, size=32, seed=4)
+    spec = job_spec(
+        batch_dir,
+        Pipeline.TRAIN,
+        manifest_inputs(batch_dir, files),
+        registry=tmp_path / "registry",
+        model=ModelRef("ddp"),
+        params=train_params,
+        batch_kind="training",
+        resources=Resources(cpus=1, tasks=2),
+    )
+    job = run(spec)
+    assert job.returncode == 0 and job.result is not None and job.result.ok, job.log
+    assert registry.list_versions(tmp_path / "registry", "ddp") == [1]
+    published = registry.resolve(tmp_path / "registry", "ddp", "latest")
+    assert published.metadata["training"]["processes"] == 2
+    assert job.log.count("rank 1 finished: rank 0 writes the result") == 1
+    assert job.log.count("registered ddp version 1") == 1
+    assert job.log.count("epoch 2/2: train_loss") == 1
+
+
+def test_the_trainer_layout_follows_tasks_locally_and_slurm_under_srun() -> None:
+    """Locally Lightning spawns the ranks; inside ``srun --ntasks`` Slurm's variables decide
+    (and Lightning's Slurm environment, not ours, reads them)."""
+    from lightning.pytorch.plugins.environments import LightningEnvironment
+
+    from pipelines.fitting import layout
+
+    alone = layout(1, 0, {})
+    assert (alone["devices"], alone["num_nodes"], alone["strategy"]) == (1, 1, "auto")
+    assert isinstance(alone["plugins"][0], LightningEnvironment)
+    local = layout(2, 0, {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"})
+    assert (local["devices"], local["strategy"]) == (2, "ddp")
+    assert isinstance(local["plugins"][0], LightningEnvironment)
+    srun = layout(4, 0, {"SLURM_NTASKS": "4", "SLURM_NNODES": "2", "SLURM_PROCID": "3"})
+    assert (srun["accelerator"], srun["devices"], srun["num_nodes"]) == ("cpu", 2, 2)
+    assert srun["strategy"] == "ddp" and srun["plugins"] == []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -155,3 +157,73 @@ def test_publishing_onto_a_taken_number_takes_the_next_one(tmp_path: Path) -> No
     assert version == 3
     assert json.loads((model_dir / "v0003" / "metadata.json").read_text())["version"] == 3
     assert (model_dir / "v0002" / "weights.pt").read_bytes() == b"theirs"
+
+
+def publish_with(root: Path, metrics: dict[str, float], rule: registry.BestRule) -> int:
+    meta = {"architecture": {"depth": 1, "width": 2, "in_channels": 1}, "metrics": metrics}
+    return registry.register(
+        root, "spheroids", small_state(), meta, val_dice=metrics["val_dice"], rule=rule
+    ).version
+
+
+def test_best_needs_to_beat_the_margin_on_the_chosen_metric(tmp_path: Path) -> None:
+    by_iou = registry.BestRule(metric="val_iou", margin=0.05)
+    publish_with(tmp_path, {"val_dice": 0.80, "val_iou": 0.70}, by_iou)
+    publish_with(tmp_path, {"val_dice": 0.95, "val_iou": 0.74}, by_iou)  # +0.04 IoU: not enough
+    assert registry.read_aliases(tmp_path, "spheroids") == {"latest": 2, "best": 1}
+    publish_with(tmp_path, {"val_dice": 0.70, "val_iou": 0.76}, by_iou)  # +0.06 IoU: best
+    assert registry.read_aliases(tmp_path, "spheroids") == {"latest": 3, "best": 3}
+    lines = (tmp_path / "spheroids" / "history.jsonl").read_text().splitlines()
+    history = [json.loads(line) for line in lines]
+    assert [(h["alias"], h["to"]) for h in history] == [
+        ("latest", 1), ("best", 1), ("latest", 2), ("latest", 3), ("best", 3),
+    ]  # fmt: skip
+
+
+def test_promote_moves_an_alias_and_refuses_a_damaged_version(tmp_path: Path) -> None:
+    from models import catalog
+
+    publish(tmp_path, 0.9)
+    second = publish(tmp_path, 0.5)
+    assert catalog.promote(tmp_path, "spheroids", "2", "best", by="ops") == {"latest": 2, "best": 2}
+    last = json.loads((tmp_path / "spheroids" / "history.jsonl").read_text().splitlines()[-1])
+    assert (last["alias"], last["from"], last["to"], last["by"]) == ("best", 1, 2, "ops")
+    second.weights_path.write_bytes(second.weights_path.read_bytes()[:100])
+    with pytest.raises(
+        ModelError, match=r"version 2: weights.pt has sha256 .* the registry recorded"
+    ):
+        catalog.promote(tmp_path, "spheroids", "2", "best")
+    with pytest.raises(ModelError, match="unknown alias 'newest'"):
+        catalog.promote(tmp_path, "spheroids", "1", "newest")
+
+
+def watchctl(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [str(Path(sys.executable).parent / "watchctl"), "models", *args, "-c", str(config)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_watchctl_lists_and_promotes_through_the_catalogue(tmp_path: Path) -> None:
+    """watchctl (which never imports torch) runs ``python -m models.catalog`` for it."""
+    root = tmp_path / "registry"
+    publish(root, 0.9)
+    publish(root, 0.5)
+    config = tmp_path / "config.toml"
+    config.write_text(f'[[roots]]\npath = "{tmp_path}"\n[registry]\npath = "{root}"\n')
+    listed = watchctl(config, "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    (model,) = json.loads(listed.stdout)["models"]
+    assert model["aliases"] == {"latest": 2, "best": 1}
+    assert [(v["version"], v["aliases"], v["val_dice"]) for v in model["versions"]] == [
+        (2, ["latest"], 0.5), (1, ["best"], 0.9),
+    ]  # fmt: skip
+    table = watchctl(config, "list")
+    assert "spheroids" in table.stdout and "0.9000" in table.stdout
+    promoted = watchctl(config, "promote", "spheroids", "2")
+    assert promoted.returncode == 0, promoted.stderr
+    assert promoted.stdout.strip() == "spheroids: best → version 2 (best = 2, latest = 2)"
+    missing = watchctl(config, "promote", "spheroids", "7")
+    assert missing.returncode == 1
+    assert missing.stderr.strip() == (
+        "Error: model 'spheroids' has no version 7; available versions of 'spheroids': 1, 2 "
+        "(best = 2, latest = 2)"
+    )

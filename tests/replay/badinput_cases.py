@@ -261,7 +261,7 @@ CASES: tuple[Case, ...] = (
         "kind",
         "a schema error: unknown kind",
         with_manifest(replace('kind = "inference"', 'kind = "segmentation"')),
-        "manifest.toml, kind: Input should be 'training' or 'inference'",
+        "manifest.toml, kind: Input should be 'training', 'inference' or 'sweep'",
         "manifest",
     ),
     Case(
@@ -366,7 +366,7 @@ CASES: tuple[Case, ...] = (
         "param-unknown",
         "an unknown parameter",
         with_manifest(replace("[params]", "[params]\ntreshold = 0.4")),
-        "params.treshold: unknown key 'treshold' (valid keys: min_object_area, threshold)",
+        "params.treshold: unknown key 'treshold' (valid keys: batch_size, max_whole_pixels, min_object_area, threshold, tile_overlap, tile_size)",
         "manifest",
     ),
     Case(

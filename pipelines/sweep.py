@@ -1,0 +1,179 @@
+"""Sweep job: compare a sweep's trials and register the best one.
+
+``python -m pipelines.sweep JOB_DIR`` runs after every trial of a ``sweep`` batch succeeded.
+Each trial (a training job, see :mod:`pipelines.train`) left ``run_dir/trials/<job>/`` with
+its curves and a candidate: weights and the metadata they would be registered with. Trials
+register nothing themselves, so they never race each other for ``best``. This job:
+
+- ranks the trials by the sweep's metric (higher is better; ties: lower val_loss, then the
+  lower trial number) and writes ``sweep/trials.csv`` and ``sweep/sweep.json``;
+- registers the winner's weights (checked against their sha256, loaded ``weights_only``) as
+  the next version of the batch's model, with the ``best`` rule of the manifest's params; a
+  retried job finds the version an earlier attempt registered instead of registering again;
+- writes ``training/`` as a training job would (model.json, the winner's metrics.csv,
+  previews), so the report shows the registered model like any other training.
+
+Weights & Biases: every trial is a W&B run of the batch's group. ``sweep.json`` holds the
+search as a W&B sweep configuration; where ``WANDB_MODE=online`` the job also creates that W&B
+sweep (``wandb.sweep``) so the W&B project shows it next to the trials' runs. The trials
+themselves are chosen by the daemon (reproducibly, from the manifest), not by a W&B agent.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from daemon.atomicfile import write_text
+from daemon.jobspec import JobSpec, Pipeline
+from models import registry
+from models.unet import UNet
+from pipelines import train
+from pipelines.job import log, run_job
+from pipelines.layout import (
+    CANDIDATE_FILE,
+    CANDIDATE_WEIGHTS,
+    METRICS_FILE,
+    MODEL_FILE,
+    PREVIEWS_DIR,
+    SWEEP_DIR,
+    SWEEP_FILE,
+    TRAINING_DIR,
+    TRIALS_DIR,
+    TRIALS_TABLE,
+)
+from pipelines.pairs import load_dataset, split
+
+METRIC_COLUMNS = ("val_dice", "val_iou", "val_loss", "epoch")
+
+
+def read_trials(run_dir: Path) -> list[dict[str, Any]]:
+    """Every trial's candidate metadata, with its folder and job name."""
+    trials = []
+    for path in sorted((run_dir / TRIALS_DIR).glob(f"*/{CANDIDATE_FILE}")):
+        meta = json.loads(path.read_text(encoding="utf-8"))
+        trials.append({**meta, "dir": str(path.parent), "job": path.parent.name})
+    return trials
+
+
+def _score(value: Any) -> float:
+    return float(value) if value is not None and math.isfinite(float(value)) else -math.inf
+
+
+def rank(trials: list[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
+    """Trials best first: ``metric`` high, then val_loss low, then the trial number."""
+
+    def key(trial: dict[str, Any]) -> tuple[float, float, int]:
+        metrics = trial["metrics"]
+        loss = metrics.get("val_loss")
+        return (
+            -_score(metrics.get(metric)),
+            math.inf if loss is None else float(loss),
+            int(trial["params"].get("trial", 0)),
+        )
+
+    return sorted(trials, key=key)
+
+
+def trials_csv(ranked: list[dict[str, Any]], space: list[str]) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["rank", "trial", "job", *space, *METRIC_COLUMNS, "epochs_run", "wall_time_s"])
+    for place, trial in enumerate(ranked, start=1):
+        metrics, training = trial["metrics"], trial["training"]
+        writer.writerow(
+            [place, trial["params"].get("trial"), trial["job"]]
+            + [trial["params"].get(name) for name in space]
+            + [metrics.get(name) for name in METRIC_COLUMNS]
+            + [training.get("epochs_run"), training.get("wall_time_s")]
+        )
+    return buffer.getvalue()
+
+
+def wandb_config(sweep: dict[str, Any]) -> dict[str, Any]:
+    """The sweep as a W&B sweep configuration (method, metric, parameters)."""
+    parameters: dict[str, Any] = {}
+    for name, axis in sweep.get("space", {}).items():
+        if isinstance(axis, list):
+            parameters[name] = {"values": axis}
+        else:
+            distribution = "log_uniform_values" if axis.get("log") else "uniform"
+            parameters[name] = {"min": axis["min"], "max": axis["max"],
+                                "distribution": distribution}  # fmt: skip
+    metric = {"name": sweep.get("metric", "val_dice"), "goal": "maximize"}
+    return {"method": sweep.get("method", "random"), "metric": metric, "parameters": parameters}
+
+
+def _online_sweep(config: dict[str, Any]) -> str | None:
+    """Create the W&B sweep when W&B is online (never in offline or disabled mode)."""
+    if os.environ.get("WANDB_MODE") != "online":
+        return None
+    import wandb
+
+    project = os.environ.get("WANDB_PROJECT", "watchd")
+    return str(wandb.sweep(sweep=config, project=project))
+
+
+def _register(spec: JobSpec, winner: dict[str, Any], sweep: dict[str, Any]) -> Any:
+    """Register the winner (or find what an earlier attempt of this job registered)."""
+    root = Path(spec.registry_dir)
+    found = registry.find(root, spec.model.name, train.origin(spec))
+    if found is not None:
+        log.info("version %d was registered by an earlier attempt", found.version)
+        return found
+    where = f"trial {winner['job']}"
+    state = registry.load_file(Path(winner["dir"]) / CANDIDATE_WEIGHTS, winner["sha256"], where)
+    meta = {k: v for k, v in winner.items() if k not in ("dir", "job", "sha256")}
+    meta["origin"] = train.origin(spec)
+    meta["sweep"] = {**sweep, "winner": winner["job"], "trial": winner["params"].get("trial")}
+    published = registry.register(
+        root, spec.model.name, state, meta,
+        val_dice=winner["metrics"].get("val_dice"), rule=train.best_rule(dict(spec.params)),
+    )  # fmt: skip
+    log.info("registered %s version %d (trial %s)", published.name, published.version,
+             winner["job"])  # fmt: skip
+    return published
+
+
+def sweep(spec: JobSpec, job_dir: Path) -> dict[str, Any]:
+    """The sweep job: rank, register the best, describe it as a training would."""
+    run_dir = Path(spec.run_dir)
+    described = dict(spec.params.get("sweep") or {})
+    metric = str(described.get("metric", "val_dice"))
+    trials = read_trials(run_dir)
+    expected = int(described.get("trials", len(trials)))
+    if len(trials) < expected or not trials:
+        raise RuntimeError(f"{len(trials)} of {expected} trials left a candidate in {TRIALS_DIR}/")
+    ranked = rank(trials, metric)
+    winner = ranked[0]
+    space = list(described.get("space", {}))
+    config = wandb_config(described)
+    (run_dir / SWEEP_DIR).mkdir(parents=True, exist_ok=True)
+    write_text(run_dir / SWEEP_DIR / TRIALS_TABLE, trials_csv(ranked, space))
+    published = _register(spec, winner, described)
+    record = {**described, "winner": winner["job"], "wandb_sweep_config": config,
+              "wandb_sweep_id": _online_sweep(config)}  # fmt: skip
+    write_text(run_dir / SWEEP_DIR / SWEEP_FILE, json.dumps(record, indent=2) + "\n")
+    training_dir = run_dir / TRAINING_DIR
+    training_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(Path(winner["dir"]) / METRICS_FILE, training_dir / METRICS_FILE)
+    description = train.describe(spec, published)
+    write_text(training_dir / MODEL_FILE, json.dumps(description, indent=2) + "\n")
+    data = load_dataset(Path(spec.batch_dir), spec.inputs)
+    params = winner["params"]
+    val_idx = split(len(data.images), float(params["val_fraction"]), int(params["seed"]))[1]
+    net = UNet(**published.architecture)
+    net.load_state_dict(registry.load(published))
+    train.write_previews(net, data, val_idx, training_dir / PREVIEWS_DIR, int(params["seed"]))
+    return {"model": description, "trials": len(ranked), "winner": winner["job"],
+            "metric": metric, "table": f"{SWEEP_DIR}/{TRIALS_TABLE}"}  # fmt: skip
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_job(Pipeline.SWEEP, sweep))

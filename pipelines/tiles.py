@@ -1,0 +1,302 @@
+"""Tiled sliding-window inference for images too large for memory (whole-slide images).
+
+The input TIFF (tiled or stripped, any compression tifffile decodes, 8/16-bit, grey or RGB) is
+read lazily: a window decodes only the tiles it overlaps, kept in a small cache. Windows of
+``window``² pixels overlap by ``overlap``; their probabilities are blended with a linear ramp
+(weights fall towards a window's edges, so a seam gets the average of both neighbours, mostly
+from the one that saw it in the middle). Rows of the result are final as soon as the last
+window over them ran, so the image streams through in bands.
+
+Each band is thresholded and labelled (8-connected); components crossing a band border are
+joined with a union-find that also adds up their areas and intensities. The mask goes to a
+tiled TIFF through an iterator of tiles. Components smaller than ``min_area`` are removed in a
+second pass over that mask (skipped when nothing is that small). Peak memory is about
+``window × width`` floats for the blend plus the tile cache, whatever the image's height.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import tifffile
+from scipy import ndimage
+
+from daemon.atomicfile import TMP_PREFIX
+
+TILE = 256  # the mask's TIFF tiles (and the band height of the statistics)
+_EIGHT = np.ones((3, 3), dtype=bool)
+_LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
+
+Predict = Callable[[np.ndarray], np.ndarray]  # (N, h, w) grey → (N, h, w) probabilities
+Progress = Callable[[int, int], None]  # (window rows done, window rows in all)
+
+
+class RegionReader:
+    """Rectangular regions of a TIFF's first page as float32 grey in [0, 1], read lazily."""
+
+    def __init__(self, path: Path, cache_pixel_rows: int = 4 * TILE) -> None:
+        self.tif = tifffile.TiffFile(path)
+        page = self.tif.pages[0]
+        assert isinstance(page, tifffile.TiffPage)
+        if page.planarconfig == tifffile.PLANARCONFIG.SEPARATE and page.samplesperpixel > 1:
+            self.tif.close()
+            raise ValueError("planar (separate) RGB TIFFs cannot be read by tiles")
+        self.page = page
+        self.height, self.width = page.imagelength, page.imagewidth
+        self.seg_h = page.tilelength if page.is_tiled else page.rowsperstrip
+        self.seg_w = page.tilewidth if page.is_tiled else page.imagewidth
+        self.across = math.ceil(self.width / self.seg_w)
+        self.scale = np.float32(np.iinfo(page.dtype).max) if page.dtype.kind == "u" else None
+        self.cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        # enough whole rows of segments to hold ``cache_pixel_rows`` rows of the image
+        self.cache_size = (math.ceil(cache_pixel_rows / self.seg_h) + 1) * self.across
+
+    def close(self) -> None:
+        self.tif.close()
+
+    def _segment(self, index: int) -> np.ndarray:
+        if index in self.cache:
+            self.cache.move_to_end(index)
+            return self.cache[index]
+        handle = self.tif.filehandle
+        handle.seek(self.page.dataoffsets[index])
+        data = handle.read(self.page.databytecounts[index])
+        decoded, _, _ = self.page.decode(data, index, jpegtables=self.page.jpegtables)
+        self.cache[index] = segment = self._grey(np.asarray(decoded)[0])
+        if len(self.cache) > self.cache_size:
+            self.cache.popitem(last=False)
+        return segment
+
+    def _grey(self, pixels: np.ndarray) -> np.ndarray:
+        if self.scale is None:
+            raise ValueError(f"{pixels.dtype} samples; only 8- and 16-bit unsigned are supported")
+        if pixels.shape[-1] >= 3:
+            return (pixels[..., :3].astype(np.float32) @ _LUMA) / self.scale
+        return pixels[..., 0].astype(np.float32) / self.scale
+
+    def region(self, top: int, bottom: int, left: int, right: int) -> np.ndarray:
+        out = np.empty((bottom - top, right - left), dtype=np.float32)
+        for row in range(top // self.seg_h, (bottom - 1) // self.seg_h + 1):
+            for col in range(left // self.seg_w, (right - 1) // self.seg_w + 1):
+                seg = self._segment(row * self.across + col)
+                y0, x0 = row * self.seg_h, col * self.seg_w
+                ys = slice(max(top, y0), min(bottom, y0 + seg.shape[0], self.height))
+                xs = slice(max(left, x0), min(right, x0 + seg.shape[1], self.width))
+                out[ys.start - top : ys.stop - top, xs.start - left : xs.stop - left] = seg[
+                    ys.start - y0 : ys.stop - y0, xs.start - x0 : xs.stop - x0
+                ]
+        return out
+
+
+def starts(length: int, window: int, stride: int) -> list[int]:
+    """Window start positions covering ``length`` (the last one flush with the end)."""
+    if length <= window:
+        return [0]
+    found = list(range(0, length - window + 1, stride))
+    return found if found[-1] == length - window else [*found, length - window]
+
+
+def ramp(size: int, overlap: int) -> np.ndarray:
+    """Blend weights along one side of a window: a linear ramp over ``overlap`` at each end."""
+    position = np.minimum(np.arange(size) + 0.5, size - np.arange(size) - 0.5)
+    return np.clip(position / max(overlap, 1), 1e-3, 1.0).astype(np.float32)
+
+
+def coverage(length: int, window: int, positions: list[int], overlap: int) -> np.ndarray:
+    total = np.zeros(length, dtype=np.float32)
+    weights = ramp(min(window, length), overlap)
+    for start in positions:
+        total[start : start + len(weights)] += weights
+    return total
+
+
+def probability_bands(
+    reader: RegionReader,
+    predict: Predict,
+    window: int,
+    overlap: int,
+    batch: int,
+    progress: Progress | None = None,
+) -> Iterator[tuple[int, np.ndarray]]:
+    """(first row, blended probabilities) for consecutive bands of rows, top to bottom."""
+    height, width = reader.height, reader.width
+    win_h, win_w = min(window, height), min(window, width)
+    stride = max(window - overlap, 1)
+    rows, cols = starts(height, window, stride), starts(width, window, stride)
+    weight = ramp(win_h, overlap)[:, None] * ramp(win_w, overlap)[None, :]
+    norm_x = coverage(width, window, cols, overlap)
+    norm_y = coverage(height, window, rows, overlap)
+    acc = np.zeros((win_h, width), dtype=np.float32)
+    for r, top in enumerate(rows):
+        for first in range(0, len(cols), batch):
+            chunk = cols[first : first + batch]
+            tiles = np.stack([reader.region(top, top + win_h, x, x + win_w) for x in chunk])
+            for x, prob in zip(chunk, predict(tiles), strict=True):
+                acc[:, x : x + win_w] += prob * weight
+        if progress is not None:
+            progress(r + 1, len(rows))
+        done = rows[r + 1] - top if r + 1 < len(rows) else win_h
+        yield top, acc[:done] / (norm_y[top : top + done, None] * norm_x[None, :])
+        acc[: win_h - done] = acc[done:]
+        acc[win_h - done :] = 0
+
+
+def rebanded(bands: Iterator[tuple[int, np.ndarray]]) -> Iterator[np.ndarray]:
+    """The same rows regrouped into bands of exactly TILE rows (the last one shorter)."""
+    pending: list[np.ndarray] = []
+    held = 0
+    for _, band in bands:
+        pending.append(band)
+        held += len(band)
+        while held >= TILE:
+            joined = np.concatenate(pending)
+            yield joined[:TILE]
+            pending, held = [joined[TILE:]], held - TILE
+    if held:
+        yield np.concatenate(pending)
+
+
+@dataclass
+class Components:
+    """Connected components over bands: union-find with areas and intensity sums per root."""
+
+    parent: list[int] = field(default_factory=lambda: [0])
+    area: list[int] = field(default_factory=lambda: [0])
+    intensity: list[float] = field(default_factory=lambda: [0.0])
+    offsets: list[int] = field(default_factory=list)  # first global id of each band, minus 1
+    previous_row: np.ndarray | None = None
+
+    def find(self, node: int) -> int:
+        while self.parent[node] != node:
+            self.parent[node] = self.parent[self.parent[node]]
+            node = self.parent[node]
+        return node
+
+    def union(self, a: int, b: int) -> None:
+        a, b = self.find(a), self.find(b)
+        if a != b:
+            self.parent[b] = a
+            self.area[a] += self.area[b]
+            self.intensity[a] += self.intensity[b]
+
+    def add_band(self, mask: np.ndarray, image: np.ndarray) -> np.ndarray:
+        """Label ``mask`` (the next band) and join it to the band above; its global ids."""
+        labels, count = ndimage.label(mask, structure=_EIGHT)
+        offset = len(self.parent) - 1
+        self.offsets.append(offset)
+        index = np.arange(1, count + 1)
+        self.parent += list(range(offset + 1, offset + count + 1))
+        self.area += np.bincount(labels.ravel(), minlength=count + 1)[1:].tolist()
+        self.intensity += np.atleast_1d(ndimage.sum_labels(image, labels, index)).tolist()
+        ids = np.where(labels > 0, labels + offset, 0)
+        if self.previous_row is not None:
+            for shift in (-1, 0, 1):
+                above = np.roll(self.previous_row, shift)
+                if shift:  # np.roll wraps around: the wrapped pixel is not a neighbour
+                    above[0 if shift > 0 else -1] = 0
+                touching = (ids[0] > 0) & (above > 0)
+                pairs = zip(ids[0][touching].tolist(), above[touching].tolist(), strict=True)
+                for a, b in set(pairs):
+                    self.union(a, b)
+        self.previous_row = ids[-1].copy()
+        return ids
+
+    def kept(self, min_area: int) -> tuple[int, int, float]:
+        """(objects, total area, total intensity) of the components of at least ``min_area``."""
+        roots = [n for n in range(1, len(self.parent)) if self.parent[n] == n]
+        big = [n for n in roots if self.area[n] >= max(min_area, 1)]
+        return len(big), sum(self.area[n] for n in big), sum(self.intensity[n] for n in big)
+
+
+def _tiles(bands: Iterator[np.ndarray], width: int) -> Iterator[np.ndarray]:
+    for band in bands:
+        for left in range(0, width, TILE):
+            yield band[:, left : left + TILE]
+
+
+def _write_tiled(path: Path, bands: Iterator[np.ndarray], height: int, width: int) -> None:
+    """Write uint8 bands as a tiled, deflate-compressed TIFF, atomically (temp + rename)."""
+    temporary = path.with_name(f"{TMP_PREFIX}{path.name}.{secrets.token_hex(4)}")
+    try:
+        with tifffile.TiffWriter(temporary) as tif:
+            tif.write(_tiles(bands, width), shape=(height, width), dtype=np.uint8,
+                      tile=(TILE, TILE), compression="zlib", photometric="minisblack")  # fmt: skip
+        with open(temporary, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class TiledResult:
+    width: int
+    height: int
+    area: int
+    objects: int
+    intensity: float
+    confidence: float
+
+
+def segment_tiled(
+    source: Path, target: Path, predict: Predict, threshold: float, min_area: int,
+    window: int = 512, overlap: int = 64, batch: int = 1, progress: Progress | None = None,
+) -> TiledResult:  # fmt: skip
+    """Segment ``source`` into the tiled TIFF mask ``target``; the per-image statistics."""
+    reader = RegionReader(source, cache_pixel_rows=window + 2 * TILE)
+    components = Components()
+    certainty = [0.0]
+    try:
+
+        def masks() -> Iterator[np.ndarray]:
+            bands = probability_bands(reader, predict, window, overlap, batch, progress)
+            top = 0
+            for band in rebanded(bands):
+                certainty[0] += float(np.abs(2 * band - 1).sum())
+                mask = band > threshold
+                image = reader.region(top, top + len(band), 0, reader.width)
+                components.add_band(mask, image)
+                top += len(band)
+                yield np.where(mask, np.uint8(255), np.uint8(0))
+
+        raw = target.with_name(f"{TMP_PREFIX}raw-{target.name}") if min_area > 1 else target
+        _write_tiled(raw, masks(), reader.height, reader.width)
+    finally:
+        reader.close()
+    objects, area, intensity = components.kept(min_area)
+    if raw != target:
+        nodes = range(1, len(components.parent))
+        if any(components.area[components.find(n)] < min_area for n in nodes):
+            _remove_small(raw, target, components, min_area)
+            raw.unlink()
+        else:
+            os.replace(raw, target)
+    pixels = reader.height * reader.width
+    return TiledResult(reader.width, reader.height, area, objects, intensity, certainty[0] / pixels)
+
+
+def _remove_small(raw: Path, target: Path, components: Components, min_area: int) -> None:
+    """Second pass: rewrite the mask without the components smaller than ``min_area``."""
+    reader = RegionReader(raw, cache_pixel_rows=TILE)
+    roots = np.array([components.find(n) for n in range(len(components.parent))])
+    keep = np.array([components.area[r] >= min_area for r in roots])
+    keep[0] = False
+
+    def bands() -> Iterator[np.ndarray]:
+        for number, top in enumerate(range(0, reader.height, TILE)):
+            mask = reader.region(top, min(top + TILE, reader.height), 0, reader.width) > 0.5
+            labels, _ = ndimage.label(mask, structure=_EIGHT)
+            ids = np.where(labels > 0, labels + components.offsets[number], 0)
+            yield np.where(keep[ids], np.uint8(255), np.uint8(0))
+
+    try:
+        _write_tiled(target, bands(), reader.height, reader.width)
+    finally:
+        reader.close()

@@ -1,0 +1,95 @@
+"""Run a pipeline job by hand, as an executor would: write spec.json, start the program, read
+result.json. Used by the benchmark scripts (the same command runs under the local executor,
+under Slurm and by hand)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from daemon.jobspec import (
+    LOG_FILE,
+    RESULT_FILE,
+    SPEC_FILE,
+    InputFile,
+    JobResult,
+    JobSpec,
+    ModelRef,
+    Pipeline,
+    Resources,
+)
+
+
+@dataclass(frozen=True)
+class Finished:
+    spec: JobSpec
+    returncode: int
+    result: JobResult | None
+    wall_s: float
+    peak_rss_mb: float  # the job process's largest resident set size
+
+    @property
+    def summary(self) -> Mapping[str, Any]:
+        return self.result.summary if self.result else {}
+
+
+def inputs_of(
+    batch_dir: Path, files: Iterable[Path], checksums: bool = False
+) -> tuple[InputFile, ...]:
+    """Inputs for ``files``; those under a ``masks`` folder are ground truth."""
+    items = []
+    for path in sorted(files):
+        relative = path.relative_to(batch_dir).as_posix()
+        digest = hashlib.sha256(path.read_bytes()).hexdigest() if checksums else None
+        role = "mask" if "masks" in Path(relative).parts[:-1] else "image"
+        items.append(InputFile(relative, path.stat().st_size, digest, role))
+    return tuple(items)
+
+
+def run(
+    batch_dir: Path,
+    pipeline: Pipeline,
+    inputs: tuple[InputFile, ...],
+    registry: Path,
+    model: ModelRef,
+    params: Mapping[str, Any],
+    *,
+    name: str,
+    kind: str,
+    cpus: int = 2,
+    env: Mapping[str, str] | None = None,
+) -> Finished:
+    """Write the spec of job ``name`` in ``batch_dir/results`` and run it to its end."""
+    spec = JobSpec(
+        job_id=1, job_name=name, pipeline=pipeline, attempt=1, batch_id=1, batch_revision=1,
+        batch_kind=kind, batch_dir=str(batch_dir), run_dir=str(batch_dir / "results"),
+        manifest_sha256="0" * 64, inputs=inputs, model=model, registry_dir=str(registry),
+        params=dict(params), resources=Resources(cpus=cpus), title=f"benchmark {name}",
+    )  # fmt: skip
+    spec.job_dir.mkdir(parents=True, exist_ok=True)
+    (spec.job_dir / SPEC_FILE).write_text(spec.to_json(), encoding="utf-8")
+    (spec.job_dir / RESULT_FILE).unlink(missing_ok=True)
+    environment = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": str(cpus),
+                   **(env or {})}  # fmt: skip
+    started = time.perf_counter()
+    with open(spec.job_dir / LOG_FILE, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", pipeline.module, str(spec.job_dir)],
+            cwd=spec.job_dir, stdout=log, stderr=subprocess.STDOUT, env=environment,
+        )  # fmt: skip
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - started
+    result_path = spec.job_dir / RESULT_FILE
+    result = JobResult.from_json(result_path.read_text("utf-8")) if result_path.exists() else None
+    peak = usage.ru_maxrss / 1024  # wait4: this job's process (Linux reports KiB)
+    if process.returncode != 0:
+        sys.stderr.write((spec.job_dir / LOG_FILE).read_text("utf-8")[-3000:])
+    return Finished(spec, process.returncode, result, wall, peak)

@@ -1,0 +1,109 @@
+"""Replay scenarios of the model life cycle: a training drop registers a model, an inference
+drop naming ``latest`` uses it, a sweep drop registers its best trial, all through the real
+daemon loop and the real local executor."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import synth
+from conftest import MODEL, TINY_TRAINING
+from replay import Replay, copy_slowly, manifest_text
+
+from daemon.config import Config
+from daemon.manifest import Kind
+from daemon.states import BatchState, JobState
+from daemon.store import Store
+
+
+def batches_and_jobs(config: Config) -> dict[str, tuple[object, list]]:
+    store = Store(config.daemon.database)
+    try:
+        return {b.folder: (b, store.jobs([b.id])) for b in store.batches()}
+    finally:
+        store.close()
+
+
+def staged_training(tmp_path: Path, kind: Kind = Kind.TRAINING, **options: object) -> Path:
+    folder = tmp_path / "staging" / kind.value
+    synth.make_batch(folder, "training", count=8, size=48, seed=11)
+    (folder / "manifest.toml").write_bytes(
+        manifest_text(folder, kind, model=MODEL, params=TINY_TRAINING, **options)
+    )
+    return folder
+
+
+def test_a_training_drop_registers_a_model_that_an_inference_drop_naming_latest_uses(
+    config_for: Callable[..., Config],
+    staged: Callable[..., Path],
+    drop_root: Path,
+    registry: Path,
+    tmp_path: Path,
+) -> None:
+    config = config_for()
+    before = json.loads((registry / MODEL / "aliases.json").read_text())["latest"]
+    with Replay(config) as replay:
+        replay.run(copy_slowly(staged_training(tmp_path), drop_root / "annotated", 0.0, 0.01),
+                   timeout=240)  # fmt: skip
+        replay.run(copy_slowly(staged(count=3), drop_root / "plate", 0.0, 0.01), timeout=240)
+    found = batches_and_jobs(config)
+    training, _ = found["annotated"]
+    assert training.state is BatchState.DONE, training.reason
+    aliases = json.loads((registry / MODEL / "aliases.json").read_text())
+    assert aliases["latest"] == before + 1
+    version_dir = registry / MODEL / f"v{before + 1:04d}"
+    metadata = json.loads((version_dir / "metadata.json").read_text())
+    assert metadata["manifest_sha256"] == training.manifest_sha256
+    assert metadata["origin"]["batch_id"] == training.id
+    card = json.loads((Path(training.run_dir) / "training" / "model.json").read_text())
+    assert card["version"] == before + 1
+    inference, _ = found["plate"]
+    assert inference.state is BatchState.DONE, inference.reason
+    with open(Path(inference.run_dir) / "table.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == 3
+    assert {(r["model_name"], r["model_version"], r["model_sha256"]) for r in rows} == {
+        (MODEL, str(before + 1), metadata["sha256"])
+    }
+    summary = json.loads((Path(inference.run_dir) / "summary.json").read_text())
+    assert summary["inference"]["model"]["version"] == before + 1
+
+
+def test_a_sweep_drop_runs_its_trials_together_and_ends_with_the_best_trial_registered(
+    config_for: Callable[..., Config], drop_root: Path, registry: Path, tmp_path: Path
+) -> None:
+    config = config_for()
+    sweep = {"method": "grid", "space": {"learning_rate": [0.02, 0.0002]}}
+    before = json.loads((registry / MODEL / "aliases.json").read_text())["latest"]
+    folder = staged_training(tmp_path, Kind.SWEEP, sweep=sweep)
+    with Replay(config) as replay:
+        replay.run(copy_slowly(folder, drop_root / "sweep", 0.0, 0.01), timeout=300)
+    batch, jobs = batches_and_jobs(config)["sweep"]
+    assert batch.state is BatchState.DONE, batch.reason
+    assert [(j.name.split("-", 1)[1], j.state) for j in jobs] == [
+        ("trial-0000", JobState.SUCCEEDED),
+        ("trial-0001", JobState.SUCCEEDED),
+        ("sweep", JobState.SUCCEEDED),
+        ("report", JobState.SUCCEEDED),
+    ]
+    assert [dict(j.params) for j in jobs[:2]] == [
+        {"learning_rate": 0.02, "trial": 0},
+        {"learning_rate": 0.0002, "trial": 1},
+    ]
+    assert json.loads((registry / MODEL / "aliases.json").read_text())["latest"] == before + 1
+    run_dir = Path(batch.run_dir)
+    candidates = {
+        path.parent.name: json.loads(path.read_text())
+        for path in (run_dir / "trials").glob("*/candidate.json")
+    }
+    winner = max(candidates, key=lambda job: candidates[job]["metrics"]["val_dice"])
+    metadata = json.loads((registry / MODEL / f"v{before + 1:04d}" / "metadata.json").read_text())
+    assert metadata["sweep"]["winner"] == winner
+    assert metadata["sha256"] == candidates[winner]["sha256"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["sweep"]["winner"] == winner and summary["sweep"]["trials"] == 2
+    assert summary["training"]["model"]["version"] == before + 1
+    assert "<h2>Sweep</h2>" in (run_dir / "report.html").read_text()
