@@ -83,3 +83,23 @@ def test_a_missing_or_broken_file_is_one_clear_problem(tmp_path: Path) -> None:
 def test_a_root_listed_twice_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="listed twice"):
         load_config(write(tmp_path, '[[roots]]\npath = "d"\n[[roots]]\npath = "./d"\n'))
+
+
+def test_the_local_executor_bounds_what_a_manifest_may_ask() -> None:
+    from daemon.config import LocalExecutorSection
+    from daemon.jobspec import Pipeline
+    from daemon.manifest import ResourceRequest
+    from daemon.resources import local_bounds, problems, shape
+
+    bounds = local_bounds(LocalExecutorSection())
+    assert problems(ResourceRequest(tasks=2, time_minutes=600), bounds) == []
+    (tasks,) = problems(ResourceRequest(tasks=3), bounds)
+    assert tasks.render() == (
+        "manifest.toml, resources.tasks: asks for 3, more than this site allows (2)"
+        " — ask for at most 2, or ask an operator to raise max_tasks"
+    )
+    (gpus,) = problems(ResourceRequest(gpus=1), bounds)
+    assert gpus.message == "asks for 1, more than this site allows (0)"
+    assert shape(ResourceRequest(tasks=2), Pipeline.TRAIN) == (0, 2)
+    assert shape(ResourceRequest(tasks=2, gpus=1), Pipeline.INFER) == (1, 1)
+    assert shape(ResourceRequest(gpus=1), Pipeline.REPORT) == (0, 1)

@@ -10,7 +10,7 @@ import pytest
 from daemon.config import SlurmExecutorSection, load_config, parse_config
 from daemon.errors import ConfigError
 from daemon.manifest import ResourceRequest
-from daemon.resources import problems
+from daemon.resources import problems, slurm_bounds
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,8 +47,8 @@ def test_a_relative_slurm_conf_is_taken_from_the_config_files_folder(tmp_path: P
 
 def test_a_manifest_may_ask_up_to_the_sites_bounds_and_is_told_which_it_passed() -> None:
     site = SlurmExecutorSection(max_gpus=2, max_time_minutes=120)
-    assert problems(ResourceRequest(gpus=2, time_minutes=120), site) == []
-    (found,) = problems(ResourceRequest(gpus=3), site)
+    assert problems(ResourceRequest(gpus=2, time_minutes=120), slurm_bounds(site)) == []
+    (found,) = problems(ResourceRequest(gpus=3), slurm_bounds(site))
     assert found.render() == (
         "manifest.toml, resources.gpus: asks for 3, more than this site allows (2)"
         " — ask for at most 2, or ask an operator to raise max_gpus"
@@ -93,5 +93,5 @@ def test_only_a_training_batch_may_ask_for_several_tasks_and_no_value_may_be_sil
     )
     assert any(f.startswith("manifest.toml, resources.cpus: unknown key 'cpus'") for f in found)
     text = MANIFEST.format(kind="inference", resources="tasks = 2")
-    with pytest.raises(ManifestError, match="only a training batch runs several tasks"):
+    with pytest.raises(ManifestError, match=r"only training \(and a sweep's trials\) runs several tasks"):
         parse_manifest(text.encode())
