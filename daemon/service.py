@@ -15,26 +15,23 @@ from __future__ import annotations
 import errno
 import os
 import queue
-import socket
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from importlib import metadata
 from pathlib import Path
 
 import structlog
 
-from daemon import inputs, readiness, reporter, resources
+from daemon import readiness, reporter, resources
 from daemon.config import Config
 from daemon.dispatch import Dispatcher
 from daemon.endings import Endings
-from daemon.errors import ManifestError
 from daemon.executors import Executor
 from daemon.intake import Deferred, Intake
 from daemon.jobspec import Problem
 from daemon.mailer import Mailer
-from daemon.manifest import Manifest, parse_manifest
+from daemon.manifest import Manifest
 from daemon.metrics import Metrics
 from daemon.notify import Notifier
 from daemon.planner import (
@@ -50,21 +47,16 @@ from daemon.planner import (
     Submit,
     plan,
 )
-from daemon.records import Batch, Heartbeat, Job, JobChange
+from daemon.pulse import Pulse, roots_info
+from daemon.records import Batch, Job, JobChange
 from daemon.states import BatchState, JobState
 from daemon.store import Store
+from daemon.waitroom import Schedule, WaitRoom
 from daemon.watcher import FolderTouched, RootLost, Watcher, WatchEvent, scan_root
 
 log = structlog.get_logger("watchd")
 
 Clock = Callable[[], float]
-
-
-def code_version() -> str:
-    try:
-        return metadata.version("watchd")
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 class Service:
@@ -98,30 +90,30 @@ class Service:
         )
         self.policy = Policy(config.planner.shard_size, config.planner.max_attempts, executor.name)
         self.timing = readiness.Timing(config.intake.settle_seconds, config.intake.timeout_seconds)
+        self.waitroom = WaitRoom(
+            self.timing,
+            Schedule(config.intake.check_seconds, min(config.daemon.rescan_seconds, 60.0)),
+        )
         self.metrics = Metrics()
         mailer = Mailer.from_config(config.mail)
         self.endings = Endings(self.store, self.metrics, mailer, self.timing, config.mail.sender)
-        self._ping_every = self.notifier.ping_seconds  # None: no systemd watchdog
-        self._next_ping = 0.0
+        self.pulse = Pulse(
+            self.store, self.notifier, self.metrics, config.daemon.heartbeat_seconds,
+            lambda: {"executor": executor.name, **roots_info(self.watcher.modes, self._lost_roots)},
+        )  # fmt: skip
         self.stop_requested = stop or threading.Event()
         self.force_stop = threading.Event()
-        self._manifests: dict[int, Manifest] = {}
-        self._settle: dict[int, readiness.Settle] = {}
-        self._next_check: dict[int, float] = {}
-        self._waiting: dict[int, tuple[Problem, ...]] = {}
         self._deferred: list[Deferred] = []
         self._dirty: set[int] = set()
         self._lost_roots: set[Path] = set()
         self._next_rescan = 0.0
-        self._next_beat = 0.0
-        self._started_at = 0.0
         self._submitting = True
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
         now = self.clock()
-        self._started_at = now
+        self.pulse.started_at = now
         modes = self.watcher.start()
         for path, mode in modes.items():
             log.info("watching", root=str(path), mode=mode.value)
@@ -131,10 +123,10 @@ class Service:
         live = self.store.jobs(states=[JobState.SUBMITTED, JobState.RUNNING])
         if live:
             log.info("re-adopting jobs", jobs=[j.name for j in live])
-        self._beat(now, force=True)
+        self.pulse.beat(now, force=True)
         self.metrics.serve(self.config.metrics)
         self.endings.start()
-        self.notifier.ready(self._status_line())
+        self.pulse.ready()
         log.info("started", pid=os.getpid(), executor=self.executor.name, live_jobs=len(live))
 
     def _self_test(self) -> None:
@@ -156,18 +148,11 @@ class Service:
         self.start()
         try:
             while not self.stop_requested.is_set():
-                self._wait_for_work(self._until_next_tick())
+                self._wait_for_work(self.pulse.until_ping(self.config.daemon.tick_seconds))
                 if not self.stop_requested.is_set():
                     self.tick(self.clock())
         finally:
             self.shutdown()
-
-    def _until_next_tick(self) -> float:
-        """A tick period, or less when the watchdog's next ping is due sooner."""
-        if self._ping_every is None:
-            return self.config.daemon.tick_seconds
-        due = self._next_ping - time.monotonic()
-        return max(0.0, min(self.config.daemon.tick_seconds, due))
 
     def _wait_for_work(self, timeout: float) -> None:
         """Sleep until the next tick, waking early when the watcher has news."""
@@ -194,7 +179,7 @@ class Service:
                         note="re-adopted at next start")  # fmt: skip
         self.endings.close(self.clock(), self.config.mail.timeout_seconds)
         self.metrics.close()
-        self._beat(self.clock(), force=True, stopped=True)
+        self.pulse.beat(self.clock(), force=True, stopped=True)
         self.executor.close()
         self.store.close()
         log.info("stopped")
@@ -222,8 +207,8 @@ class Service:
             self._act_safely(action, now)
         self._write_statuses(now)
         self.endings.follow(now)
-        self._beat(now)
-        self._ping(now)
+        self.pulse.beat(now)
+        self.pulse.ping(now)
 
     def _drain(self, now: float) -> None:
         touched: dict[tuple[Path, str], None] = {}
@@ -295,13 +280,11 @@ class Service:
         by_batch: dict[int, list[Job]] = {}
         for job in jobs:
             by_batch.setdefault(job.batch_id, []).append(job)
-        views = tuple(
-            BatchView(b, self._manifest(b), tuple(by_batch.get(b.id, ())), self._verdict(b, now))
-            for b in batches.values()
-        ) + tuple(
-            BatchView(b, self._manifest(b), inputs_changed=True)
+        views = tuple(self._view(b, by_batch.get(b.id, ()), now) for b in batches.values())
+        views += tuple(
+            BatchView(b, self.waitroom.manifest(b), inputs_changed=True)
             for b in self.store.batches_watching_inputs()
-            if b.id not in batches and self._inputs_changed(b, now)
+            if b.id not in batches and self.waitroom.inputs_changed(b, now)
         )
         live = [j for j in jobs if j.state.live]
         slots = self.executor.slots()
@@ -310,41 +293,11 @@ class Service:
             now, views, self.dispatch.observe(live), intents, free, self.policy, self._submitting
         )
 
-    def _manifest(self, batch: Batch) -> Manifest | None:
-        if batch.id not in self._manifests and batch.kind is not None:
-            try:
-                self._manifests[batch.id] = parse_manifest(batch.manifest_text.encode())
-            except ManifestError:
-                return None
-        return self._manifests.get(batch.id)
-
-    def _verdict(self, batch: Batch, now: float) -> readiness.Verdict | None:
-        manifest = self._manifest(batch)
-        if batch.state is not BatchState.WAITING or manifest is None:
-            return None
-        if now < self._next_check.get(batch.id, 0.0):
-            return None
-        self._next_check[batch.id] = now + self.config.intake.check_seconds
-        seen = inputs.observe(batch.path, manifest)
-        verdict = readiness.assess(
-            manifest, seen, self._settle.get(batch.id), batch.updated_at, now, self.timing
-        )
-        if isinstance(verdict, readiness.Waiting):
-            self._settle[batch.id] = verdict.settle
-            if verdict.problems != self._waiting.get(batch.id):
-                self._waiting[batch.id] = verdict.problems
-                self._dirty.add(batch.id)
-        return verdict
-
-    def _inputs_changed(self, batch: Batch, now: float) -> bool:
-        """For a batch failed with incomplete inputs: have they changed since? (Looked at every
-        minute at most, never more often than the rescan.)"""
-        manifest = self._manifest(batch)
-        if manifest is None or now < self._next_check.get(batch.id, 0.0):
-            return False
-        self._next_check[batch.id] = now + min(self.config.daemon.rescan_seconds, 60.0)
-        seen = inputs.observe(batch.path, manifest)
-        return seen.folder_ok and readiness.fingerprint(seen) != batch.watch_inputs
+    def _view(self, batch: Batch, jobs: Iterable[Job], now: float) -> BatchView:
+        verdict, changed = self.waitroom.verdict(batch, now)
+        if changed:
+            self._dirty.add(batch.id)
+        return BatchView(batch, self.waitroom.manifest(batch), tuple(jobs), verdict)
 
     # -- acting ------------------------------------------------------------------------------
 
@@ -409,11 +362,7 @@ class Service:
             problems=[p.render() for p in action.problems],
         )
         self._dirty.add(batch.id)
-        self._settle.pop(batch.id, None)
-        self._waiting.pop(batch.id, None)
-        self._next_check.pop(batch.id, None)
-        if batch.state.terminal and not batch.watch_inputs:
-            self._manifests.pop(batch.id, None)
+        self.waitroom.moved(batch)
 
     def _fail_batch(self, batch_id: int, reason: str, detail: str, now: float) -> None:
         try:
@@ -428,7 +377,7 @@ class Service:
         for job_id in job_ids:
             job = self.store.job(job_id)
             batch = self.store.batch(job.batch_id)
-            manifest = self._manifest(batch)
+            manifest = self.waitroom.manifest(batch)
             if manifest is not None:
                 work.append((job, batch, manifest))
         outcome = self.dispatch.submit(work, now)
@@ -461,49 +410,8 @@ class Service:
         dirty, self._dirty = self._dirty, set()
         for batch_id in dirty:
             reporter.publish(
-                self.store, batch_id, self._waiting.get(batch_id, ()), self.timing, now
+                self.store, batch_id, self.waitroom.waits_for(batch_id), self.timing, now
             )
-
-    def _beat(self, now: float, *, force: bool = False, stopped: bool = False) -> None:
-        if now < self._next_beat and not force:
-            return
-        self._next_beat = now + self.config.daemon.heartbeat_seconds
-        by_state = self.store.counts()
-        counts = {s.value: n for s, n in by_state.items()}
-        self.store.beat(
-            Heartbeat(
-                pid=os.getpid(),
-                host=socket.gethostname(),
-                version=code_version(),
-                started_at=self._started_at,
-                beat_at=now,
-                stopped_at=now if stopped else None,
-                info={
-                    "counts": counts,
-                    "executor": self.executor.name,
-                    "roots": {str(r): m.value for r, m in self.watcher.modes.items()},
-                    "lost_roots": sorted(str(r) for r in self._lost_roots),
-                },
-            )
-        )
-        live = self._live_jobs()
-        entered = self.store.entered_at([BatchState.WAITING, BatchState.QUEUED, BatchState.RUNNING])
-        self.metrics.beat(by_state, entered, len(live), len(self._lost_roots), now)
-        self.notifier.status(self._status_line(counts))
-
-    def _ping(self, now: float) -> None:
-        """Tell systemd's watchdog that the loop is alive, at its pace (monotonic, so a clock
-        step cannot delay it). Only the loop pings: a hung loop stops, and systemd restarts it."""
-        self.metrics.ticked(now)
-        if self._ping_every is None or time.monotonic() < self._next_ping:
-            return
-        self._next_ping = time.monotonic() + self._ping_every
-        self.notifier.watchdog()
-
-    def _status_line(self, counts: dict[str, int] | None = None) -> str:
-        counts = counts or {s.value: n for s, n in self.store.counts().items()}
-        shown = ("waiting", "queued", "running", "failed", "done")
-        return ", ".join(f"{counts.get(s, 0)} {s}" for s in shown)
 
 
 def _site_limits(config: Config) -> Callable[[Manifest], list[Problem]]:
