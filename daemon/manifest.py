@@ -296,6 +296,17 @@ def check_relative_path(path: str) -> str | None:
     return None
 
 
+def check_glob(glob: str) -> str | None:
+    """Why a pattern cannot be used as a glob, or None ('**' only as a whole component, as
+    Python's Path.glob demands; a pattern it refused would fail the batch's every check)."""
+    for part in glob.split("/"):
+        if "**" in part and part != "**":
+            return "uses '**' inside a name; '**' may only stand alone between slashes"
+        if part == "":
+            return "has an empty folder name ('//')"
+    return None
+
+
 def _entries(document: Mapping[str, Any], key: str, field_name: str) -> list[tuple[int, str]]:
     items = document.get(key)
     if not isinstance(items, list):
@@ -323,7 +334,7 @@ def _path_problems(document: Mapping[str, Any]) -> list[Problem]:
             found.append(Problem(where, f"is listed twice (also files[{seen[normal]}])"))
         seen.setdefault(normal, i)
     for i, glob in _entries(document, "patterns", "glob"):
-        reason = check_relative_path(glob)
+        reason = check_relative_path(glob) or check_glob(glob)
         if reason:
             found.append(Problem(f"{MANIFEST_NAME}, patterns[{i}] '{glob}'", f"glob {reason}"))
     return found

@@ -374,7 +374,20 @@ def _failure(jobs: Sequence[Job], seen: Mapping[int, JobSeen], policy: Policy) -
             problems,
             error.traceback if error else "",
         )
-    return None
+    return _stranded(jobs)
+
+
+def _stranded(jobs: Sequence[Job]) -> _Failure | None:
+    """Jobs cancelled while their batch went on (a daemon stopped between cancelling them and
+    ending the batch): nothing is left to run, so the batch fails with what happened."""
+    if any(j.state.live or j.state is JobState.PENDING for j in jobs):
+        return None
+    cancelled = [j for j in jobs if j.state is JobState.CANCELLED]
+    if not cancelled:
+        return None
+    job = cancelled[0]
+    message = f"job {job.name} was cancelled ({job.reason or 'no reason recorded'})"
+    return _Failure(message, (Problem(f"job {job.name}", "was cancelled", "ask for a retry"),))
 
 
 @dataclass(frozen=True)

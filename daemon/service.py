@@ -27,6 +27,7 @@ from daemon import readiness, reporter, resources
 from daemon.config import Config
 from daemon.dispatch import Dispatcher
 from daemon.endings import Endings
+from daemon.errors import ManifestError
 from daemon.executors import Executor
 from daemon.intake import Deferred, Intake
 from daemon.jobspec import Problem
@@ -48,6 +49,7 @@ from daemon.planner import (
     plan,
 )
 from daemon.pulse import Pulse, roots_info
+from daemon.readiness import NotReady
 from daemon.records import Batch, Job, JobChange
 from daemon.states import BatchState, JobState
 from daemon.store import Store
@@ -150,9 +152,18 @@ class Service:
             while not self.stop_requested.is_set():
                 self._wait_for_work(self.pulse.until_ping(self.config.daemon.tick_seconds))
                 if not self.stop_requested.is_set():
-                    self.tick(self.clock())
+                    self._tick_safely()
         finally:
             self.shutdown()
+
+    def _tick_safely(self) -> None:
+        """A tick that raised is logged and the loop goes on: the next tick starts from what
+        the store holds (a bug must not take the daemon down for everyone)."""
+        try:
+            self.tick(self.clock())
+        except Exception:
+            log.exception("tick failed")
+            self.stop_requested.wait(self.config.daemon.tick_seconds)
 
     def _wait_for_work(self, timeout: float) -> None:
         """Sleep until the next tick, waking early when the watcher has news."""
@@ -203,8 +214,8 @@ class Service:
         if now >= self._next_rescan:
             self.catch_up(now)
         snapshot = self._snapshot(now)
-        for action in plan(snapshot):
-            self._act_safely(action, now)
+        for group in _transactions(plan(snapshot), self.store):
+            self._act_safely(group, now)
         self._write_statuses(now)
         self.endings.follow(now)
         self.pulse.beat(now)
@@ -284,7 +295,7 @@ class Service:
         views += tuple(
             BatchView(b, self.waitroom.manifest(b), inputs_changed=True)
             for b in self.store.batches_watching_inputs()
-            if b.id not in batches and self.waitroom.inputs_changed(b, now)
+            if b.id not in batches and self._inputs_changed(b, now)
         )
         live = [j for j in jobs if j.state.live]
         slots = self.executor.slots()
@@ -294,19 +305,39 @@ class Service:
         )
 
     def _view(self, batch: Batch, jobs: Iterable[Job], now: float) -> BatchView:
-        verdict, changed = self.waitroom.verdict(batch, now)
+        try:
+            verdict, changed = self.waitroom.verdict(batch, now)
+        except Exception as exc:  # a bug looking at one batch's inputs must not stop the loop
+            log.exception("cannot check inputs", batch_id=batch.id, folder=batch.folder)
+            problem = Problem("inputs", f"cannot be checked: {exc}", "tell an operator")
+            verdict, changed = NotReady((problem,), "internal error while checking inputs"), True
         if changed:
             self._dirty.add(batch.id)
         return BatchView(batch, self.waitroom.manifest(batch), tuple(jobs), verdict)
 
+    def _inputs_changed(self, batch: Batch, now: float) -> bool:
+        try:
+            return self.waitroom.inputs_changed(batch, now)
+        except Exception:
+            log.exception("cannot check inputs", batch_id=batch.id, folder=batch.folder)
+            return False
+
     # -- acting ------------------------------------------------------------------------------
 
-    def _act_safely(self, action: Action, now: float) -> None:
+    def _act_safely(self, group: list[Action], now: float) -> None:
+        """Carry out one group of actions: store-only actions of one batch commit together (a
+        crash between them must not leave half a decision), an executor action alone."""
         try:
-            self._act(action, now)
+            if len(group) == 1:
+                self._act(group[0], now)
+            else:
+                with self.store.atomic():
+                    for action in group:
+                        self._act(action, now)
         except Exception as exc:  # a bug must not stop the loop: fail that batch, go on
-            batch_id = _batch_of(action, self.store)
-            log.exception("action failed", action=type(action).__name__, batch_id=batch_id)
+            batch_id = _batch_of(group[0], self.store)
+            names = [type(a).__name__ for a in group]
+            log.exception("action failed", actions=names, batch_id=batch_id)
             if batch_id is not None:
                 self._fail_batch(batch_id, f"internal error: {exc}", traceback.format_exc(), now)
 
@@ -374,16 +405,21 @@ class Service:
 
     def _submit(self, job_ids: Iterable[int], now: float) -> None:
         work = []
+        batches: dict[int, Batch] = {}
         for job_id in job_ids:
             job = self.store.job(job_id)
-            batch = self.store.batch(job.batch_id)
-            manifest = self.waitroom.manifest(batch)
-            if manifest is not None:
+            batch = batches.setdefault(job.batch_id, self.store.batch(job.batch_id))
+            try:
+                manifest = self.waitroom.parsed(batch)
+            except ManifestError as refused:
+                self._fail_batch(batch.id, f"manifest no longer valid: {refused}", "", now)
+                continue
+            if manifest is not None and not self.store.batch(batch.id).state.terminal:
                 work.append((job, batch, manifest))
         outcome = self.dispatch.submit(work, now)
         self._dirty.update(j.batch_id for j in outcome.submitted)
-        for batch, exc in outcome.unwritable:
-            self._unwritable(batch, exc, now)
+        for refused_batch, error in outcome.unwritable:
+            self._unwritable(refused_batch, error, now)
 
     def _unwritable(self, batch: Batch, exc: OSError, now: float) -> None:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -423,6 +459,21 @@ def _site_limits(config: Config) -> Callable[[Manifest], list[Problem]]:
     return lambda manifest: resources.problems(manifest.resources, bounds)
 
 
+def _transactions(actions: Iterable[Action], store: Store) -> list[list[Action]]:
+    """Consecutive store-only actions of the same batch form one group; an action that also
+    talks to the executor (submit, cancel) is a group of its own."""
+    groups: list[list[Action]] = []
+    key: int | None = None
+    for action in actions:
+        batch_id = None if isinstance(action, (Submit, Cancel)) else _batch_of(action, store)
+        if batch_id is not None and groups and batch_id == key:
+            groups[-1].append(action)
+        else:
+            groups.append([action])
+        key = batch_id
+    return groups
+
+
 def _batch_of(action: Action, store: Store) -> int | None:
     if isinstance(action, (MoveBatch, PlanJobs)):
         return action.batch_id
@@ -430,4 +481,6 @@ def _batch_of(action: Action, store: Store) -> int | None:
         return store.job(action.job_id).batch_id
     if isinstance(action, (Submit, Cancel)) and action.job_ids:
         return store.job(action.job_ids[0]).batch_id
+    if isinstance(action, ResolveIntent):
+        return store.intent(action.intent_id).batch_id
     return None

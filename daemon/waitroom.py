@@ -35,19 +35,29 @@ class WaitRoom:
         self._waiting: dict[int, tuple[Problem, ...]] = {}
 
     def manifest(self, batch: Batch) -> Manifest | None:
-        """The batch's manifest, parsed once (the store keeps its text)."""
+        """The batch's manifest, parsed once (the store keeps its text); None if it has none
+        or it no longer parses (a database from an older watchd, a rule tightened since)."""
+        try:
+            return self.parsed(batch)
+        except ManifestError:
+            return None
+
+    def parsed(self, batch: Batch) -> Manifest | None:
+        """Like ``manifest``, but a manifest that no longer parses raises ManifestError."""
         if batch.id not in self._manifests and batch.kind is not None:
-            try:
-                self._manifests[batch.id] = parse_manifest(batch.manifest_text.encode())
-            except ManifestError:
-                return None
+            self._manifests[batch.id] = parse_manifest(batch.manifest_text.encode())
         return self._manifests.get(batch.id)
 
     def verdict(self, batch: Batch, now: float) -> tuple[readiness.Verdict | None, bool]:
         """A verdict on a waiting batch whose check is due (None when not due), and whether
         what it waits for changed (its status file needs writing)."""
-        manifest = self.manifest(batch)
-        if batch.state is not BatchState.WAITING or manifest is None:
+        if batch.state is not BatchState.WAITING:
+            return None, False
+        try:
+            manifest = self.parsed(batch)
+        except ManifestError as exc:
+            return readiness.NotReady(exc.problems, "manifest refused"), True
+        if manifest is None:
             return None, False
         if now < self._next_check.get(batch.id, 0.0):
             return None, False

@@ -347,3 +347,9 @@ def test_a_sweep_needs_its_section_and_other_kinds_refuse_one() -> None:
     ]
     found = problems_of(doc(sweep={"space": {"width": [8]}}))
     assert found == ["manifest.toml, sweep: is for kind = \"sweep\", not 'inference'"]
+
+
+@pytest.mark.parametrize("glob", ["img**.png", "images/**x/*.png", "images//*.png"])
+def test_a_glob_that_pathlib_cannot_use_is_refused_at_once(glob: str) -> None:
+    found = problems_of(doc(files=[], patterns=[{"glob": glob}]))
+    assert found[0].startswith(f"manifest.toml, patterns[0] '{glob}': glob ")

@@ -320,3 +320,10 @@ def test_after_all_trials_the_sweep_job_runs_then_the_report_then_done() -> None
     assert plan(snap(BatchView(running, m, done))) == [
         MoveBatch(1, BatchState.DONE, "all jobs succeeded")
     ]
+
+
+def test_a_batch_left_with_only_cancelled_jobs_fails_instead_of_waiting_forever() -> None:
+    jobs = (job(1, JobState.SUCCEEDED), job(2, JobState.CANCELLED))
+    actions = plan(snap(BatchView(batch(1, BatchState.RUNNING), manifest(), jobs)))
+    assert actions[-1].target is BatchState.FAILED
+    assert actions[-1].reason == "job j2 was cancelled (no reason recorded)"

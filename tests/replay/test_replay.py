@@ -340,3 +340,25 @@ def test_a_drop_root_that_goes_away_and_comes_back_is_watched_again(
     assert only_batch(config).state is BatchState.DONE
     events = [e["event"] for e in logged]
     assert "drop root unavailable" in events and "drop root back" in events
+
+
+def test_a_waiting_batch_whose_manifest_no_longer_parses_fails_with_the_reason(
+    config_for: Callable[..., Config], drop_root: Path
+) -> None:
+    """A database written by an older watchd may hold a manifest a rule tightened since now
+    refuses; the batch fails with the parser's words instead of waiting forever."""
+    from daemon.records import NewBatch
+
+    config = config_for()
+    (drop_root / "old").mkdir()
+    text = 'watchd = 1\nkind = "inference"\n[owner]\nname = "A"\n[model]\nname = "m"\n'
+    text += '[[patterns]]\nglob = "img**.png"\n'
+    store = Store.open(config.daemon.database)
+    new = NewBatch(str(drop_root), "old", "sha", text, "", "inference", "", "A", None, str(drop_root / "old" / "results" / "x"))
+    store.create_batch(new, BatchState.WAITING, "manifest accepted", 0.0)
+    store.close()
+    with Replay(config) as replay:
+        replay.run()
+    batch = only_batch(config)
+    assert batch.state is BatchState.FAILED and batch.reason == "manifest refused"
+    assert "uses '**' inside a name" in batch.problems[0].message
