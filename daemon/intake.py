@@ -158,6 +158,7 @@ class Intake:
         self.on_batch(batch)
 
     def _supersede(self, previous: Batch, batch: Batch, now: float) -> None:
+        self.store.stop_watching_inputs(previous.root, previous.folder)
         self.store.note(
             batch.id,
             f"manifest changed: revision {batch.revision} replaces {previous.revision}",

@@ -292,10 +292,16 @@ class Service:
         for job in jobs:
             by_batch.setdefault(job.batch_id, []).append(job)
         views = tuple(self._view(b, by_batch.get(b.id, ()), now) for b in batches.values())
+        watched = [
+            b
+            for b in self.store.batches_watching_inputs(now - self.timing.timeout_seconds)
+            if b.id not in batches
+        ]
+        self.waitroom.keep({*batches, *(b.id for b in watched)})
         views += tuple(
             BatchView(b, self.waitroom.manifest(b), inputs_changed=True)
-            for b in self.store.batches_watching_inputs()
-            if b.id not in batches and self._inputs_changed(b, now)
+            for b in watched
+            if self._inputs_changed(b, now)
         )
         live = [j for j in jobs if j.state.live]
         slots = self.executor.slots()

@@ -189,14 +189,23 @@ class Store:
     def active_batches(self) -> list[Batch]:
         return self.batches([s for s in BatchState if not s.terminal])
 
-    def batches_watching_inputs(self) -> list[Batch]:
-        """Failed batches that go back to waiting when their inputs change."""
+    def batches_watching_inputs(self, since: float) -> list[Batch]:
+        """Failed batches that go back to waiting when their inputs change: the newest revision
+        of their folder only, failed after ``since``."""
         rows = self.db.query(
-            "SELECT * FROM batches WHERE state = ? AND watch_inputs != ''",
-            [BatchState.FAILED.value],
+            "SELECT * FROM batches b WHERE state = ? AND watch_inputs != '' AND updated_at > ?"
+            " AND revision = (SELECT max(revision) FROM batches"
+            " WHERE root = b.root AND folder = b.folder)",
+            [BatchState.FAILED.value, since],
         )
         return [_batch(r) for r in rows]
 
+    def stop_watching_inputs(self, root: str, folder: str) -> None:
+        """A newer revision of the folder was recorded: no older one may come back."""
+        with self.atomic():
+            self.db.execute(
+                "UPDATE batches SET watch_inputs = '' WHERE root = ? AND folder = ?", [root, folder]
+            )
     def set_manifest_stat(self, batch_id: int, stat: str) -> None:
         with self.atomic():
             self.db.execute("UPDATE batches SET manifest_stat = ? WHERE id = ?", [stat, batch_id])

@@ -85,6 +85,12 @@ class WaitRoom:
     def waits_for(self, batch_id: int) -> tuple[Problem, ...]:
         return self._waiting.get(batch_id, ())
 
+    def keep(self, batch_ids: set[int]) -> None:
+        """Forget every batch but these (the active ones and those still watched)."""
+        for table in (self._manifests, self._settle, self._next_check, self._waiting):
+            for batch_id in [i for i in table if i not in batch_ids]:
+                del table[batch_id]
+
     def moved(self, batch: Batch) -> None:
         """The batch changed state: its settle record and schedule start again."""
         self._settle.pop(batch.id, None)

@@ -13,10 +13,22 @@ from daemon.states import BatchState, JobState
 from daemon.store import Store
 
 
-def test_store_only_actions_of_one_batch_are_grouped_and_executor_actions_stand_alone(tmp_path: Path) -> None:
+def test_store_only_actions_of_one_batch_are_grouped_and_executor_actions_stand_alone(
+    tmp_path: Path,
+) -> None:
     store = Store.open(tmp_path / "s.sqlite")
-    a = store.create_batch(NewBatch("/r", "a", "1", "", "", "inference", "", "", None, "/x"), BatchState.WAITING, "", 0.0)
-    b = store.create_batch(NewBatch("/r", "b", "2", "", "", "inference", "", "", None, "/y"), BatchState.WAITING, "", 0.0)
+    a = store.create_batch(
+        NewBatch("/r", "a", "1", "", "", "inference", "", "", None, "/x"),
+        BatchState.WAITING,
+        "",
+        0.0,
+    )
+    b = store.create_batch(
+        NewBatch("/r", "b", "2", "", "", "inference", "", "", None, "/y"),
+        BatchState.WAITING,
+        "",
+        0.0,
+    )
     (job,) = store.create_jobs(a.id, [NewJob("j", Pipeline.INFER, 0, 0, 1, (), "local")], 0.0)
     intent = store.add_intent("cancel", b.id, 0.0, "ops")
     actions = [

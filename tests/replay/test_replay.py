@@ -354,7 +354,18 @@ def test_a_waiting_batch_whose_manifest_no_longer_parses_fails_with_the_reason(
     text = 'watchd = 1\nkind = "inference"\n[owner]\nname = "A"\n[model]\nname = "m"\n'
     text += '[[patterns]]\nglob = "img**.png"\n'
     store = Store.open(config.daemon.database)
-    new = NewBatch(str(drop_root), "old", "sha", text, "", "inference", "", "A", None, str(drop_root / "old" / "results" / "x"))
+    new = NewBatch(
+        str(drop_root),
+        "old",
+        "sha",
+        text,
+        "",
+        "inference",
+        "",
+        "A",
+        None,
+        str(drop_root / "old" / "results" / "x"),
+    )
     store.create_batch(new, BatchState.WAITING, "manifest accepted", 0.0)
     store.close()
     with Replay(config) as replay:
@@ -362,3 +373,36 @@ def test_a_waiting_batch_whose_manifest_no_longer_parses_fails_with_the_reason(
     batch = only_batch(config)
     assert batch.state is BatchState.FAILED and batch.reason == "manifest refused"
     assert "uses '**' inside a name" in batch.problems[0].message
+
+
+def test_a_timed_out_revision_replaced_by_a_new_manifest_never_comes_back(
+    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path
+) -> None:
+    config = config_for(intake={"timeout_seconds": 1.0}, daemon={"rescan_seconds": 0.5})
+    source, folder = staged(count=2), drop_root / "replaced after timeout"
+    shutil.copytree(source, folder, ignore=shutil.ignore_patterns("manifest.toml", "img_0001.png"))
+    first = (source / "manifest.toml").read_bytes()
+    second = first.replace(b'title = ""', b'title = "second"')
+    missing = (source / "images" / "img_0001.png").read_bytes()
+
+    def first_failed(service: object) -> bool:
+        store = store_of(config)
+        try:
+            return [b.state for b in store.batches()] == [BatchState.FAILED]
+        finally:
+            store.close()
+
+    with Replay(config) as replay:
+        replay.run([write_atomically(folder / "manifest.toml", first, 0.0)], until=first_failed)
+        replay.run(
+            [
+                write_atomically(folder / "manifest.toml", second, 0.0),
+                write_now(folder / "images" / "img_0001.png", missing, 0.3),
+            ]
+        )
+    store = store_of(config)
+    old, new = store.batches()
+    store.close()
+    assert (old.revision, old.state) == (1, BatchState.FAILED)
+    assert (new.revision, new.state) == (2, BatchState.DONE)
+    assert states_of(config, old.id) == ["waiting", "failed"]
