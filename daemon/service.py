@@ -256,15 +256,15 @@ class Service:
             if root.path in self._lost_roots or not self.watcher.armed(root.path):
                 if not self.watcher.arm(root):
                     self._root_lost(root.path)
-                    continue
-                if root.path in self._lost_roots:
+                elif root.path in self._lost_roots:
                     self._lost_roots.discard(root.path)
                     log.info("drop root back", root=str(root.path))
             started = time.monotonic()
             try:
                 found = list(scan_root(root.path))
             except OSError as exc:
-                log.warning("cannot scan drop root", root=str(root.path), error=str(exc))
+                if root.path not in self._lost_roots:  # a lost root was said once already
+                    log.warning("cannot scan drop root", root=str(root.path), error=str(exc))
                 continue
             for seen in found:
                 if self.intake.changed(root.path, seen.folder, seen.manifest_stat):

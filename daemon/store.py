@@ -206,6 +206,7 @@ class Store:
             self.db.execute(
                 "UPDATE batches SET watch_inputs = '' WHERE root = ? AND folder = ?", [root, folder]
             )
+
     def set_manifest_stat(self, batch_id: int, stat: str) -> None:
         with self.atomic():
             self.db.execute("UPDATE batches SET manifest_stat = ? WHERE id = ?", [stat, batch_id])

@@ -10,6 +10,7 @@ lost (overflow, outages, a daemon that was down), so a catch-up scan runs at sta
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import threading
@@ -17,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers.api import BaseObserver
 from watchdog.observers.inotify_c import (
@@ -31,6 +33,8 @@ from watchdog.observers.polling import PollingObserverVFS
 from daemon.config import ObserverMode, RootSection
 from daemon.manifest import MANIFEST_NAME
 from daemon.mounts import choose_mode, filesystem_type
+
+log = structlog.get_logger("watchd.watcher")
 
 
 @dataclass(frozen=True)
@@ -105,11 +109,17 @@ class _DepthOneInotify:
         self.id = CallbackId(id(self))
         self.lock = threading.Lock()
         self.paths: dict[WatchDescriptor, bytes] = {}
-        self.root_wd = self._add(os.fsencode(root), self.ROOT_MASK)
+        self.alive = False
+        try:
+            self.root_wd = self._add(os.fsencode(root), self.ROOT_MASK)
+            with os.scandir(root) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        self._add(os.fsencode(entry.path), self.FOLDER_MASK)
+        except OSError:
+            self.close()  # no half-built watch left registered
+            raise
         self.alive = True
-        for entry in os.scandir(root):
-            if entry.is_dir(follow_symlinks=False):
-                self._add(os.fsencode(entry.path), self.FOLDER_MASK)
 
     def _add(self, path: bytes, mask: int) -> WatchDescriptor:
         wd = self.fd.add_callback(path, mask, self, self.id)  # type: ignore[arg-type]
@@ -149,9 +159,14 @@ class _DepthOneInotify:
             self.events.put(RootLost(self.root))
 
     def on_queue_overflow(self) -> None:
-        # Events were dropped: a scan of the root finds what they would have said.
-        for seen in scan_root(self.root):
-            self.events.put(FolderTouched(self.root, seen.folder))
+        # Events were dropped: a scan of the root finds what they would have said. This runs
+        # on watchdog's reader thread, which must not die: a root that fails is reported lost.
+        try:
+            for seen in scan_root(self.root):
+                self.events.put(FolderTouched(self.root, seen.folder))
+        except OSError:
+            self.alive = False
+            self.events.put(RootLost(self.root))
 
     def close(self) -> None:
         with self.lock:
@@ -217,32 +232,48 @@ class Watcher:
         return dict(self.modes)
 
     def arm(self, root: RootSection) -> bool:
-        """(Re)start watching ``root``; False if it cannot be watched now (missing, unreadable)."""
+        """(Re)start watching ``root``; False if it cannot be watched now (missing, unreadable).
+
+        inotify that runs out of watches or instances (the kernel's limits) falls back to
+        polling for this root, and says so."""
         self._disarm(root.path)
-        mode = self.modes[root.path]
         try:
-            if mode is ObserverMode.INOTIFY:
-                if self._fd is None:
-                    self._fd = InotifyFD()
-                    self._fd.start()
-                self._inotify[root.path] = _DepthOneInotify(self._fd, root.path, self.events)
-            else:
-                observer = PollingObserverVFS(
-                    os.stat, ManifestListing(root.path), polling_interval=root.poll_seconds
-                )
-                observer.schedule(
-                    _PollingHandler(root.path, self.events), os.fspath(root.path), recursive=True
-                )
-                observer.start()
-                self._polling[root.path] = observer
+            if self.modes[root.path] is ObserverMode.INOTIFY:
+                try:
+                    self._arm_inotify(root)
+                    return True
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOSPC, errno.EMFILE):
+                        raise
+                    log.warning("inotify limit reached; polling this root instead",
+                                root=str(root.path), error=str(exc))  # fmt: skip
+                    self.modes[root.path] = ObserverMode.POLLING
+            self._arm_polling(root)
         except OSError:
             self._disarm(root.path)
             return False
         return True
 
+    def _arm_inotify(self, root: RootSection) -> None:
+        if self._fd is None or not self._fd.is_alive():
+            self._fd = InotifyFD()
+            self._fd.start()
+        self._inotify[root.path] = _DepthOneInotify(self._fd, root.path, self.events)
+
+    def _arm_polling(self, root: RootSection) -> None:
+        observer = PollingObserverVFS(
+            os.stat, ManifestListing(root.path), polling_interval=root.poll_seconds
+        )
+        observer.schedule(
+            _PollingHandler(root.path, self.events), os.fspath(root.path), recursive=True
+        )
+        observer.start()
+        self._polling[root.path] = observer
+
     def armed(self, root: Path) -> bool:
         if root in self._inotify:
-            return self._inotify[root].alive
+            reader = self._fd is not None and self._fd.is_alive()
+            return reader and self._inotify[root].alive
         observer = self._polling.get(root)
         return observer is not None and all(e.is_alive() for e in observer.emitters)
 

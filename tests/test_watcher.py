@@ -146,3 +146,33 @@ def test_auto_polls_on_network_filesystems(path: str, fstype: str, mode: Observe
 def test_an_explicit_mode_wins_and_unknown_filesystems_are_polled() -> None:
     assert choose_mode(ObserverMode.INOTIFY, "nfs4") is ObserverMode.INOTIFY
     assert choose_mode(ObserverMode.AUTO, None) is ObserverMode.POLLING
+
+
+LIMIT = Path("/proc/sys/fs/inotify/max_user_watches")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="lowering the inotify limit needs root")
+def test_a_root_beyond_the_inotify_limit_is_polled_instead_and_nothing_is_left_registered(
+    drop_root: Path,
+) -> None:
+    for i in range(30):
+        (drop_root / f"batch {i}").mkdir()
+    before = inotify_watches()
+    saved = LIMIT.read_text()
+    events: queue.Queue = queue.Queue()
+    watcher = Watcher(
+        [RootSection(path=drop_root, observer=ObserverMode.INOTIFY, poll_seconds=0.1)], events
+    )
+    try:
+        LIMIT.write_text(str(before + 10))  # room for the root and a few folders, not 30
+        modes = watcher.start()
+    finally:
+        LIMIT.write_text(saved)
+    try:
+        assert modes[drop_root] is ObserverMode.POLLING
+        assert inotify_watches() == before  # the half-built inotify watch was taken down
+        (drop_root / "batch 3" / "manifest.toml").write_text("x")
+        seen = {e.folder for e in events_within(events, 1.0) if isinstance(e, FolderTouched)}
+        assert "batch 3" in seen
+    finally:
+        watcher.stop()
