@@ -7,6 +7,7 @@ events for writes made on other hosts, so a drop root on one is polled.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,14 +29,15 @@ class Mount:
     fstype: str
 
 
-def parse_mounts(text: str) -> list[Mount]:
-    """The entries of /proc/self/mounts (spaces in paths come escaped as \\040)."""
+def parse_mounts(data: bytes) -> list[Mount]:
+    """The entries of /proc/self/mounts: raw bytes, with space, tab, newline and backslash in
+    paths escaped as octal (\\040); anything else (UTF-8 names) comes as it is."""
     mounts = []
-    for line in text.splitlines():
+    for line in data.splitlines():
         fields = line.split()
         if len(fields) >= 3:
-            point = fields[1].encode().decode("unicode_escape")
-            mounts.append(Mount(point, fields[2]))
+            point = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), fields[1])
+            mounts.append(Mount(os.fsdecode(point), os.fsdecode(fields[2])))
     return mounts
 
 
@@ -68,8 +70,8 @@ def choose_mode(configured: ObserverMode, fstype: str | None) -> ObserverMode:
 def filesystem_type(path: Path) -> str | None:
     """The type of the filesystem holding ``path``, from this process's mount table."""
     try:
-        text = Path("/proc/self/mounts").read_text()
+        data = Path("/proc/self/mounts").read_bytes()
     except OSError:
         return None
-    mount = mount_of(os.path.realpath(path), parse_mounts(text))
+    mount = mount_of(os.path.realpath(path), parse_mounts(data))
     return mount.fstype if mount else None

@@ -124,7 +124,8 @@ MOUNTS = """\
 gpfs01 /lsdf gpfs rw 0 0
 server:/export /mnt/nfs\\040share nfs4 rw 0 0
 sshfs#x /mnt/remote fuse.sshfs rw 0 0
-"""
+lab:/m /lsdf/Müller\\040lab nfs4 rw 0 0
+""".encode()
 
 
 @pytest.mark.parametrize(
@@ -135,6 +136,7 @@ sshfs#x /mnt/remote fuse.sshfs rw 0 0
         ("/mnt/nfs share/drop", "nfs4", ObserverMode.POLLING),
         ("/mnt/remote/x", "fuse.sshfs", ObserverMode.POLLING),
         ("/lsdfx", "ext4", ObserverMode.INOTIFY),
+        ("/lsdf/Müller lab/drop", "nfs4", ObserverMode.POLLING),
     ],
 )
 def test_auto_polls_on_network_filesystems(path: str, fstype: str, mode: ObserverMode) -> None:
