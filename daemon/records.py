@@ -19,7 +19,6 @@ class Batch:
     folder: str
     revision: int
     manifest_sha256: str
-    manifest_text: str = field(repr=False)
     manifest_stat: str
     kind: str | None
     title: str

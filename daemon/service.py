@@ -95,6 +95,7 @@ class Service:
         self.waitroom = WaitRoom(
             self.timing,
             Schedule(config.intake.check_seconds, min(config.daemon.rescan_seconds, 60.0)),
+            self.store.manifest_text,
         )
         self.metrics = Metrics()
         mailer = Mailer.from_config(config.mail)

@@ -148,14 +148,24 @@ class Store:
         return int(row[0] or 0) + 1
 
     def batch(self, batch_id: int) -> Batch:
-        rows = list(self.db.query("SELECT * FROM batches WHERE id = ?", [batch_id]))
+        rows = list(self.db.query(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE id = ?", [batch_id]))
         if not rows:
             raise NotFound(f"no batch {batch_id}")
         return _batch(rows[0])
 
+    def manifest_text(self, batch_id: int) -> str:
+        """The manifest as the batch was accepted (kept out of Batch: it may be megabytes)."""
+        row = self.db.execute(
+            "SELECT manifest_text FROM batches WHERE id = ?", [batch_id]
+        ).fetchone()
+        if row is None:
+            raise NotFound(f"no batch {batch_id}")
+        return str(row[0])
+
     def latest_revision(self, root: str, folder: str) -> Batch | None:
         rows = self.db.query(
-            "SELECT * FROM batches WHERE root = ? AND folder = ? ORDER BY revision DESC LIMIT 1",
+            f"SELECT {_BATCH_COLUMNS} FROM batches WHERE root = ? AND folder = ?"
+            " ORDER BY revision DESC LIMIT 1",
             [root, folder],
         )
         return next((_batch(r) for r in rows), None)
@@ -176,7 +186,7 @@ class Store:
         limit: int | None = None,
         newest_first: bool = False,
     ) -> list[Batch]:
-        sql, params = "SELECT * FROM batches", []
+        sql, params = f"SELECT {_BATCH_COLUMNS} FROM batches", []
         if states is not None:
             wanted = [s.value for s in states]
             sql += f" WHERE state IN ({','.join('?' * len(wanted))})"
@@ -193,7 +203,8 @@ class Store:
         """Failed batches that go back to waiting when their inputs change: the newest revision
         of their folder only, failed after ``since``."""
         rows = self.db.query(
-            "SELECT * FROM batches b WHERE state = ? AND watch_inputs != '' AND updated_at > ?"
+            f"SELECT {_BATCH_COLUMNS} FROM batches b"
+            " WHERE state = ? AND watch_inputs != '' AND updated_at > ?"
             " AND revision = (SELECT max(revision) FROM batches"
             " WHERE root = b.root AND folder = b.folder)",
             [BatchState.FAILED.value, since],
@@ -472,6 +483,7 @@ class Store:
         return Heartbeat(**row)
 
 
+_BATCH_COLUMNS = ", ".join(Batch.__dataclass_fields__)  # all but the manifest's text
 _JOB_COLUMNS = ", ".join(
     f.name
     for f in Job.__dataclass_fields__.values()  # every column but the inputs

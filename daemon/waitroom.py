@@ -9,6 +9,7 @@ State is in memory only: after a restart the settle period simply starts again.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from daemon import inputs, readiness
@@ -26,7 +27,11 @@ class Schedule:
 
 
 class WaitRoom:
-    def __init__(self, timing: readiness.Timing, schedule: Schedule) -> None:
+    def __init__(
+        self, timing: readiness.Timing, schedule: Schedule, text: Callable[[int], str]
+    ) -> None:
+        """``text``: a batch's manifest text, by id (the store's; read once per batch)."""
+        self.text = text
         self.timing = timing
         self.schedule = schedule
         self._manifests: dict[int, Manifest] = {}
@@ -45,7 +50,7 @@ class WaitRoom:
     def parsed(self, batch: Batch) -> Manifest | None:
         """Like ``manifest``, but a manifest that no longer parses raises ManifestError."""
         if batch.id not in self._manifests and batch.kind is not None:
-            self._manifests[batch.id] = parse_manifest(batch.manifest_text.encode())
+            self._manifests[batch.id] = parse_manifest(self.text(batch.id).encode())
         return self._manifests.get(batch.id)
 
     def verdict(self, batch: Batch, now: float) -> tuple[readiness.Verdict | None, bool]:

@@ -47,7 +47,7 @@ def manifest(kind: str = "inference"):
 
 def batch(id: int = 1, state: BatchState = BatchState.WAITING, kind: str = "inference") -> Batch:
     return Batch(
-        id=id, root="/r", folder=f"f{id}", revision=1, manifest_sha256="sha", manifest_text="",
+        id=id, root="/r", folder=f"f{id}", revision=1, manifest_sha256="sha",
         manifest_stat="", kind=kind, title="", owner="", contact=None, state=state, reason="",
         problems=(), detail="", run_dir="/run", watch_inputs="", created_at=0.0, updated_at=0.0,
         finished_at=None,

@@ -308,7 +308,9 @@ def test_a_batch_folder_that_is_a_link_out_of_the_root_is_refused_unread(
     with Replay(config) as replay:
         replay.run()
     batch = only_batch(config)
-    assert batch.state is BatchState.FAILED and batch.manifest_text == ""
+    store = store_of(config)
+    assert batch.state is BatchState.FAILED and store.manifest_text(batch.id) == ""
+    store.close()
     assert batch.problems[0].message.startswith("is a link to")
     assert not (outside / STATUS_NAME).exists()  # nothing written outside the root
 
