@@ -7,8 +7,12 @@ shell strings.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import signal
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -50,20 +54,32 @@ def _text(data: bytes | str | None) -> str:
     return data if isinstance(data, str) else data.decode("utf-8", "replace")
 
 
-def spawn(
-    command: Sequence[str], *, cwd: Path, log_path: Path, env: Mapping[str, str]
-) -> subprocess.Popen[bytes]:
-    """Start ``command`` in its own session (it outlives the daemon), output to ``log_path``."""
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(
-            list(command),
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=dict(env),
-            start_new_session=True,
-        )
+def spawn(command: Sequence[str], *, log_path: Path, env: Mapping[str, str]) -> int:
+    """Start ``command`` in a session of its own (it outlives the daemon and gets no signal
+    meant for it), stdin from /dev/null, stdout and stderr appended to ``log_path``: its pid.
+
+    The caller reaps it with ``exited`` while it lives; if the caller dies first, the process
+    goes on and init reaps it."""
+    actions = [
+        (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+        (os.POSIX_SPAWN_OPEN, 1, str(log_path), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644),
+        (os.POSIX_SPAWN_DUP2, 1, 2),
+    ]
+    executable = shutil.which(command[0], path=env.get("PATH")) or command[0]
+    return os.posix_spawn(executable, list(command), dict(env), file_actions=actions, setsid=True)
+
+
+def exited(pid: int) -> int | None:
+    """The exit status of our child ``pid`` if it has ended (reaping it), else None.
+
+    A child killed by a signal gives minus the signal's number, as subprocess does."""
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return None
+    if done == 0:
+        return None
+    return os.waitstatus_to_exitcode(status)
 
 
 def process_start_ticks(pid: int) -> int | None:
@@ -89,3 +105,35 @@ def signal_group(pid: int, signum: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def find_process(argv_tail: Sequence[str]) -> tuple[int, int] | None:
+    """A live process whose command line ends with ``argv_tail``: its pid and start ticks.
+
+    For a job started just before its starter died, before the starter could write down the
+    pid: the job's own command line (module and job folder) names it."""
+    wanted = [os.fsencode(a) for a in argv_tail]
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[:-1]
+        except OSError:
+            continue
+        if argv[-len(wanted) :] == wanted:
+            ticks = process_start_ticks(int(entry))
+            if ticks is not None:
+                return int(entry), ticks
+    return None
+
+
+def reap(pid: int, grace: float) -> None:
+    """Wait for our child ``pid``, told to stop; kill its group if it takes over ``grace``."""
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if exited(pid) is not None:
+            return
+        time.sleep(0.05)
+    signal_group(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)

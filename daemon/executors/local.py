@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -19,7 +18,14 @@ from daemon import atomicfile
 from daemon.errors import SubmissionError
 from daemon.executors import Check, Phase, Status, Submission
 from daemon.jobspec import LOG_FILE
-from daemon.subprocesses import process_start_ticks, signal_group, spawn
+from daemon.subprocesses import (
+    exited,
+    find_process,
+    process_start_ticks,
+    reap,
+    signal_group,
+    spawn,
+)
 
 LAUNCH_FILE = "launch.json"
 CANCEL_GRACE_SECONDS = 10.0
@@ -34,8 +40,8 @@ class LocalExecutor:
         self.max_parallel = max_parallel
         self.python = python or sys.executable
         self.env = dict(env or {})
-        self._children: dict[str, subprocess.Popen[bytes]] = {}
-        self._ending: list[subprocess.Popen[bytes]] = []  # cancelled, not yet seen to exit
+        self._children: dict[str, int] = {}  # handle → pid of the jobs this executor started
+        self._ending: list[int] = []  # children cancelled, not yet seen to exit
 
     def slots(self) -> int | None:
         return self.max_parallel
@@ -47,33 +53,42 @@ class LocalExecutor:
         command = [self.python, "-m", sub.module, str(sub.job_dir)]
         env = {**self.env, **sub.env, "OMP_NUM_THREADS": str(sub.cpus)}
         try:
-            proc = spawn(command, cwd=sub.job_dir, log_path=sub.job_dir / LOG_FILE, env=env)
+            pid = spawn(command, log_path=sub.job_dir / LOG_FILE, env=env)
         except OSError as exc:
             raise SubmissionError(f"cannot start {sub.name}: {exc}") from exc
-        ticks = process_start_ticks(proc.pid)
-        handle = f"local:{proc.pid}:{ticks if ticks is not None else 0}"
-        self._children[handle] = proc
-        record = {"handle": handle, "pid": proc.pid, "command": command}
+        ticks = process_start_ticks(pid)
+        handle = f"local:{pid}:{ticks if ticks is not None else 0}"
+        self._children[handle] = pid
+        record = {"handle": handle, "pid": pid, "command": command}
         atomicfile.write_text(sub.job_dir / LAUNCH_FILE, json.dumps(record))
         return handle
 
     def _adopt(self, sub: Submission) -> str | None:
-        """The handle of this job's process if an earlier daemon started it and it still runs."""
+        """The handle of this job's process if an earlier daemon started it and it still runs.
+
+        ``launch.json`` names it; if the earlier daemon died between starting the job and
+        writing that down (the log file, opened first, is there), the job's own command line
+        finds it."""
         try:
-            handle = json.loads((sub.job_dir / LAUNCH_FILE).read_text())["handle"]
+            handle = str(json.loads((sub.job_dir / LAUNCH_FILE).read_text())["handle"])
         except (OSError, ValueError, KeyError):
+            handle = ""
+        if handle and _alive(handle):
+            return handle
+        if not (sub.job_dir / LOG_FILE).exists():
             return None
-        return handle if _alive(handle) else None
+        found = find_process(["-m", sub.module, str(sub.job_dir)])
+        return f"local:{found[0]}:{found[1]}" if found else None
 
     def poll(self, handles: Sequence[str]) -> dict[str, Status]:
-        self._ending = [p for p in self._ending if p.poll() is None]  # reap the cancelled
+        self._ending = [pid for pid in self._ending if exited(pid) is None]  # reap the cancelled
         return {h: self._status(h) for h in handles}
 
     def _status(self, handle: str) -> Status:
-        proc = self._children.get(handle)
-        if proc is None:
+        pid = self._children.get(handle)
+        if pid is None:
             return Status(Phase.RUNNING) if _alive(handle) else Status(Phase.UNKNOWN)
-        code = proc.poll()
+        code = exited(pid)
         if code is None:
             return Status(Phase.RUNNING)
         del self._children[handle]
@@ -83,19 +98,15 @@ class LocalExecutor:
         for handle in handles:
             if _alive(handle):
                 signal_group(_pid(handle), signal.SIGTERM)
-            proc = self._children.pop(handle, None)
-            if proc is not None:
-                self._ending.append(proc)
+            pid = self._children.pop(handle, None)
+            if pid is not None:
+                self._ending.append(pid)
 
     def close(self) -> None:
         """Forget the running children (they keep running; a later daemon re-adopts them) and
         see the cancelled ones end, killing those that ignore SIGTERM for long."""
-        for proc in self._ending:
-            try:
-                proc.wait(timeout=CANCEL_GRACE_SECONDS)
-            except subprocess.TimeoutExpired:
-                signal_group(proc.pid, signal.SIGKILL)
-                proc.wait()
+        for pid in self._ending:
+            reap(pid, CANCEL_GRACE_SECONDS)
         self._ending.clear()
         self._children.clear()
 
