@@ -8,7 +8,9 @@ never sees half a file, and a crash leaves at most a stray ``.tmp-*`` file that 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,3 +58,23 @@ def write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> None:
 def write_text(path: Path, text: str, *, fsync: bool = True) -> None:
     """Replace ``path`` with UTF-8 ``text`` atomically."""
     write_bytes(path, text.encode("utf-8"), fsync=fsync)
+
+
+def makedirs_inside(base: Path, target: Path) -> None:
+    """Make ``target`` and the folders up to it below ``base``, following no link on the way:
+    a link planted in a batch folder (``results`` → elsewhere) must not lead a write outside.
+    Raises OSError (ELOOP) naming the link."""
+    relative = Path(target).relative_to(base)
+    current = Path(base)
+    for part in relative.parts:
+        current = current / part
+        try:
+            st = os.lstat(current)
+        except FileNotFoundError:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(current)
+            st = os.lstat(current)
+        if stat.S_ISLNK(st.st_mode):
+            raise OSError(errno.ELOOP, f"{current.relative_to(base)} is a symbolic link")
+        if not stat.S_ISDIR(st.st_mode):
+            raise OSError(errno.ENOTDIR, f"{current.relative_to(base)} is not a folder")

@@ -202,7 +202,7 @@ def prepare_job_dir(spec: JobSpec) -> bool:
     so a result found later always belongs to the attempt that was submitted.
     """
     job_dir = spec.job_dir
-    job_dir.mkdir(parents=True, exist_ok=True)
+    atomicfile.makedirs_inside(Path(spec.batch_dir), job_dir)
     spec_path, result_path = job_dir / SPEC_FILE, job_dir / RESULT_FILE
     try:
         old = JobSpec.from_json(spec_path.read_text(encoding="utf-8"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import errno
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,7 +155,10 @@ def _overwrite(path: Path, text: str) -> bool:
     the one exception, because a stale "RUNNING" would mislead the owner more)."""
     data = text.encode("utf-8")
     try:
-        with open(path, "r+b") as handle:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "r+b") as handle:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return False
             if len(data) > os.fstat(handle.fileno()).st_blocks * 512:
                 return False
             handle.write(data)

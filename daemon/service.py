@@ -431,6 +431,8 @@ class Service:
     def _unwritable(self, batch: Batch, exc: OSError, now: float) -> None:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             hint = "the share is full (or over quota): free space, then ask for a retry"
+        elif exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            hint = "remove it: watchd writes its results only inside the batch folder"
         else:
             hint = "make the batch folder writable for the watchd service, then ask for a retry"
         problem = Problem("results folder", f"cannot be written: {exc.strerror or exc}", hint)

@@ -45,7 +45,9 @@ def test_a_first_submission_starts_the_job(tmp_path: Path) -> None:
     executor = LocalExecutor(max_parallel=1, env=env)
     (handle,) = executor.submit([Submission(1, "job", "quick", job_dir, env=env)])
     deadline = time.monotonic() + 30
-    while (status := executor.poll([handle])[handle]).phase is Phase.RUNNING and time.monotonic() < deadline:
+    while (
+        status := executor.poll([handle])[handle]
+    ).phase is Phase.RUNNING and time.monotonic() < deadline:
         time.sleep(0.05)
     assert status.phase is Phase.ENDED and status.exit_code == 0
     assert (job_dir / "log.txt").read_text().strip() == "ran"

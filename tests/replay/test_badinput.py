@@ -259,3 +259,23 @@ def test_a_full_disk_while_writing_fails_cleanly_and_leaves_no_half_written_outp
 def small_free(path: Path) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+def test_a_results_folder_that_is_a_link_out_of_the_batch_is_refused_and_nothing_written_there(
+    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path, tmp_path: Path
+) -> None:
+    config = config_for()
+    elsewhere = tmp_path / "another lab's folder"
+    elsewhere.mkdir()
+    folder = drop_root / "linked results"
+    shutil.copytree(staged(count=1), folder)
+    os.symlink(elsewhere, folder / "results")
+    with Replay(config) as replay:
+        replay.run()
+    batch = only(config, folder.name)
+    assert batch.state is BatchState.FAILED and batch.reason == "results folder not writable"
+    assert batch.problems[0].render() == (
+        "results folder: cannot be written: results is a symbolic link — "
+        "remove it: watchd writes its results only inside the batch folder"
+    )
+    assert list(elsewhere.iterdir()) == []
