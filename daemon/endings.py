@@ -25,7 +25,6 @@ from daemon.store import Store
 
 log = structlog.get_logger("watchd.endings")
 
-ENDED = frozenset(s.value for s in BatchState if s.terminal)
 MAILED = frozenset({BatchState.DONE, BatchState.FAILED})
 NOTE = "e-mail to "
 
@@ -57,7 +56,7 @@ class Endings:
         while events := self.store.events_after(self.cursor):
             for event in events:
                 self.cursor = event.id
-                if event.job_id is None and event.batch_id is not None and event.to_state in ENDED:
+                if isinstance(event.to_state, BatchState) and event.to_state.terminal:
                     self._ended(event, now)
 
     def close(self, now: float, timeout: float) -> None:
@@ -71,8 +70,10 @@ class Endings:
 
     def _ended(self, event: Event, now: float) -> None:
         batch = self.store.batch(event.batch_id or 0)
-        state = BatchState(event.to_state)
-        self.metrics.batch_ended(state, event.from_state, self.store.jobs([batch.id]))
+        state = event.to_state
+        assert isinstance(state, BatchState)
+        came_from = event.from_state if isinstance(event.from_state, BatchState) else None
+        self.metrics.batch_ended(state, came_from, self.store.jobs([batch.id]))
         if self.mailer is None or state not in MAILED or not batch.contact:
             return
         if self.store.noted_after(batch.id, event.id, NOTE):

@@ -151,20 +151,22 @@ class Metrics:
             seconds = max(0.0, job.finished_at - job.submitted_at)
             self.job_seconds.labels(job.pipeline.value, job.state.value).observe(seconds)
 
-    def batch_ended(self, state: BatchState, from_state: str | None, jobs: Sequence[Job]) -> None:
+    def batch_ended(
+        self, state: BatchState, from_state: BatchState | None, jobs: Sequence[Job]
+    ) -> None:
         self.batch_endings.labels(state.value).inc()
         if state is BatchState.FAILED:
             self.batch_failures.labels(failure_kind(from_state, jobs)).inc()
 
 
-def failure_kind(from_state: str | None, jobs: Sequence[Job]) -> str:
+def failure_kind(from_state: BatchState | None, jobs: Sequence[Job]) -> str:
     """Why a batch failed, as a label with few values: its manifest was refused (it was
     created failed), its inputs were wrong or incomplete (it failed while waiting), a job
     failed for good (``job_`` + the job's error kind), or something else (an unwritable
     results folder, an internal error)."""
     if from_state is None:
         return "manifest"
-    if from_state == BatchState.WAITING.value:
+    if from_state is BatchState.WAITING:
         return "inputs"
     failed = [j for j in jobs if j.state is JobState.FAILED]
     if failed:

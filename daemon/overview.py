@@ -104,8 +104,8 @@ def batch_detail(batch: Batch, jobs: Sequence[Job], events: Sequence[Event]) -> 
             {
                 "at": iso(e.at),
                 "job_id": e.job_id,
-                "from": e.from_state,
-                "to": e.to_state,
+                "from": e.from_state.value if e.from_state else None,
+                "to": e.to_state.value if e.to_state else None,
                 "reason": e.reason,
             }
             for e in events

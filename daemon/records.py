@@ -92,12 +92,15 @@ class NewJob:
 
 @dataclass(frozen=True)
 class Event:
+    """One line of the audit log: a state change (of a job when ``job_id`` is set, else of its
+    batch), or a note (no states)."""
+
     id: int
     at: float
     batch_id: int | None
     job_id: int | None
-    from_state: str | None
-    to_state: str | None
+    from_state: BatchState | JobState | None
+    to_state: BatchState | JobState | None
     reason: str
     detail: str
 

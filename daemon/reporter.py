@@ -118,7 +118,10 @@ def _progress(jobs: Sequence[Job]) -> str:
 
 
 def _event_line(event: Event) -> str:
-    moved = f"{event.from_state or '·'} → {event.to_state}" if event.to_state else "note"
+    if event.to_state is None:
+        return f"  {_time(event.at)}  note  {event.reason}"
+    came_from = event.from_state.value if event.from_state else "·"
+    moved = f"{came_from} → {event.to_state.value}"
     return f"  {_time(event.at)}  {moved}  {event.reason}"
 
 

@@ -417,14 +417,14 @@ class Store:
             clauses.append("job_id IS NULL")
         where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
         sql = f"SELECT * FROM events {where} ORDER BY id DESC LIMIT {int(limit)}"
-        return [Event(**r) for r in reversed(list(self.db.query(sql, params)))]
+        return [_event(r) for r in reversed(list(self.db.query(sql, params)))]
 
     def events_after(self, event_id: int, *, limit: int = 1000) -> list[Event]:
         """Events appended after ``event_id``, oldest first (to follow the log)."""
         rows = self.db.query(
             "SELECT * FROM events WHERE id > ? ORDER BY id LIMIT ?", [event_id, int(limit)]
         )
-        return [Event(**r) for r in rows]
+        return [_event(r) for r in rows]
 
     def last_event_id(self, at_or_before: float | None = None) -> int:
         """The newest event's id (0 if none), or the newest one recorded at or before a time;
@@ -492,6 +492,14 @@ _JOB_COLUMNS = ", ".join(
 
 def _dump_problems(problems: Sequence[Problem]) -> str:
     return json.dumps([asdict(p) for p in problems], ensure_ascii=False)
+
+
+def _event(row: dict[str, Any]) -> Event:
+    state = BatchState if row["job_id"] is None else JobState
+    row = dict(row)
+    for key in ("from_state", "to_state"):
+        row[key] = state(row[key]) if row[key] is not None else None
+    return Event(**row)
 
 
 def _batch(row: dict[str, Any]) -> Batch:

@@ -30,6 +30,7 @@ import tomli_w
 
 from daemon import logs
 from daemon.config import load_config
+from daemon.states import BatchState
 from daemon.store import Store
 from daemon.watcher import scan_root
 
@@ -96,7 +97,9 @@ def wait_queued(database: Path, folder: str, timeout: float = 30.0) -> tuple[flo
             batch = next((b for b in store.batches() if b.folder == folder), None)
             if batch is not None:
                 queued = [
-                    e.at for e in store.events(batch.id, jobs=False) if e.to_state == "queued"
+                    e.at
+                    for e in store.events(batch.id, jobs=False)
+                    if e.to_state is BatchState.QUEUED
                 ]
                 if queued:
                     return batch.created_at, queued[0]

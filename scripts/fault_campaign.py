@@ -236,7 +236,7 @@ def check(config: Config, root: Path, folders: dict[str, Path]) -> list[str]:
             ends = [
                 e
                 for e in store.events(batch.id, jobs=False)
-                if e.to_state in ("done", "failed", "cancelled")
+                if isinstance(e.to_state, BatchState) and e.to_state.terminal
             ]
             if len(ends) != 1:
                 problems.append(f"{name}: {len(ends)} terminal events, not exactly one")

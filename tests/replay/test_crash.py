@@ -85,10 +85,10 @@ def test_a_daemon_killed_mid_run_and_restarted_completes_the_batch_once(
     events = store.events(batch.id)
     jobs = store.jobs([batch.id])
     store.close()
-    assert [e.to_state for e in events if e.job_id is None].count("done") == 1
+    assert [e.to_state for e in events if e.job_id is None].count(BatchState.DONE) == 1
     assert [j.attempts for j in jobs] == [1, 1, 1, 1], "a job ran twice"
     assert all(j.state is JobState.SUCCEEDED for j in jobs)
-    assert sum(1 for e in events if e.to_state == "submitted") == 4
+    assert sum(1 for e in events if e.to_state is JobState.SUBMITTED) == 4
     assert "re-adopting jobs" in log.read_text()
     assert_outputs_complete(batch, images=6)
 

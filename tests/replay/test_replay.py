@@ -63,7 +63,7 @@ def assert_outputs_complete(batch: Batch, images: int) -> None:
 def states_of(config: Config, batch_id: int) -> list[str]:
     store = store_of(config)
     try:
-        return [e.to_state for e in store.events(batch_id) if e.job_id is None and e.to_state]
+        return [e.to_state.value for e in store.events(batch_id) if e.job_id is None and e.to_state]
     finally:
         store.close()
 

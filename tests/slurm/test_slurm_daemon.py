@@ -140,8 +140,8 @@ def test_a_shard_that_keeps_failing_fails_the_batch_with_slurms_reason_and_its_l
     store = Store(config.daemon.database)
     events = [e for e in store.events(batch.id) if e.job_id == jobs[0].id]
     store.close()
-    submitted = next(e.at for e in events if e.to_state == "submitted")
-    failed = next(e.at for e in events if e.to_state == "failed")
+    submitted = next(e.at for e in events if e.to_state is JobState.SUBMITTED)
+    failed = next(e.at for e in events if e.to_state is JobState.FAILED)
     assert failed - submitted >= 2.0
     status = (drop_root / "plate" / STATUS_NAME).read_text()
     assert (
