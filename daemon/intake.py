@@ -182,12 +182,10 @@ class Intake:
 
 def _refusal(root: Path, folder: str, st: os.stat_result) -> Problem | None:
     """Why a folder's manifest must not be read at all, or None."""
-    real_root = os.path.realpath(root)
-    real_folder = os.path.realpath(root / folder)
-    if os.path.islink(root / folder) or os.path.dirname(real_folder) != real_root:
+    if not inside_root(root, folder):
         return Problem(
             f"batch folder '{folder}'",
-            f"is a link to {real_folder}, outside the drop root",
+            f"is a link to {os.path.realpath(root / folder)}, outside the drop root",
             "copy the folder itself onto the share",
         )
     if stat.S_ISLNK(st.st_mode):

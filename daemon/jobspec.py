@@ -47,10 +47,19 @@ class ErrorKind(enum.Enum):
     INPUT = "input"  # the data or the manifest is wrong: the owner must act, no retry
     MODEL = "model"  # the named model is missing or refused: no retry
     INTERNAL = "internal"  # a bug or a resource problem: retried up to the attempt limit
+    LOST = "lost"  # the daemon's word, never a job's: it ended without a result (killed, OOM)
 
     @property
     def retryable(self) -> bool:
-        return self is ErrorKind.INTERNAL
+        return self in (ErrorKind.INTERNAL, ErrorKind.LOST)
+
+    @classmethod
+    def of(cls, value: str | None) -> ErrorKind | None:
+        """The kind a job row records (None for none, or for a value this version lacks)."""
+        try:
+            return cls(value) if value is not None else None
+        except ValueError:
+            return None
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from daemon.config import MetricsSection
+from daemon.jobspec import ErrorKind
 from daemon.records import Job
 from daemon.states import BatchState, JobState
 
@@ -30,7 +31,7 @@ log = structlog.get_logger("watchd.metrics")
 ACTIVE_STATES = (BatchState.WAITING, BatchState.QUEUED, BatchState.RUNNING)
 JOB_BUCKETS = (10, 30, 60, 300, 900, 1800, 3600, 4 * 3600, 12 * 3600, 24 * 3600, 72 * 3600)
 SCAN_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
-KNOWN_ERROR_KINDS = frozenset({"input", "model", "internal", "lost"})
+KNOWN_ERROR_KINDS = frozenset(kind.value for kind in ErrorKind)
 
 
 class Metrics:

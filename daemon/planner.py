@@ -28,8 +28,6 @@ from daemon.records import Batch, Intent, Job, NewJob
 from daemon.states import BatchState, JobState
 from daemon.sweep import trial_params
 
-LOST = "lost"  # error kind of a job that ended without writing its result
-
 
 @dataclass(frozen=True)
 class JobSeen:
@@ -329,7 +327,7 @@ def _failure_of(seen: JobSeen) -> tuple[str, str, str]:
     if result is None or result.error is None:
         code = "unknown" if seen.exit_code is None else str(seen.exit_code)
         note = f"; {seen.note}" if seen.note else ""
-        return LOST, f"ended without a result (exit code {code}){note}", ""
+        return ErrorKind.LOST.value, f"ended without a result (exit code {code}){note}", ""
     error = result.error
     detail = json.dumps(
         {"problems": [asdict(p) for p in error.problems], "traceback": error.traceback},
@@ -339,7 +337,8 @@ def _failure_of(seen: JobSeen) -> tuple[str, str, str]:
 
 
 def _retryable(kind: str | None) -> bool:
-    return kind == LOST or kind == ErrorKind.INTERNAL.value
+    error = ErrorKind.of(kind)
+    return error is not None and error.retryable
 
 
 def _after(job: Job, moves: Sequence[MoveJob]) -> Job:
