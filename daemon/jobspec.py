@@ -26,6 +26,7 @@ SPEC_VERSION = 1
 SPEC_FILE = "spec.json"
 RESULT_FILE = "result.json"
 LOG_FILE = "log.txt"
+JOBS_DIR = "jobs"  # under a run folder: one folder per job
 
 
 class Pipeline(enum.Enum):
@@ -51,6 +52,11 @@ class ErrorKind(enum.Enum):
     @property
     def retryable(self) -> bool:
         return self is ErrorKind.INTERNAL
+
+
+def job_dir(run_dir: str | Path, name: str) -> Path:
+    """The folder of job ``name`` of a run: its spec, result, log and launch record."""
+    return Path(run_dir) / JOBS_DIR / name
 
 
 @dataclass(frozen=True)
@@ -112,7 +118,7 @@ class JobSpec:
 
     @property
     def job_dir(self) -> Path:
-        return Path(self.run_dir) / "jobs" / self.job_name
+        return job_dir(self.run_dir, self.job_name)
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
