@@ -28,7 +28,7 @@ from daemon import logs, manifest_writer, overview
 from daemon.config import Config, load_config
 from daemon.errors import CommandFailed, WatchdError
 from daemon.executors import make_executor
-from daemon.manifest import Kind, ManifestModel
+from daemon.manifest import MAX_MANIFEST_BYTES, Kind, ManifestModel
 from daemon.states import BatchState
 from daemon.store import Store
 from daemon.subprocesses import process_start_ticks
@@ -258,8 +258,10 @@ def manifest_command(
     checksums: Annotated[bool, typer.Option(help="record sha256 of every file")] = True,
     force: Annotated[bool, typer.Option(help="replace an existing manifest")] = False,
     schema: Annotated[bool, typer.Option(help="print the manifest's JSON schema and exit")] = False,
+    config: ConfigOption = None,
 ) -> None:
-    """Write a correct manifest.toml for a folder of images (atomically)."""
+    """Write a correct manifest.toml for a folder of images (atomically), within the
+    configured intake.max_manifest_bytes when a configuration is found."""
     if schema:
         print(overview.to_json(ManifestModel.model_json_schema()))
         return
@@ -267,13 +269,21 @@ def manifest_command(
         raise WatchdError("name the batch folder")
     if kind.trains and masks is None and (folder / "masks").is_dir():
         masks = "masks"
+    try:
+        limit = load_config(find_config(config)).intake.max_manifest_bytes
+    except WatchdError:
+        if config is not None:
+            raise
+        limit = MAX_MANIFEST_BYTES  # no usable configuration here: the daemon's default
     request = manifest_writer.ManifestRequest(
         folder=folder, kind=kind, model=model, version=version,
         owner=owner or getpass.getuser(), email=email, title=title, masks=masks,
-        checksums=checksums, params=_params(param or []),
+        checksums=checksums, params=_params(param or []), max_bytes=limit,
     )  # fmt: skip
-    path = manifest_writer.write(request, overwrite=force)
-    console.print(f"wrote {path}")
+    written = manifest_writer.write(request, overwrite=force)
+    if written.note:
+        print(written.note, file=sys.stderr)
+    console.print(f"wrote {written.path}")
 
 
 def _params(pairs: list[str]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import structlog
 
-from daemon import atomicfile, resources
+from daemon import atomicfile, jobspec, resources
 from daemon.errors import ExecutorUnavailable, SubmissionError
 from daemon.executors import Executor, Phase, Submission
 from daemon.jobspec import LOG_FILE, RESULT_FILE, SPEC_FILE, JobResult, JobSpec, Resources
@@ -100,7 +100,7 @@ class Dispatcher:
         return self.clock() - since < self.result_grace
 
     def job_dir(self, job: Job) -> Path:
-        return Path(self.store.batch(job.batch_id).run_dir) / "jobs" / job.name
+        return jobspec.job_dir(self.store.batch(job.batch_id).run_dir, job.name)
 
     def submit(self, work: Sequence[tuple[Job, Batch, Manifest]], now: float) -> Outcome:
         """Write each job's spec and hand the jobs to the executor in one call."""

@@ -2,28 +2,21 @@
 :mod:`daemon.readiness`).
 
 Only the files a manifest names (or its patterns match) are looked at, and only while the batch
-waits. Symlinks are followed only while they stay inside the batch folder; anything that
-resolves outside it, or is not a regular file (FIFO, device, folder), is reported as such and
-never opened.
+waits. The rule is :mod:`daemon.safeopen`'s, the one the jobs open inputs by: symlinks are
+followed only while they stay inside the batch folder; anything that resolves outside it, or is
+not a regular file (FIFO, device, folder), is reported as such and never opened.
 """
 
 from __future__ import annotations
 
-import enum
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from daemon.manifest import MANIFEST_NAME, RESULTS_DIR, STATUS_NAME, Manifest, Pattern
+from daemon.safeopen import Presence, locate
 
-
-class Presence(enum.Enum):
-    FILE = "file"  # a regular file inside the batch folder
-    MISSING = "missing"
-    OUTSIDE = "outside"  # resolves (through a symlink) outside the batch folder
-    SPECIAL = "special"  # a FIFO, device, socket or folder: never read
-    UNREADABLE = "unreadable"  # stat failed for another reason (permissions, loop, I/O error)
+__all__ = ["FileSeen", "InputsSeen", "PatternSeen", "Presence", "look", "observe"]
 
 
 @dataclass(frozen=True)
@@ -67,39 +60,9 @@ def observe(folder: Path, manifest: Manifest) -> InputsSeen:
 
 
 def look(real_folder: str, relative: str) -> FileSeen:
-    """Stat one input, following symlinks only while they stay inside ``real_folder``."""
-    full = os.path.join(real_folder, relative)
-    try:
-        os.lstat(full)
-    except FileNotFoundError:
-        return FileSeen(relative, Presence.MISSING)
-    except OSError as exc:
-        return FileSeen(relative, Presence.UNREADABLE, detail=exc.strerror or str(exc))
-    real = os.path.realpath(full)
-    if os.path.commonpath([real, real_folder]) != real_folder:
-        return FileSeen(relative, Presence.OUTSIDE, detail=real)
-    try:
-        st = os.stat(real)
-    except FileNotFoundError:
-        return FileSeen(relative, Presence.MISSING, detail="dangling symlink")
-    except OSError as exc:
-        return FileSeen(relative, Presence.UNREADABLE, detail=exc.strerror or str(exc))
-    if not stat.S_ISREG(st.st_mode):
-        return FileSeen(relative, Presence.SPECIAL, detail=_kind(st.st_mode))
-    return FileSeen(relative, Presence.FILE, st.st_size, st.st_mtime_ns)
-
-
-def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISDIR, "a folder"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
+    """Stat one input by the rule of :mod:`daemon.safeopen` (the one the jobs open it by)."""
+    found = locate(real_folder, relative)
+    return FileSeen(relative, found.presence, found.size, found.mtime_ns, found.detail)
 
 
 def _expand(real_folder: str, pattern: Pattern) -> list[str]:

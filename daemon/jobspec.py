@@ -26,6 +26,7 @@ SPEC_VERSION = 1
 SPEC_FILE = "spec.json"
 RESULT_FILE = "result.json"
 LOG_FILE = "log.txt"
+JOBS_DIR = "jobs"  # under a run folder: one folder per job
 
 
 class Pipeline(enum.Enum):
@@ -60,6 +61,11 @@ class ErrorKind(enum.Enum):
             return cls(value) if value is not None else None
         except ValueError:
             return None
+
+
+def job_dir(run_dir: str | Path, name: str) -> Path:
+    """The folder of job ``name`` of a run: its spec, result, log and launch record."""
+    return Path(run_dir) / JOBS_DIR / name
 
 
 @dataclass(frozen=True)
@@ -121,7 +127,7 @@ class JobSpec:
 
     @property
     def job_dir(self) -> Path:
-        return Path(self.run_dir) / "jobs" / self.job_name
+        return job_dir(self.run_dir, self.job_name)
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)

@@ -30,6 +30,8 @@ STATUS_NAME = "watchd-status.txt"
 RESULTS_DIR = "results"
 FORMAT_VERSION = 1
 MAX_INPUTS = 1_000_000
+MAX_PATTERNS = 1000
+MAX_MANIFEST_BYTES = 16 << 20  # the default of the daemon's intake.max_manifest_bytes
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 SHA256_RE = r"^[0-9a-fA-F]{64}$"
@@ -79,6 +81,18 @@ class InferenceParams(_Strict):
     tile_size: Annotated[int, Field(ge=64, le=8192)] = 512
     tile_overlap: Annotated[int, Field(ge=0, le=1024)] = 64
     max_whole_pixels: Annotated[int, Field(ge=1, le=2**31)] = 2048 * 2048
+
+    @pydantic.field_validator("tile_overlap")
+    @classmethod
+    def _overlap_below_half(cls, overlap: int, info: pydantic.ValidationInfo) -> int:
+        """Windows advance by tile_size - tile_overlap pixels: an overlap of half a window or
+        more would segment every pixel four times or more (at 64/63, some 4000 times)."""
+        size = info.data.get("tile_size")  # absent when tile_size itself is wrong
+        if isinstance(size, int) and overlap >= size // 2:
+            raise ValueError(
+                f"must be less than half of tile_size ({size}): at most {size // 2 - 1}"
+            )
+        return overlap
 
 
 PARAMS_BY_KIND: Mapping[Kind, type[_Strict]] = {
@@ -145,7 +159,7 @@ class ManifestModel(_Strict):
     model: ModelSection
     params: dict[str, Any] = {}
     files: Annotated[list[FileEntry], Field(max_length=MAX_INPUTS)] = []
-    patterns: Annotated[list[PatternEntry], Field(max_length=1000)] = []
+    patterns: Annotated[list[PatternEntry], Field(max_length=MAX_PATTERNS)] = []
     resources: ResourcesSection = ResourcesSection()
     sweep: SweepModel | None = None
 
@@ -193,7 +207,7 @@ def manifest_sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def parse_manifest(data: bytes, *, max_bytes: int = 16 << 20) -> Manifest:
+def parse_manifest(data: bytes, *, max_bytes: int = MAX_MANIFEST_BYTES) -> Manifest:
     """Parse and validate a manifest; raise ManifestError carrying every problem found."""
     text = _decode(data, max_bytes)
     try:

@@ -2,35 +2,47 @@
 ``watchctl manifest``.
 
 Lists the image files (PNG, TIFF; regular files only: never links, FIFOs or devices) with
-their sizes and, unless told not to, their sha256; marks
-files under the masks folder as ground truth for training; validates the result with the same
-parser the daemon uses; writes it to a temporary name and renames it into place, which is
-exactly the "manifest last" the daemon waits for.
+their sizes and, unless told not to, their sha256; marks files under the masks folder as ground
+truth for training; validates the result with the same parser and the same size limit
+(``intake.max_manifest_bytes``) as the daemon; writes it to a temporary name and renames it into
+place, which is exactly the "manifest last" the daemon waits for.
+
+A folder with too many files to list within that limit (about 120 000 with checksums at the
+default 16 MiB) gets one ``[[patterns]]`` entry per folder and file name ending instead, each
+with its ``count``: the daemon waits for that many files, without per-file sizes or checksums.
 """
 
 from __future__ import annotations
 
-import hashlib
+import glob
 import os
+import posixpath
 import stat
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import tomli_w
 
 from daemon import atomicfile
+from daemon.checksums import sha256_of_stream
 from daemon.errors import ManifestError, WatchdError
 from daemon.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
+    MAX_INPUTS,
+    MAX_MANIFEST_BYTES,
+    MAX_PATTERNS,
     RESULTS_DIR,
     STATUS_NAME,
     Kind,
     Manifest,
     parse_manifest,
 )
+from daemon.safeopen import open_input
 
 IMAGE_SUFFIXES = frozenset({".png", ".tif", ".tiff"})
 
@@ -48,6 +60,19 @@ class ManifestRequest:
     checksums: bool = True
     params: Mapping[str, Any] = field(default_factory=dict)
     sweep: Mapping[str, Any] | None = None  # kind sweep: the [sweep] section (a starter if None)
+    max_bytes: int = MAX_MANIFEST_BYTES  # the daemon's intake.max_manifest_bytes
+
+
+@dataclass(frozen=True)
+class Composed:
+    text: str
+    note: str = ""  # for the expert: why the manifest names patterns instead of files
+
+
+@dataclass(frozen=True)
+class Written:
+    path: Path
+    note: str = ""
 
 
 # What `watchctl manifest --kind sweep` proposes: edit [sweep.space] to search what matters.
@@ -84,16 +109,13 @@ def _regular(path: Path) -> bool:
         return False
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def build(request: ManifestRequest) -> str:
     """The manifest text for the folder; raises WatchdError when it would not be valid."""
+    return compose(request).text
+
+
+def compose(request: ManifestRequest) -> Composed:
+    """The manifest for the folder, and a note when it lists patterns instead of files."""
     folder = request.folder
     if not folder.is_dir():
         raise WatchdError(f"{folder} is not a folder")
@@ -101,14 +123,31 @@ def build(request: ManifestRequest) -> str:
     if not files:
         raise WatchdError(f"{folder} holds no PNG or TIFF images")
     masks_prefix = (request.masks.strip("/") + "/") if request.masks else None
-    entries = []
-    for relative in files:
-        entry: dict[str, Any] = {"path": relative, "size": (folder / relative).stat().st_size}
-        if request.checksums:
-            entry["sha256"] = sha256_of(folder / relative)
-        if masks_prefix and relative.startswith(masks_prefix):
-            entry["role"] = "mask"
-        entries.append(entry)
+    document = _document(request)
+    # A sha256 is always 64 digits: the listing's size is known before any file is read.
+    unread = (lambda _: _UNREAD) if request.checksums else None
+    document["files"] = _entries(folder, files, masks_prefix, unread)
+    text = tomli_w.dumps(document)
+    note = ""
+    if len(text.encode("utf-8")) > request.max_bytes or len(files) > MAX_INPUTS:
+        del document["files"]
+        document["patterns"] = _patterns(files, masks_prefix)
+        note = (
+            f"note: listing all {len(files):,} files would make the manifest larger than the "
+            f"{request.max_bytes:,} bytes the daemon accepts; it names {len(document['patterns'])} "
+            "pattern(s) with their file counts instead (no per-file sizes or checksums)"
+        )
+    elif request.checksums:
+        document["files"] = _entries(folder, files, masks_prefix, partial(_sha256, folder))
+    text = tomli_w.dumps(document)
+    _validate(text, request.max_bytes)
+    return Composed(text, note)
+
+
+_UNREAD = "0" * 64  # stands in for a sha256 while the listing is measured
+
+
+def _document(request: ManifestRequest) -> dict[str, Any]:
     document: dict[str, Any] = {
         "watchd": FORMAT_VERSION,
         "kind": request.kind.value,
@@ -119,27 +158,73 @@ def build(request: ManifestRequest) -> str:
             **({"version": request.version} if request.version else {}),
         },
         "params": dict(request.params),
-        "files": entries,
     }
     if request.kind is Kind.SWEEP:
         document["sweep"] = dict(request.sweep or STARTER_SWEEP)
-    text = tomli_w.dumps(document)
-    _validate(text)
-    return text
+    return document
 
 
-def _validate(text: str) -> Manifest:
+def _entries(
+    folder: Path, files: list[str], masks_prefix: str | None, digest: Callable[[str], str] | None
+) -> list[dict[str, Any]]:
+    """``[[files]]`` entries, with ``digest(path)`` as each one's sha256 if given."""
+    entries = []
+    for relative in files:
+        entry: dict[str, Any] = {"path": relative, "size": (folder / relative).stat().st_size}
+        if digest is not None:
+            entry["sha256"] = digest(relative)
+        if masks_prefix and relative.startswith(masks_prefix):
+            entry["role"] = "mask"
+        entries.append(entry)
+    return entries
+
+
+def _sha256(folder: Path, relative: str) -> str:
+    """By the rule the jobs read inputs by: a file swapped for a FIFO since it was listed must
+    not block ``watchctl``, nor a link make it read outside the folder."""
+    with open_input(folder, relative) as handle:
+        return sha256_of_stream(handle)
+
+
+def _patterns(files: list[str], masks_prefix: str | None) -> list[dict[str, Any]]:
+    """One ``[[patterns]]`` entry per folder and file name ending, with its file count.
+
+    ``[!.]*`` leaves out hidden files (macOS's ``._*`` companions), as the listing does.
+    """
+    counts = Counter(
+        (posixpath.dirname(relative), posixpath.splitext(relative)[1]) for relative in files
+    )
+    if len(counts) > MAX_PATTERNS:
+        raise WatchdError(
+            f"the images lie in {len(counts):,} folders: too many to list as patterns "
+            f"(at most {MAX_PATTERNS}); split the folder into several batches"
+        )
+    patterns = []
+    for (folder, suffix), count in sorted(counts.items()):
+        name = "[!.]*" + glob.escape(suffix)
+        entry: dict[str, Any] = {
+            "glob": f"{glob.escape(folder)}/{name}" if folder else name,
+            "count": count,
+        }
+        if masks_prefix and f"{folder}/".startswith(masks_prefix):
+            entry["role"] = "mask"
+        patterns.append(entry)
+    return patterns
+
+
+def _validate(text: str, max_bytes: int) -> Manifest:
     try:
-        return parse_manifest(text.encode("utf-8"), max_bytes=1 << 30)
+        return parse_manifest(text.encode("utf-8"), max_bytes=max_bytes)
     except ManifestError as exc:
         listed = "; ".join(p.render() for p in exc.problems[:5])
         raise WatchdError(f"the manifest would not be valid: {listed}") from None
 
 
-def write(request: ManifestRequest, *, overwrite: bool = False) -> Path:
+def write(request: ManifestRequest, *, overwrite: bool = False) -> Written:
     """Build and write ``FOLDER/manifest.toml`` atomically; refuse to replace one unless told."""
     target = request.folder / MANIFEST_NAME
     if target.exists() and not overwrite:
         raise WatchdError(f"{target} exists; pass --force to replace it (a new revision)")
-    atomicfile.write_text(target, build(request))
-    return target
+    composed = compose(request)
+    atomicfile.write_text(target, composed.text)
+    return Written(target, composed.note)

@@ -10,7 +10,6 @@ import os
 import socket
 import time
 from collections.abc import Callable, Mapping
-from importlib import metadata
 from pathlib import Path
 
 from daemon.metrics import Metrics
@@ -18,15 +17,9 @@ from daemon.notify import Notifier
 from daemon.records import Heartbeat
 from daemon.states import BatchState, JobState
 from daemon.store import Store
+from daemon.version import code_version
 
 ACTIVE = [BatchState.WAITING, BatchState.QUEUED, BatchState.RUNNING]
-
-
-def code_version() -> str:
-    try:
-        return metadata.version("watchd")
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 class Pulse:

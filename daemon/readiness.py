@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from daemon.inputs import FileSeen, InputsSeen, PatternSeen, Presence
 from daemon.jobspec import InputFile, Problem
 from daemon.manifest import MANIFEST_NAME, Manifest, pairing_problems
+from daemon.safeopen import describe
 
 MAX_LISTED = 20
 
@@ -136,18 +137,18 @@ def _file_problems(
     return hard, soft
 
 
+_REFUSED_HINTS = {
+    Presence.OUTSIDE: "copy the file itself into the folder instead of a link to it",
+    Presence.SPECIAL: "",
+    Presence.UNREADABLE: "check its permissions",
+}
+
+
 def _refused(where: str, got: FileSeen) -> Problem | None:
-    if got.presence is Presence.OUTSIDE:
-        return Problem(
-            where,
-            f"'{got.path}' leads outside the batch folder (to {got.detail})",
-            "copy the file itself into the folder instead of a link to it",
-        )
-    if got.presence is Presence.SPECIAL:
-        return Problem(where, f"'{got.path}' is {got.detail}, not a regular file")
-    if got.presence is Presence.UNREADABLE:
-        return Problem(where, f"'{got.path}' cannot be read: {got.detail}", "check its permissions")
-    return None
+    if got.presence not in _REFUSED_HINTS:
+        return None
+    message = f"'{got.path}' {describe(got.presence, got.detail)}"
+    return Problem(where, message, _REFUSED_HINTS[got.presence])
 
 
 def _pattern_hard(seen: PatternSeen) -> list[Problem]:

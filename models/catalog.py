@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.atomicfile import write_text
-from daemon.manifest_writer import sha256_of
+from daemon.checksums import sha256_of
 
 WEIGHTS_FILE = "weights.pt"
 METADATA_FILE = "metadata.json"

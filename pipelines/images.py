@@ -3,9 +3,11 @@
 Inputs are PNG or TIFF, 8- or 16-bit, grey or RGB(A) (converted to grey with the ITU-R 601
 luma weights), returned as float32 in [0, 1] scaled by the integer range (255 or 65535). The
 format is recognised from the file's content, not its name. Each file is read once: the
-sha256 named in the manifest is checked on those same bytes. Whatever is wrong with a file
-becomes an :class:`InputError` with one :class:`Problem` naming it, never a traceback; only an
-I/O error other than "file not found" (the share failing) escapes, so the job is retried.
+sha256 named in the manifest is checked on those same bytes. Files are opened only by the rule
+of :mod:`daemon.safeopen`: an input swapped for a link out of the batch folder, or for a FIFO,
+after the batch was accepted is refused, never read. Whatever is wrong with a file becomes an
+:class:`InputError` with one :class:`Problem` naming it, never a traceback; only an I/O error
+other than "file not found" (the share failing) escapes, so the job is retried.
 
 Masks are written in the format of the input's file name (PNG or TIFF), uint8 0/255,
 atomically.
@@ -13,11 +15,15 @@ atomically.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
+import os
 import struct
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import tifffile
@@ -25,6 +31,7 @@ from PIL import Image
 
 from daemon.atomicfile import write_bytes
 from daemon.jobspec import InputFile, Problem
+from daemon.safeopen import Presence, RefusedInput, open_input
 from pipelines.job import InputError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -62,21 +69,60 @@ def _short(digest: str) -> str:
     return digest[:12] + "…"
 
 
-def read_input(batch_dir: Path, item: InputFile) -> bytes:
-    """The bytes of ``item``, checked against its sha256 when the manifest gives one."""
+_REFUSED_HINTS = {
+    Presence.OUTSIDE: "it was replaced by a link after the batch was accepted; "
+    "copy the file itself into the batch folder",
+    Presence.SPECIAL: "it was replaced after the batch was accepted; put the image file back",
+}
+
+
+def open_item(batch_dir: Path, item: InputFile) -> BinaryIO:
+    """Open ``item`` by the batch folder's rule (:mod:`daemon.safeopen`): a regular file inside
+    the folder, checked as it is opened. A missing or refused input is an :class:`InputError`."""
     try:
-        data = (batch_dir / item.path).read_bytes()
+        return open_input(batch_dir, item.path)
     except FileNotFoundError:
         hint = "it was moved or deleted after the batch was accepted; put it back"
         raise InputError(
             "input missing", [Problem(where(item), "the file is gone", hint)]
         ) from None
-    if item.sha256 is not None:
-        actual = hashlib.sha256(data).hexdigest()
-        if actual != item.sha256.lower():
-            message = f"sha256 is {_short(actual)}, expected {_short(item.sha256.lower())}"
-            hint = "the file changed or was damaged while copying; copy it again"
-            raise InputError("checksum mismatch", [Problem(where(item), message, hint)])
+    except RefusedInput as exc:
+        hint = _REFUSED_HINTS.get(exc.located.presence, "")
+        raise InputError(
+            "input refused", [Problem(where(item), f"now {exc.reason}", hint)]
+        ) from None
+
+
+@contextlib.contextmanager
+def held_still(handle: BinaryIO, item: InputFile) -> Iterator[None]:
+    """Raise InputError if the open input ``handle`` changed (size or modification time)
+    while the block ran: what was read at its start and at its end are then not one file."""
+    before = os.fstat(handle.fileno())
+    yield
+    after = os.fstat(handle.fileno())
+    if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+        hint = "it was written to while being read; let the copy finish, then retry the batch"
+        raise InputError(
+            "input changed", [Problem(where(item), "changed while it was being segmented", hint)]
+        )
+
+
+def checksum_problem(item: InputFile, actual: str) -> Problem | None:
+    """A problem if the manifest gives ``item`` a sha256 and ``actual`` is not it."""
+    if item.sha256 is None or actual == item.sha256.lower():
+        return None
+    message = f"sha256 is {_short(actual)}, expected {_short(item.sha256.lower())}"
+    hint = "the file changed or was damaged while copying; copy it again"
+    return Problem(where(item), message, hint)
+
+
+def read_input(batch_dir: Path, item: InputFile) -> bytes:
+    """The bytes of ``item``, checked against its sha256 when the manifest gives one."""
+    with open_item(batch_dir, item) as handle:
+        data = handle.read()
+    problem = checksum_problem(item, hashlib.sha256(data).hexdigest()) if item.sha256 else None
+    if problem is not None:
+        raise InputError("checksum mismatch", [problem])
     return data
 
 
@@ -95,20 +141,22 @@ def read_image_hashed(batch_dir: Path, item: InputFile) -> tuple[np.ndarray, str
     return pixels, item.sha256.lower() if item.sha256 else hashlib.sha256(data).hexdigest()
 
 
-def peek_size(path: Path) -> tuple[int, int] | None:
-    """(height, width) from a PNG's or TIFF's header without decoding pixels; None if unknown."""
+def peek_size(batch_dir: Path, item: InputFile) -> tuple[int, int] | None:
+    """(height, width) from a PNG's or TIFF's header without decoding pixels; None if unknown
+    (also when the file cannot be opened: reading it whole then says why)."""
     try:
-        with open(path, "rb") as handle:
+        with open_input(batch_dir, item.path) as handle:
             head = handle.read(32)
-        if head.startswith(PNG_MAGIC) and len(head) >= 24:
-            width, height = struct.unpack(">II", head[16:24])
-            return height, width
-        if head[:4] in TIFF_MAGICS:
-            with tifffile.TiffFile(path) as tif:
-                page = tif.pages[0]
-                if isinstance(page, tifffile.TiffPage):
-                    return page.imagelength, page.imagewidth
-    except (OSError, *_TIFF_ERRORS):
+            if head.startswith(PNG_MAGIC) and len(head) >= 24:
+                width, height = struct.unpack(">II", head[16:24])
+                return height, width
+            if head[:4] in TIFF_MAGICS:
+                handle.seek(0)
+                with tifffile.TiffFile(handle) as tif:
+                    page = tif.pages[0]
+                    if isinstance(page, tifffile.TiffPage):
+                        return page.imagelength, page.imagewidth
+    except (OSError, RefusedInput, *_TIFF_ERRORS):
         return None
     return None
 

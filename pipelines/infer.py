@@ -37,7 +37,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -46,19 +46,23 @@ from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
 from daemon.atomicfile import write_text
+from daemon.checksums import sha256_of_stream
 from daemon.jobspec import InputFile, JobSpec, Pipeline, Problem
-from daemon.manifest_writer import sha256_of as file_sha256
+from daemon.version import code_version
 from models import registry
 from models.registry import ModelError, ModelVersion
 from models.unet import UNet
 from pipelines.images import (
     check_suffix,
+    checksum_problem,
+    held_still,
+    open_item,
     peek_size,
     read_image_hashed,
     where,
     write_mask,
 )
-from pipelines.job import InputError, code_version, log, run_job
+from pipelines.job import InputError, log, run_job
 from pipelines.layout import (
     LEDGER_DIR,
     MASKS_DIR,
@@ -69,7 +73,7 @@ from pipelines.layout import (
     table_name,
 )
 from pipelines.ledger import Ledger
-from pipelines.tiles import segment_tiled
+from pipelines.tiles import TiledResult, segment_tiled
 
 _EIGHT_CONNECTED = np.ones((3, 3), dtype=bool)
 _PROGRESS_EVERY_S = 30.0
@@ -148,7 +152,7 @@ class ShardImages(TorchDataset[Loaded]):
         problem = check_suffix(item)
         if problem is not None:
             return Loaded(item, None, (problem,))
-        size = peek_size(self.batch_dir / item.path)
+        size = peek_size(self.batch_dir, item)
         if size is not None and size[0] * size[1] > self.max_pixels:
             if Path(item.path).suffix.lower() in TIFF_SUFFIXES:
                 return Loaded(item, None, (), tiled=True)
@@ -262,25 +266,37 @@ class Segmenter:
         self.pending = []
 
     def tiled(self, item: InputFile) -> list[Problem]:
-        """Segment one large TIFF window by window; its problems (checksum) if any."""
-        source = Path(self.spec.batch_dir) / item.path
-        digest = file_sha256(source)
-        if item.sha256 and digest != item.sha256.lower():
-            message = f"sha256 is {digest[:12]}…, expected {item.sha256.lower()[:12]}…"
-            hint = "the file changed or was damaged while copying; copy it again"
-            return [Problem(where(item), message, hint)]
+        """Segment one large TIFF window by window; its problems (checksum, changed) if any.
+
+        The windows are read where they lie in the file, so its sha256 comes from a read of its
+        own before them, through the same open file; :func:`held_still` makes sure that the
+        file did not change in between. A problem found after the mask was written drops it.
+        """
         target = output_path(self.masks_dir, item.path)
+        try:
+            with open_item(Path(self.spec.batch_dir), item) as handle, held_still(handle, item):
+                digest = sha256_of_stream(handle)
+                problem = checksum_problem(item, digest)
+                if problem is not None:
+                    return [problem]
+                handle.seek(0)
+                result = self._segment_tiled(item, handle, target)
+        except InputError as exc:
+            target.unlink(missing_ok=True)
+            return list(exc.problems)
+        row = _stats(result.width, result.height, result.area, result.objects, result.intensity)
+        self._done(item, digest, {**row, "confidence": round(result.confidence, 4), "tiled": 1})
+        return []
+
+    def _segment_tiled(self, item: InputFile, source: BinaryIO, target: Path) -> TiledResult:
         target.parent.mkdir(parents=True, exist_ok=True)
         params = self.spec.params
         log.info("%s: tiled inference", item.path)
-        result = segment_tiled(
+        return segment_tiled(
             source, target, lambda tiles: predict(self.net, tiles), self.threshold,
             self.min_area, int(params.get("tile_size", 512)), int(params.get("tile_overlap", 64)),
             self.batch_size, TiledProgress(item.path),
         )  # fmt: skip
-        row = _stats(result.width, result.height, result.area, result.objects, result.intensity)
-        self._done(item, digest, {**row, "confidence": round(result.confidence, 4), "tiled": 1})
-        return []
 
     def _done(self, item: InputFile, digest: str, stats: dict[str, Any]) -> None:
         row = {"path": item.path, **stats, **self.provenance}

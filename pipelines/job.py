@@ -16,7 +16,6 @@ Progress goes to stdout as plain timestamped lines; the executor sends it to ``l
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import os
 import platform
@@ -41,6 +40,7 @@ from daemon.jobspec import (
     Pipeline,
     Problem,
 )
+from daemon.version import code_version
 from models.registry import ModelError
 
 log = logging.getLogger("pipelines")
@@ -59,14 +59,6 @@ class InputError(Exception):
         super().__init__(message)
         self.message = message
         self.problems = tuple(problems)
-
-
-def code_version() -> str:
-    """The installed watchd version, recorded with every output for provenance."""
-    try:
-        return importlib.metadata.version("watchd")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def configure_logging() -> None:

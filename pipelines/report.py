@@ -29,10 +29,12 @@ from typing import Any
 import numpy as np
 
 from daemon.atomicfile import write_text
-from daemon.jobspec import RESULT_FILE, JobResult, JobSpec, Pipeline
+from daemon.jobspec import JOBS_DIR, RESULT_FILE, JobResult, JobSpec, Pipeline
+from daemon.safeopen import RefusedInput, open_input
+from daemon.version import code_version
 from pipelines import figures
 from pipelines.images import UnreadableImage, decode
-from pipelines.job import code_version, log, run_job
+from pipelines.job import log, run_job
 from pipelines.layout import (
     CURVE_COLUMNS,
     MASKS_DIR,
@@ -50,7 +52,6 @@ from pipelines.layout import (
     TRAINING_DIR,
     TRIALS_DIR,
     TRIALS_TABLE,
-    output_path,
 )
 from pipelines.page import render
 
@@ -93,7 +94,7 @@ def table_csv(rows: list[dict[str, str]]) -> str:
 def job_timings(run_dir: Path, own: str) -> list[dict[str, Any]]:
     """What each finished job of this run reported (the report job itself excluded)."""
     jobs = []
-    for path in sorted((run_dir / "jobs").glob(f"*/{RESULT_FILE}")):
+    for path in sorted((run_dir / JOBS_DIR).glob(f"*/{RESULT_FILE}")):
         if path.parent.name == own:
             continue
         result = JobResult.from_json(path.read_text(encoding="utf-8"))
@@ -159,9 +160,11 @@ def sample_overlays(spec: JobSpec, rows: list[dict[str, str]]) -> list[tuple[str
     pictures = []
     for label, row in overlay_picks(rows):
         try:
-            image = decode(output_path(Path(spec.batch_dir), row["path"]).read_bytes())
-            mask = decode(output_path(Path(spec.run_dir) / MASKS_DIR, row["path"]).read_bytes())
-        except (OSError, UnreadableImage) as exc:
+            with open_input(spec.batch_dir, row["path"]) as handle:
+                image = decode(handle.read())
+            with open_input(spec.run_dir, f"{MASKS_DIR}/{row['path']}") as handle:
+                mask = decode(handle.read())
+        except (OSError, RefusedInput, UnreadableImage) as exc:
             log.warning("no overlay for %s: %s", row["path"], exc)
             continue
         caption = (

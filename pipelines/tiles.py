@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import math
 import os
-import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import tifffile
 from scipy import ndimage
 
-from daemon.atomicfile import TMP_PREFIX
+from daemon.atomicfile import TMP_PREFIX, atomic_writer
 
 TILE = 256  # the mask's TIFF tiles (and the band height of the statistics)
 _EIGHT = np.ones((3, 3), dtype=bool)
@@ -41,8 +41,10 @@ Progress = Callable[[int, int], None]  # (window rows done, window rows in all)
 class RegionReader:
     """Rectangular regions of a TIFF's first page as float32 grey in [0, 1], read lazily."""
 
-    def __init__(self, path: Path, cache_pixel_rows: int = 4 * TILE) -> None:
-        self.tif = tifffile.TiffFile(path)
+    def __init__(self, source: Path | BinaryIO, cache_pixel_rows: int = 4 * TILE) -> None:
+        """``source``: a path, or a file open for reading at the TIFF's start (the caller
+        opened it by the batch folder's rule and closes it)."""
+        self.tif = tifffile.TiffFile(source)
         page = self.tif.pages[0]
         assert isinstance(page, tifffile.TiffPage)
         if page.planarconfig == tifffile.PLANARCONFIG.SEPARATE and page.samplesperpixel > 1:
@@ -223,16 +225,9 @@ def _tiles(bands: Iterator[np.ndarray], width: int) -> Iterator[np.ndarray]:
 
 def _write_tiled(path: Path, bands: Iterator[np.ndarray], height: int, width: int) -> None:
     """Write uint8 bands as a tiled, deflate-compressed TIFF, atomically (temp + rename)."""
-    temporary = path.with_name(f"{TMP_PREFIX}{path.name}.{secrets.token_hex(4)}")
-    try:
-        with tifffile.TiffWriter(temporary) as tif:
-            tif.write(_tiles(bands, width), shape=(height, width), dtype=np.uint8,
-                      tile=(TILE, TILE), compression="zlib", photometric="minisblack")  # fmt: skip
-        with open(temporary, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+    with atomic_writer(path) as handle, tifffile.TiffWriter(handle) as tif:
+        tif.write(_tiles(bands, width), shape=(height, width), dtype=np.uint8,
+                  tile=(TILE, TILE), compression="zlib", photometric="minisblack")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -246,7 +241,7 @@ class TiledResult:
 
 
 def segment_tiled(
-    source: Path, target: Path, predict: Predict, threshold: float, min_area: int,
+    source: Path | BinaryIO, target: Path, predict: Predict, threshold: float, min_area: int,
     window: int = 512, overlap: int = 64, batch: int = 1, progress: Progress | None = None,
 ) -> TiledResult:  # fmt: skip
     """Segment ``source`` into the tiled TIFF mask ``target``; the per-image statistics."""

@@ -39,11 +39,12 @@ import torch
 
 from daemon.atomicfile import write_bytes, write_text
 from daemon.jobspec import JobSpec, Pipeline
+from daemon.version import code_version
 from models import registry
 from models.registry import BestRule
 from models.unet import UNet
 from pipelines import figures, fitting
-from pipelines.job import code_version, log, run_job
+from pipelines.job import log, run_job
 from pipelines.layout import (
     CANDIDATE_FILE,
     CANDIDATE_WEIGHTS,

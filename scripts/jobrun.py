@@ -4,7 +4,6 @@ under Slurm and by hand)."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from daemon.checksums import sha256_of
 from daemon.jobspec import (
     LOG_FILE,
     RESULT_FILE,
@@ -47,7 +47,7 @@ def inputs_of(
     items = []
     for path in sorted(files):
         relative = path.relative_to(batch_dir).as_posix()
-        digest = hashlib.sha256(path.read_bytes()).hexdigest() if checksums else None
+        digest = sha256_of(path) if checksums else None
         role = "mask" if "masks" in Path(relative).parts[:-1] else "image"
         items.append(InputFile(relative, path.stat().st_size, digest, role))
     return tuple(items)

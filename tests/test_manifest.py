@@ -159,6 +159,24 @@ def test_parameters_are_bounded_and_unknown_ones_listed() -> None:
     )
 
 
+def test_a_tile_overlap_of_half_a_window_or_more_is_refused() -> None:
+    """Windows advance by tile_size - tile_overlap: 64/63 would segment each pixel ~4000 times."""
+    assert problems_of(doc(params={"tile_size": 64, "tile_overlap": 63})) == [
+        "manifest.toml, params.tile_overlap: must be less than half of tile_size (64): "
+        "at most 31 (got 63)"
+    ]
+    assert problems_of(doc(params={"tile_overlap": 256})) == [
+        "manifest.toml, params.tile_overlap: must be less than half of tile_size (512): "
+        "at most 255 (got 256)"
+    ]
+    accepted = parse_manifest(doc(params={"tile_size": 64, "tile_overlap": 31})).params
+    assert (accepted["tile_size"], accepted["tile_overlap"]) == (64, 31)
+    wrong_size = problems_of(doc(params={"tile_size": 10, "tile_overlap": 500}))
+    assert wrong_size == [
+        "manifest.toml, params.tile_size: Input should be greater than or equal to 64 (got 10)"
+    ]
+
+
 def test_a_manifest_without_inputs_or_owner_is_refused() -> None:
     found = problems_of(doc(files=[], owner=None))
     assert any(f.startswith("manifest.toml, owner: required key is missing") for f in found)

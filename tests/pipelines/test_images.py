@@ -12,7 +12,15 @@ import tifffile
 from PIL import Image
 
 from daemon.jobspec import InputFile
-from pipelines.images import UnreadableImage, decode, encode_mask, read_image, write_mask
+from pipelines.images import (
+    UnreadableImage,
+    decode,
+    encode_mask,
+    held_still,
+    open_item,
+    read_image,
+    write_mask,
+)
 from pipelines.job import InputError
 
 RAMP8 = np.arange(48 * 32, dtype=np.uint32).reshape(32, 48).astype(np.uint8)
@@ -130,6 +138,27 @@ def test_corrupt_input_becomes_an_input_problem_not_a_traceback(tmp_path: Path) 
         read_image(tmp_path, InputFile("broken.tif"))
     assert caught.value.problems[0].where == "input 'broken.tif'"
     assert "TIFF" in caught.value.problems[0].message
+
+
+def test_an_input_written_to_while_read_in_parts_is_an_input_problem(tmp_path: Path) -> None:
+    """A large TIFF is hashed, then read window by window: a write in between is caught."""
+    (tmp_path / "slide.tif").write_bytes(tiff(RAMP8))
+    item = InputFile("slide.tif")
+    with open_item(tmp_path, item) as handle, held_still(handle, item):
+        assert handle.read(4) == b"II*\x00"  # unchanged: no problem
+    with (
+        pytest.raises(InputError) as caught,
+        open_item(tmp_path, item) as handle,
+        held_still(handle, item),
+    ):
+        handle.read(4)
+        with open(tmp_path / "slide.tif", "ab") as writer:
+            writer.write(b"more")
+    (problem,) = caught.value.problems
+    assert problem.render() == (
+        "input 'slide.tif': changed while it was being segmented — it was written to while "
+        "being read; let the copy finish, then retry the batch"
+    )
 
 
 @pytest.mark.parametrize("name", ["a.png", "a.tif", "a.TIFF"])

@@ -363,6 +363,13 @@ CASES: tuple[Case, ...] = (
         "manifest",
     ),
     Case(
+        "param-overlap",
+        "windows overlapping by half or more (a job that would run practically forever)",
+        with_manifest(replace("[params]", "[params]\ntile_size = 64\ntile_overlap = 63")),
+        "manifest.toml, params.tile_overlap: must be less than half of tile_size (64)",
+        "manifest",
+    ),
+    Case(
         "param-unknown",
         "an unknown parameter",
         with_manifest(replace("[params]", "[params]\ntreshold = 0.4")),

@@ -4,6 +4,7 @@ Expected errors are one `Error: …` line with exit status 1 and no traceback.""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -192,3 +193,27 @@ def test_manifest_writes_a_valid_manifest_atomically_and_never_overwrites_silent
     assert bad.stderr.startswith(
         "Error: the manifest would not be valid: manifest.toml, params.threshold"
     )
+
+
+def test_manifest_keeps_within_the_configured_limit_and_says_when_it_counts_instead(
+    tmp_path: Path,
+) -> None:
+    """With --config, the daemon's intake.max_manifest_bytes bounds the manifest: a folder too
+    large to list within it gets counted [[patterns]], with a note; without a configuration
+    (none found from here), the daemon's default limit applies and every file is listed."""
+    folder = tmp_path / "plate"
+    synth.make_batch(folder, "inference", count=24, size=16, seed=1)
+    config = tmp_path / "config.toml"
+    config.write_text(f'[[roots]]\npath = "{tmp_path}"\n\n[intake]\nmax_manifest_bytes = 2048\n')
+    done = cli("watchctl", "manifest", str(folder), "--config", str(config))
+    assert done.stdout.strip() == f"wrote {folder / 'manifest.toml'}"
+    assert done.stderr.startswith("note: listing all 24 files would make the manifest larger")
+    manifest = parse_manifest((folder / "manifest.toml").read_bytes(), max_bytes=2048)
+    assert [(p.glob, p.count) for p in manifest.patterns] == [("images/[!.]*.png", 24)]
+    elsewhere = {k: v for k, v in os.environ.items() if k != "WATCHD_CONFIG"}
+    listed = subprocess.run(
+        [str(BIN / "watchctl"), "manifest", str(folder), "--force"],
+        capture_output=True, text=True, timeout=60, cwd=folder, env=elsewhere, check=True,
+    )  # fmt: skip
+    assert listed.stderr == ""
+    assert len(parse_manifest((folder / "manifest.toml").read_bytes()).files) == 24
