@@ -19,7 +19,15 @@ import structlog
 from daemon import atomicfile, resources
 from daemon.errors import ExecutorUnavailable, SubmissionError
 from daemon.executors import Executor, Phase, Submission
-from daemon.jobspec import LOG_FILE, RESULT_FILE, SPEC_FILE, JobResult, JobSpec, Resources
+from daemon.jobspec import (
+    LOG_FILE,
+    RESULT_FILE,
+    SPEC_FILE,
+    JobResult,
+    JobSpec,
+    Resources,
+    job_dir_of,
+)
 from daemon.manifest import Manifest
 from daemon.planner import JobSeen, job_spec
 from daemon.records import Batch, Job, JobChange
@@ -100,7 +108,7 @@ class Dispatcher:
         return self.clock() - since < self.result_grace
 
     def job_dir(self, job: Job) -> Path:
-        return Path(self.store.batch(job.batch_id).run_dir) / "jobs" / job.name
+        return job_dir_of(self.store.batch(job.batch_id).run_dir, job.name)
 
     def submit(self, work: Sequence[tuple[Job, Batch, Manifest]], now: float) -> Outcome:
         """Write each job's spec and hand the jobs to the executor in one call."""

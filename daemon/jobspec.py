@@ -28,6 +28,11 @@ RESULT_FILE = "result.json"
 LOG_FILE = "log.txt"
 
 
+def job_dir_of(run_dir: str, job_name: str) -> Path:
+    """Where a job's spec, log and result live: ``<run dir>/jobs/<job name>``."""
+    return Path(run_dir) / "jobs" / job_name
+
+
 class Pipeline(enum.Enum):
     """The programs a job can run: ``python -m pipelines.<value>``."""
 
@@ -112,7 +117,7 @@ class JobSpec:
 
     @property
     def job_dir(self) -> Path:
-        return Path(self.run_dir) / "jobs" / self.job_name
+        return job_dir_of(self.run_dir, self.job_name)
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
