@@ -12,12 +12,15 @@ import time
 from collections.abc import Callable, Mapping
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
+from daemon import overview
 from daemon.metrics import Metrics
 from daemon.notify import Notifier
 from daemon.records import Heartbeat
 from daemon.states import BatchState, JobState
 from daemon.store import Store
+from daemon.subprocesses import process_start_ticks
 
 ACTIVE = [BatchState.WAITING, BatchState.QUEUED, BatchState.RUNNING]
 
@@ -27,6 +30,15 @@ def code_version() -> str:
         return metadata.version("watchd")
     except metadata.PackageNotFoundError:
         return "unknown"
+
+
+def liveness(beat: Heartbeat | None, now: float, heartbeat_seconds: float) -> dict[str, Any]:
+    """What the heartbeat says of the daemon (for watchctl), with whether its process is still
+    there when it runs on this host."""
+    alive = None
+    if beat is not None and beat.host == socket.gethostname():
+        alive = process_start_ticks(beat.pid) is not None
+    return overview.liveness(beat, now, heartbeat_seconds, alive)
 
 
 class Pulse:
