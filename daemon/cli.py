@@ -3,8 +3,8 @@
 Expected errors print one line, ``Error: …``, and exit 1 (``watchctl doctor``'s failed checks
 exit 3); no traceback. ``watchctl`` reads the database directly, so it works while the daemon is
 down; what it changes (retry, cancel, requeue, pause, resume) it records as an intent that the
-daemon applies through its state machine. The finding commands (batches, jobs, logs) are in
-:mod:`daemon.cli_find`.
+daemon applies through its state machine. The reading commands (status, batches, show, jobs,
+logs) are in :mod:`daemon.cli_read`.
 
 The configuration is found at ``--config``, else ``$WATCHD_CONFIG``, else ``./config.toml``,
 else ``/etc/watchd/config.toml``.
@@ -27,7 +27,7 @@ import click
 import typer
 from rich.table import Table
 
-from daemon import cli_find, logs, manifest_writer, overview
+from daemon import cli_read, logs, manifest_writer, overview
 from daemon.cli_base import (
     EXIT_CODES,
     ConfigOption,
@@ -42,7 +42,6 @@ from daemon.config import Config, load_config
 from daemon.errors import ChecksFailed, CommandFailed, WatchdError
 from daemon.executors import make_executor
 from daemon.manifest import Kind, ManifestModel
-from daemon.states import BatchState
 from daemon.subprocesses import run as run_command_line
 
 watchd_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The watchd daemon.")
@@ -81,115 +80,13 @@ def check_config_command(config: ConfigOption = None) -> None:
     console.print_json(cfg.model_dump_json(exclude={"source"}, by_alias=True))
 
 
-# -- watchctl: reading -------------------------------------------------------------------------
+# -- watchctl: reading (daemon/cli_read.py) -----------------------------------------------------
 
-
-@watchctl_app.command("status")
-def status_command(config: ConfigOption = None, as_json: JsonOption = False) -> None:
-    """Whether the daemon is alive, the drop roots, batches per state, what runs, what failed.
-
-    A paused drop root says who paused it and since when."""
-    from daemon.pulse import liveness
-
-    cfg, store = open_store(config)
-    beat = store.heartbeat()
-    live = liveness(beat, time.time(), cfg.daemon.heartbeat_seconds)
-    roots = overview.roots([str(r.path) for r in cfg.roots], store.roots(), live.get("info", {}))
-    active = [(b, store.jobs([b.id])) for b in store.active_batches()]
-    failed = store.batches([BatchState.FAILED], limit=5, newest_first=True)
-    failures = [(b, store.jobs([b.id])) for b in failed]
-    data = overview.status(live, store.counts(), active, failures, roots)
-    if as_json:
-        print(overview.to_json(data))
-        return
-    _print_status(data)
-
-
-def _print_status(data: dict[str, Any]) -> None:
-    d = data["daemon"]
-    where = (
-        f" (pid {d['pid']} on {d['host']}, heartbeat {d['heartbeat_age_s']} s ago)"
-        if d.get("pid")
-        else ""
-    )
-    console.print(f"[bold]watchd[/bold]: {d['state']}{where}")
-    console.print("batches: " + ", ".join(f"{n} {s}" for s, n in data["counts"].items()))
-    for root in data["roots"]:
-        note = f" ({root['mode']})" if root["mode"] else ""
-        if root["lost"]:
-            note += " [red]UNAVAILABLE[/red]"
-        if root["paused"]:
-            note += f" [yellow]PAUSED[/yellow] by {root['paused_by']} since {root['paused_at']}"
-        console.print(f"root {root['index']}: {root['path']}{note}", markup=True)
-    if data["active"]:
-        console.print(
-            _table(
-                "Active", data["active"], ["id", "folder", "kind", "state", "progress", "reason"]
-            )
-        )
-    if data["recent_failures"]:
-        console.print(
-            _table(
-                "Last failures", data["recent_failures"], ["id", "folder", "updated_at", "reason"]
-            )
-        )
-
-
-def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> Table:
-    table = Table(title=title, title_justify="left")
-    for column in columns:
-        table.add_column(column)
-    for row in rows:
-        row = {**row, "progress": f"{row['jobs_done']}/{row['jobs_total']} jobs"}
-        table.add_row(*(str(row.get(c, "")) for c in columns))
-    return table
-
-
-watchctl_app.command("batches")(cli_find.batches_command)
-
-
-@watchctl_app.command("show")
-def show_command(
-    batch_id: Annotated[int, typer.Argument(help="batch id (see watchctl status)")],
-    config: ConfigOption = None,
-    as_json: JsonOption = False,
-) -> None:
-    """One batch: its state, problems, jobs and history."""
-    _, store = open_store(config)
-    batch = store.batch(batch_id)
-    data = overview.batch_detail(batch, store.jobs([batch.id]), store.events(batch.id))
-    if as_json:
-        print(overview.to_json(data))
-        return
-    console.print(f"[bold]batch {data['id']}[/bold] {data['path']} (revision {data['revision']})")
-    for key in ("kind", "state", "reason", "owner", "contact", "run_dir", "manifest_sha256"):
-        console.print(f"  {key + ':':<17}{data[key]}")
-    if batch.problems:
-        console.print("  problems:")
-        for p in batch.problems:
-            console.print(f"    - {p.render()}")
-    jobs = Table(title="Jobs", title_justify="left")
-    for column in ("id", "name", "state", "attempts", "handle", "exit_code", "reason"):
-        jobs.add_column(column)
-    for j in data["jobs"]:
-        jobs.add_row(
-            *(
-                str(j[c])
-                for c in ("id", "name", "state", "attempts", "handle", "exit_code", "reason")
-            )
-        )
-    console.print(jobs)
-    history = Table(title="History (UTC)", title_justify="left")
-    for column in ("at", "job", "change", "reason"):
-        history.add_column(column)
-    for e in data["history"]:
-        change = f"{e['from'] or '·'} → {e['to']}" if e["to"] else "note"
-        history.add_row(e["at"], str(e["job_id"] or ""), change, e["reason"])
-    console.print(history)
-
-
-watchctl_app.command("jobs")(cli_find.jobs_command)
-watchctl_app.command("logs")(cli_find.logs_command)
+watchctl_app.command("status")(cli_read.status_command)
+watchctl_app.command("batches")(cli_read.batches_command)
+watchctl_app.command("show")(cli_read.show_command)
+watchctl_app.command("jobs")(cli_read.jobs_command)
+watchctl_app.command("logs")(cli_read.logs_command)
 
 
 # -- watchctl: intents ----------------------------------------------------------------------

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from daemon.records import Batch, Event, Heartbeat, Job, RootRecord
+from daemon.records import Batch, Event, Heartbeat, Intent, Job, RootRecord
 from daemon.states import BatchState, JobState
 
 
@@ -84,7 +84,10 @@ def status(
     }
 
 
-def batch_detail(batch: Batch, jobs: Sequence[Job], events: Sequence[Event]) -> dict[str, Any]:
+def batch_detail(
+    batch: Batch, jobs: Sequence[Job], events: Sequence[Event], intents: Sequence[Intent] = ()
+) -> dict[str, Any]:
+    """A batch in full, with the operators' requests on it and what the daemon made of them."""
     return {
         **batch_summary(batch, jobs),
         "path": str(batch.path),
@@ -95,6 +98,17 @@ def batch_detail(batch: Batch, jobs: Sequence[Job], events: Sequence[Event]) -> 
         "problems": [asdict(p) for p in batch.problems],
         "detail": batch.detail,
         "jobs": [job_summary(j) for j in jobs],
+        "requests": [
+            {
+                "id": i.id,
+                "at": iso(i.at),
+                "action": i.action,
+                "by": i.requested_by,
+                "applied_at": iso(i.applied_at),
+                "outcome": i.outcome if i.applied_at is not None else "pending",
+            }
+            for i in intents
+        ],
         "history": [
             {
                 "at": iso(e.at),

@@ -491,6 +491,10 @@ class Store:
             raise NotFound(f"no intent {intent_id}")
         return Intent(**rows[0])
 
+    def intents_of(self, batch_id: int) -> list[Intent]:
+        rows = self.db.query("SELECT * FROM intents WHERE batch_id = ? ORDER BY id", [batch_id])
+        return [Intent(**r) for r in rows]
+
     def pending_intents(self) -> list[Intent]:
         rows = self.db.query("SELECT * FROM intents WHERE applied_at IS NULL ORDER BY id")
         return [Intent(**r) for r in rows]

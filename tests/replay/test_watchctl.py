@@ -295,6 +295,10 @@ def test_requeue_runs_a_done_batch_again_and_inference_skips_what_is_current(
     assert any(e.reason == f"requeue asked by {_user()}" for e in events)
     log = (Path(run_dir) / "jobs" / jobs[0].name / "log.txt").read_text()
     assert "2 of 2 images already done (ledger): skipped" in log
+    (request,) = ctl_json(config, "show", "1")["requests"]
+    assert (request["action"], request["by"], request["outcome"]) == (
+        "requeue", _user(), "requeue: waiting for inputs again",
+    )  # fmt: skip
 
 
 def test_a_retried_job_that_failed_at_its_first_attempt_runs_again(

@@ -1,11 +1,13 @@
-"""``watchctl batches``, ``jobs`` and ``logs`` (registered in :mod:`daemon.cli`): finding
-batches and jobs, and reading (or following) a job's log. Read-only; each takes ``--json``."""
+"""watchctl's reading commands (registered in :mod:`daemon.cli`): status, batches (filtered),
+show, jobs, and logs (a job's log, read or followed). They only read the database and the job
+logs, so they work while the daemon is down; each takes ``--json``."""
 
 from __future__ import annotations
 
 import re
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,6 +23,106 @@ from daemon.states import BatchState, JobState
 from daemon.store import Store
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def status_command(config: ConfigOption = None, as_json: JsonOption = False) -> None:
+    """Whether the daemon is alive, the drop roots, batches per state, what runs, what failed.
+
+    A paused drop root says who paused it and since when."""
+    from daemon.pulse import liveness
+
+    cfg, store = open_store(config)
+    beat = store.heartbeat()
+    live = liveness(beat, time.time(), cfg.daemon.heartbeat_seconds)
+    roots = overview.roots([str(r.path) for r in cfg.roots], store.roots(), live.get("info", {}))
+    active = [(b, store.jobs([b.id])) for b in store.active_batches()]
+    failed = store.batches([BatchState.FAILED], limit=5, newest_first=True)
+    failures = [(b, store.jobs([b.id])) for b in failed]
+    data = overview.status(live, store.counts(), active, failures, roots)
+    if as_json:
+        print(overview.to_json(data))
+        return
+    _print_status(data)
+
+
+def _print_status(data: dict[str, Any]) -> None:
+    d = data["daemon"]
+    where = (
+        f" (pid {d['pid']} on {d['host']}, heartbeat {d['heartbeat_age_s']} s ago)"
+        if d.get("pid")
+        else ""
+    )
+    console.print(f"[bold]watchd[/bold]: {d['state']}{where}")
+    console.print("batches: " + ", ".join(f"{n} {s}" for s, n in data["counts"].items()))
+    for root in data["roots"]:
+        note = f" ({root['mode']})" if root["mode"] else ""
+        if root["lost"]:
+            note += " [red]UNAVAILABLE[/red]"
+        if root["paused"]:
+            note += f" [yellow]PAUSED[/yellow] by {root['paused_by']} since {root['paused_at']}"
+        console.print(f"root {root['index']}: {root['path']}{note}", markup=True)
+    if data["active"]:
+        rows = [
+            {**r, "progress": f"{r['jobs_done']}/{r['jobs_total']} jobs"} for r in data["active"]
+        ]
+        columns = ("id", "folder", "kind", "state", "progress", "reason")
+        console.print(_records("Active", columns, rows))
+    if data["recent_failures"]:
+        failed = ("id", "folder", "updated_at", "reason")
+        console.print(_records("Last failures", failed, data["recent_failures"]))
+
+
+def _grid(title: str, columns: Sequence[str], rows: Iterable[Sequence[object]]) -> Table:
+    """A table of plain cells (None shows as nothing)."""
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*("" if cell is None else str(cell) for cell in row))
+    return table
+
+
+def _records(title: str, columns: Sequence[str], records: Iterable[dict[str, Any]]) -> Table:
+    """A table of these keys of each record."""
+    return _grid(title, columns, ([r[c] for c in columns] for r in records))
+
+
+def show_command(
+    batch_id: Annotated[int, typer.Argument(help="batch id (see watchctl status)")],
+    config: ConfigOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """One batch: its state, problems, jobs and history."""
+    _, store = open_store(config)
+    batch = store.batch(batch_id)
+    data = overview.batch_detail(
+        batch, store.jobs([batch.id]), store.events(batch.id), store.intents_of(batch.id)
+    )
+    if as_json:
+        print(overview.to_json(data))
+        return
+    console.print(f"[bold]batch {data['id']}[/bold] {data['path']} (revision {data['revision']})")
+    for key in ("kind", "state", "reason", "owner", "contact", "run_dir", "manifest_sha256"):
+        console.print(f"  {key + ':':<17}{data[key]}")
+    if batch.problems:
+        console.print("  problems:")
+        for p in batch.problems:
+            console.print(f"    - {p.render()}")
+    columns = ("id", "name", "state", "attempts", "handle", "exit_code", "reason")
+    console.print(_records("Jobs", columns, data["jobs"]))
+    history = (
+        (
+            e["at"],
+            e["job_id"],
+            f"{e['from'] or '·'} → {e['to']}" if e["to"] else "note",
+            e["reason"],
+        )
+        for e in data["history"]
+    )
+    console.print(_grid("History (UTC)", ("at", "job", "change", "reason"), history))
+    if data["requests"]:
+        asked = ("id", "at", "action", "by", "outcome")
+        console.print(_records("Requests (UTC)", asked, data["requests"]))
 
 
 def parse_age(text: str) -> float:
@@ -66,16 +168,13 @@ def batches_command(
         console.print("no batches match")
         return
     indexes = {str(r.path): i for i, r in enumerate(cfg.roots)}
-    table = Table(title=f"Batches (newest first, at most {limit})", title_justify="left")
-    for column in ("id", "root", "folder", "kind", "state", "owner", "jobs", "created", "reason"):
-        table.add_column(column)
-    for row in rows:
-        table.add_row(
-            str(row["id"]), str(indexes.get(row["root"], row["root"])), row["folder"],
-            row["kind"] or "", row["state"], row["owner"],
-            f"{row['jobs_done']}/{row['jobs_total']}", _short(row["created_at"]), row["reason"],
-        )  # fmt: skip
-    console.print(table)
+    cells = (
+        (r["id"], indexes.get(r["root"], r["root"]), r["folder"], r["kind"], r["state"],
+         r["owner"], f"{r['jobs_done']}/{r['jobs_total']}", _short(r["created_at"]), r["reason"])
+        for r in rows
+    )  # fmt: skip
+    columns = ("id", "root", "folder", "kind", "state", "owner", "jobs", "created", "reason")
+    console.print(_grid(f"Batches (newest first, at most {limit})", columns, cells))
 
 
 def jobs_command(
@@ -99,17 +198,13 @@ def jobs_command(
     if not rows:
         console.print("no jobs match")
         return
-    table = Table(title="Jobs", title_justify="left")
+    cells = (
+        (r["id"], r["batch_id"], r["name"], r["state"], r["attempts"], r["handle"],
+         r["exit_code"], _short(r["updated_at"]), r["reason"])
+        for r in rows
+    )  # fmt: skip
     columns = ("id", "batch", "name", "state", "attempts", "handle", "exit", "updated", "reason")
-    for column in columns:
-        table.add_column(column)
-    for r in rows:
-        table.add_row(
-            str(r["id"]), str(r["batch_id"]), r["name"], r["state"], str(r["attempts"]),
-            r["handle"] or "", "" if r["exit_code"] is None else str(r["exit_code"]),
-            _short(r["updated_at"]), r["reason"],
-        )  # fmt: skip
-    console.print(table)
+    console.print(_grid("Jobs", columns, cells))
 
 
 def logs_command(
