@@ -161,11 +161,7 @@ def batches_command(
     )
     counts = store.job_counts(b.id for b in found)
     rows = [overview.batch_row(b, counts[b.id]) for b in found]
-    if as_json:
-        print(overview.to_json({"batches": rows}))
-        return
-    if not rows:
-        console.print("no batches match")
+    if _said_all("batches", rows, as_json):
         return
     indexes = {str(r.path): i for i, r in enumerate(cfg.roots)}
     cells = (
@@ -192,11 +188,7 @@ def jobs_command(
         store.batch(batch_id)  # NotFound for an unknown batch
     found = store.jobs([batch_id] if batch_id is not None else None, state, limit=limit)
     rows = [overview.job_summary(j) for j in found]
-    if as_json:
-        print(overview.to_json({"jobs": rows}))
-        return
-    if not rows:
-        console.print("no jobs match")
+    if _said_all("jobs", rows, as_json):
         return
     cells = (
         (r["id"], r["batch_id"], r["name"], r["state"], r["attempts"], r["handle"],
@@ -258,6 +250,17 @@ def _follow(store: Store, job: Job, path: Path, lines: int) -> None:
         joblog.follow(store, job.id, follower, lambda line: print(line, flush=True))
     except KeyboardInterrupt:
         return  # Ctrl-C ends following; nothing went wrong
+
+
+def _said_all(key: str, rows: list[dict[str, Any]], as_json: bool) -> bool:
+    """Print the rows as JSON, or say that none match; whether that was all to print."""
+    if as_json:
+        print(overview.to_json({key: rows}))
+        return True
+    if not rows:
+        console.print(f"no {key} match")
+        return True
+    return False
 
 
 def _job(store: Store, named: str) -> Job:

@@ -10,7 +10,7 @@ import pytest
 
 from daemon.jobspec import InputFile, Pipeline
 from daemon.migrations import MIGRATIONS
-from daemon.records import JobChange, NewBatch, NewJob
+from daemon.records import Batch, JobChange, NewBatch, NewJob
 from daemon.states import BatchState, JobState
 from daemon.store import Store
 
@@ -18,15 +18,17 @@ INPUTS = (InputFile("images/a.png", 1), InputFile("masks/a.png", 1, role="mask")
           InputFile("images/b.png", 2))  # fmt: skip
 
 
+def a_batch(store: Store, kind: str) -> Batch:
+    new = NewBatch("/r", "f", "sha", "", "", kind, "", "o", None, "/run")
+    return store.create_batch(new, BatchState.WAITING, "accepted", 0.0)
+
+
 def test_trial_params_round_trip_and_a_later_stage_inherits_each_input_once(
     tmp_path: Path,
 ) -> None:
     store = Store.open(tmp_path / "watchd.sqlite")
     try:
-        batch = store.create_batch(
-            NewBatch("/r", "f", "sha", "", "", "sweep", "", "o", None, "/run"),
-            BatchState.WAITING, "accepted", 0.0,
-        )  # fmt: skip
+        batch = a_batch(store, "sweep")
         trials = [NewJob(f"b1-trial-{i}", Pipeline.TRAIN, 0, i, 3, INPUTS, "local",
                          params={"learning_rate": rate, "trial": i})
                   for i, rate in enumerate((0.1, 0.01, 0.001))]  # fmt: skip
@@ -119,10 +121,7 @@ def test_a_fresh_start_keeps_counting_attempts_and_restarts_the_retry_budget(
     attempt is never taken for the new one's), while its retry budget starts again."""
     store = Store.open(tmp_path / "watchd.sqlite")
     try:
-        batch = store.create_batch(
-            NewBatch("/r", "f", "sha", "", "", "inference", "", "o", None, "/run"),
-            BatchState.WAITING, "accepted", 0.0,
-        )  # fmt: skip
+        batch = a_batch(store, "inference")
         (job,) = store.create_jobs(
             batch.id, [NewJob("j", Pipeline.INFER, 0, 0, 1, INPUTS, "local")], 1.0
         )
