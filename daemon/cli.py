@@ -1,8 +1,10 @@
 """The command lines: ``watchd`` (the daemon) and ``watchctl`` (operators and experts).
 
-Expected errors print one line, ``Error: …``, and exit 1; no traceback. ``watchctl`` reads the
-database directly, so it works while the daemon is down; what it changes (retry, cancel) it
-records as an intent that the daemon applies through its state machine.
+Expected errors print one line, ``Error: …``, and exit 1 (``watchctl doctor``'s failed checks
+exit 3); no traceback. ``watchctl`` reads the database directly, so it works while the daemon is
+down; what it changes (retry, cancel, requeue, pause, resume) it records as an intent that the
+daemon applies through its state machine. The reading commands (status, batches, show, jobs,
+logs) are in :mod:`daemon.cli_read`.
 
 The configuration is found at ``--config``, else ``$WATCHD_CONFIG``, else ``./config.toml``,
 else ``/etc/watchd/config.toml``.
@@ -10,49 +12,45 @@ else ``/etc/watchd/config.toml``.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
 import click
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from daemon import logs, manifest_writer, overview
+from daemon import cli_read, logs, manifest_writer, overview
+from daemon.cli_base import (
+    EXIT_CODES,
+    ConfigOption,
+    JsonOption,
+    console,
+    find_config,
+    find_root,
+    open_store,
+    progress_console,
+)
 from daemon.config import Config, load_config
-from daemon.errors import CommandFailed, WatchdError
+from daemon.errors import ChecksFailed, CommandFailed, WatchdError
 from daemon.executors import make_executor
 from daemon.manifest import MAX_MANIFEST_BYTES, Kind, ManifestModel
-from daemon.states import BatchState
-from daemon.store import Store
-from daemon.subprocesses import process_start_ticks
 from daemon.subprocesses import run as run_command_line
-
-ConfigOption = Annotated[
-    Path | None, typer.Option("--config", "-c", help="config.toml to use", show_default=False)
-]
-JsonOption = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
 
 watchd_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The watchd daemon.")
 watchctl_app = typer.Typer(
-    add_completion=False, no_args_is_help=True, help="See and steer the watchd daemon."
+    add_completion=False,
+    no_args_is_help=True,
+    help="See and steer the watchd daemon.",
+    epilog=EXIT_CODES,
 )
-console = Console(highlight=False, soft_wrap=True)
-
-
-def find_config(explicit: Path | None) -> Path:
-    if explicit is not None:
-        return explicit
-    for candidate in (os.environ.get("WATCHD_CONFIG"), "config.toml", "/etc/watchd/config.toml"):
-        if candidate and Path(candidate).is_file():
-            return Path(candidate)
-    raise WatchdError("no config.toml here or in /etc/watchd; pass --config PATH")
 
 
 # -- watchd ---------------------------------------------------------------------------------
@@ -82,121 +80,33 @@ def check_config_command(config: ConfigOption = None) -> None:
     console.print_json(cfg.model_dump_json(exclude={"source"}, by_alias=True))
 
 
-# -- watchctl: reading -------------------------------------------------------------------------
+# -- watchctl: reading (daemon/cli_read.py) -----------------------------------------------------
 
-
-def _open(config: Path | None) -> tuple[Config, Store]:
-    cfg = load_config(find_config(config))
-    return cfg, Store.open_existing(cfg.daemon.database)
-
-
-def _pid_alive(host: str, pid: int) -> bool | None:
-    import socket
-
-    if host != socket.gethostname():
-        return None
-    return process_start_ticks(pid) is not None
-
-
-@watchctl_app.command("status")
-def status_command(config: ConfigOption = None, as_json: JsonOption = False) -> None:
-    """Whether the daemon is alive, batches per state, what runs, the last failures."""
-    cfg, store = _open(config)
-    now = time.time()
-    beat = store.heartbeat()
-    live = overview.liveness(
-        beat, now, cfg.daemon.heartbeat_seconds, _pid_alive(beat.host, beat.pid) if beat else None
-    )
-    active = [(b, store.jobs([b.id])) for b in store.active_batches()]
-    failed = store.batches([BatchState.FAILED], limit=5, newest_first=True)
-    data = overview.status(live, store.counts(), active, [(b, store.jobs([b.id])) for b in failed])
-    if as_json:
-        print(overview.to_json(data))
-        return
-    _print_status(data)
-
-
-def _print_status(data: dict[str, Any]) -> None:
-    d = data["daemon"]
-    where = (
-        f" (pid {d['pid']} on {d['host']}, heartbeat {d['heartbeat_age_s']} s ago)"
-        if d.get("pid")
-        else ""
-    )
-    console.print(f"[bold]watchd[/bold]: {d['state']}{where}")
-    console.print("batches: " + ", ".join(f"{n} {s}" for s, n in data["counts"].items()))
-    if data["active"]:
-        console.print(
-            _table(
-                "Active", data["active"], ["id", "folder", "kind", "state", "progress", "reason"]
-            )
-        )
-    if data["recent_failures"]:
-        console.print(
-            _table(
-                "Last failures", data["recent_failures"], ["id", "folder", "updated_at", "reason"]
-            )
-        )
-
-
-def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> Table:
-    table = Table(title=title, title_justify="left")
-    for column in columns:
-        table.add_column(column)
-    for row in rows:
-        row = {**row, "progress": f"{row['jobs_done']}/{row['jobs_total']} jobs"}
-        table.add_row(*(str(row.get(c, "")) for c in columns))
-    return table
-
-
-@watchctl_app.command("show")
-def show_command(
-    batch_id: Annotated[int, typer.Argument(help="batch id (see watchctl status)")],
-    config: ConfigOption = None,
-    as_json: JsonOption = False,
-) -> None:
-    """One batch: its state, problems, jobs and history."""
-    _, store = _open(config)
-    batch = store.batch(batch_id)
-    data = overview.batch_detail(batch, store.jobs([batch.id]), store.events(batch.id))
-    if as_json:
-        print(overview.to_json(data))
-        return
-    console.print(f"[bold]batch {data['id']}[/bold] {data['path']} (revision {data['revision']})")
-    for key in ("kind", "state", "reason", "owner", "contact", "run_dir", "manifest_sha256"):
-        console.print(f"  {key + ':':<17}{data[key]}")
-    if batch.problems:
-        console.print("  problems:")
-        for p in batch.problems:
-            console.print(f"    - {p.render()}")
-    jobs = Table(title="Jobs", title_justify="left")
-    for column in ("id", "name", "state", "attempts", "handle", "exit_code", "reason"):
-        jobs.add_column(column)
-    for j in data["jobs"]:
-        jobs.add_row(
-            *(
-                str(j[c])
-                for c in ("id", "name", "state", "attempts", "handle", "exit_code", "reason")
-            )
-        )
-    console.print(jobs)
-    history = Table(title="History (UTC)", title_justify="left")
-    for column in ("at", "job", "change", "reason"):
-        history.add_column(column)
-    for e in data["history"]:
-        change = f"{e['from'] or '·'} → {e['to']}" if e["to"] else "note"
-        history.add_row(e["at"], str(e["job_id"] or ""), change, e["reason"])
-    console.print(history)
+watchctl_app.command("status")(cli_read.status_command)
+watchctl_app.command("batches")(cli_read.batches_command)
+watchctl_app.command("show")(cli_read.show_command)
+watchctl_app.command("jobs")(cli_read.jobs_command)
+watchctl_app.command("logs")(cli_read.logs_command)
 
 
 # -- watchctl: intents ----------------------------------------------------------------------
 
 
 def _intent(action: str, batch_id: int, config: Path | None) -> None:
-    _, store = _open(config)
+    _, store = open_store(config)
     intent = store.add_intent(action, batch_id, time.time(), getpass.getuser())
     console.print(
         f"{action} of batch {batch_id} recorded (intent {intent.id}); "
+        "the daemon applies it at its next tick"
+    )
+
+
+def _root_intent(action: str, named: str, config: Path | None) -> None:
+    cfg, store = open_store(config)
+    root = str(find_root(cfg, named).path)
+    intent = store.add_root_intent(action, root, time.time(), getpass.getuser())
+    console.print(
+        f"{action} of drop root {root} recorded (intent {intent.id}); "
         "the daemon applies it at its next tick"
     )
 
@@ -213,28 +123,58 @@ def cancel_command(batch_id: int, config: ConfigOption = None) -> None:
     _intent("cancel", batch_id, config)
 
 
+@watchctl_app.command("requeue")
+def requeue_command(batch_id: int, config: ConfigOption = None) -> None:
+    """Run a done, failed or cancelled batch again: every job of it.
+
+    The inputs are checked anew first; inference skips the images whose masks are current."""
+    _intent("requeue", batch_id, config)
+
+
+RootArgument = Annotated[str, typer.Argument(help="the drop root: its path, or its index")]
+
+
+@watchctl_app.command("pause")
+def pause_command(root: RootArgument, config: ConfigOption = None) -> None:
+    """Pause a drop root: no new batch is taken in, no new job starts there.
+
+    New manifests wait on disk; running jobs finish."""
+    _root_intent("pause", root, config)
+
+
+@watchctl_app.command("resume")
+def resume_command(root: RootArgument, config: ConfigOption = None) -> None:
+    """Resume a paused drop root: what was dropped meanwhile is taken in, held jobs go out."""
+    _root_intent("resume", root, config)
+
+
 # -- watchctl: doctor -------------------------------------------------------------------------
 
 
 @watchctl_app.command("doctor")
 def doctor_command(config: ConfigOption = None, as_json: JsonOption = False) -> None:
-    """Check that watchd can work here: the config, the executor (Slurm: reachable, client and
-    controller versions, partitions). Exit status 1 when a check failed."""
+    """Check that watchd can work here; exit status 3 when a check failed.
+
+    The config; each drop root (there, writable, its filesystem and observer); inotify limits;
+    the database (integrity, schema, WAL); the daemon's version; the registry; the executor
+    (Slurm: reachable, client and controller versions, partitions)."""
     from dataclasses import asdict
 
     from daemon import doctor
 
-    cfg = load_config(find_config(config))
-    found = doctor.checks(cfg, os.environ)
+    found = doctor.run(find_config(config), os.environ)
+    failed = [c.name for c in found if not c.ok]
     if as_json:
-        print(overview.to_json({"checks": [asdict(c) for c in found]}))
+        print(overview.to_json({"ok": not failed, "checks": [asdict(c) for c in found]}))
     else:
         for check in found:
             mark = "[green]ok[/green]  " if check.ok else "[red]FAIL[/red]"
-            console.print(f"{mark} {check.name}: {check.detail}")
-    failed = [c.name for c in found if not c.ok]
+            first, *more = check.detail.splitlines()
+            console.print(f"{mark} {check.name}: {first}", *more, sep="\n")
+            if check.hint:
+                console.print(f"     hint: {check.hint}")
     if failed:
-        raise WatchdError(f"{len(failed)} check(s) failed: {', '.join(failed)}")
+        raise ChecksFailed(f"{len(failed)} check(s) failed: {', '.join(failed)}")
 
 
 # -- watchctl: manifest -----------------------------------------------------------------------
@@ -280,10 +220,25 @@ def manifest_command(
         owner=owner or getpass.getuser(), email=email, title=title, masks=masks,
         checksums=checksums, params=_params(param or []), max_bytes=limit,
     )  # fmt: skip
-    written = manifest_writer.write(request, overwrite=force)
+    with _hashing_progress(checksums) as progress:
+        written = manifest_writer.write(request, overwrite=force, progress=progress)
     if written.note:
         print(written.note, file=sys.stderr)
     console.print(f"wrote {written.path}")
+
+
+@contextlib.contextmanager
+def _hashing_progress(checksums: bool) -> Iterator[manifest_writer.ProgressHook | None]:
+    """A progress bar on stderr while the files are hashed, when stderr is a terminal."""
+    if not (checksums and progress_console.is_terminal):
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=progress_console, transient=True) as bar:
+        task = bar.add_task("hashing", total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
 def _params(pairs: list[str]) -> dict[str, Any]:
@@ -369,17 +324,28 @@ def models_promote_command(
 # -- entry points ---------------------------------------------------------------------------
 
 
+# Typer 0.29 raises the exceptions of the click it carries inside (typer._click), which are not
+# click's own: usage errors and aborts are caught as either.
+USAGE_ERRORS: tuple[type[Exception], ...] = (
+    click.ClickException, getattr(typer, "TyperException", click.ClickException)
+)  # fmt: skip
+ABORTS: tuple[type[BaseException], ...] = (click.exceptions.Abort, typer.Abort)
+
+
 def _entry(app: typer.Typer) -> None:
     command = typer.main.get_command(app)
     try:
         command.main(standalone_mode=False)
     except WatchdError as exc:
         print(f"Error: {exc}", file=sys.stderr)
-        sys.exit(1)
-    except click.ClickException as exc:
-        exc.show()
         sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
+    except USAGE_ERRORS as exc:
+        if hasattr(exc, "show"):
+            exc.show()
+        else:
+            print(f"Error: {exc}", file=sys.stderr)
+        sys.exit(getattr(exc, "exit_code", 2))
+    except ABORTS:
         print("Aborted.", file=sys.stderr)
         sys.exit(1)
 

@@ -1,15 +1,42 @@
-"""Health checks: what ``watchctl doctor`` shows. Each is a :class:`Check` (name, ok, detail);
-:func:`checks` lists them all, so a new kind of check is one more function added to it."""
+"""Health checks: what ``watchctl doctor`` shows. Each is a :class:`Check` (name, ok, detail,
+and a hint when it failed); :func:`run` loads the config (its first check) and runs the rest,
+so a new kind of check is one more function added to GROUPS.
+
+The checks run as whoever runs watchctl: "writable" means writable by that user, which is the
+daemon's view only when doctor runs as the daemon's user (``sudo -u watchd watchctl doctor``).
+"""
 
 from __future__ import annotations
 
+import getpass
+import os
+import sqlite3
+import tempfile
+import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
-from daemon.config import Config
-from daemon.errors import WatchdError
+from daemon.config import Config, ObserverMode, RootSection, load_config
+from daemon.errors import ConfigError, WatchdError
 from daemon.executors import Check, make_executor
+from daemon.migrations import MIGRATIONS
+from daemon.mounts import choose_mode, filesystem_type, is_network
+from daemon.pulse import liveness
+from daemon.store import Store
+from daemon.version import code_version
 
 CheckGroup = Callable[[Config, Mapping[str, str]], list[Check]]
+INOTIFY_LIMITS = Path("/proc/sys/fs/inotify")
+
+
+def run(path: Path, environ: Mapping[str, str]) -> list[Check]:
+    """Load the config at ``path`` (every problem in it is the first check's failure), then
+    run every other check on it."""
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        return [Check("config", False, str(exc), "fix what is listed (the daemon refuses it too)")]
+    return [check for group in GROUPS for check in group(config, environ)]
 
 
 def config_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
@@ -18,8 +45,189 @@ def config_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
     return [Check("config", True, detail)]
 
 
+# -- drop roots ---------------------------------------------------------------------------------
+
+
+def root_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
+    """Each root: there, a folder, readable and writable; its filesystem and observer mode."""
+    found = []
+    for index, root in enumerate(config.roots):
+        found += [_root_access(f"root {index}", root.path), _observer(f"root {index}", root)]
+    return found
+
+
+def _root_access(name: str, path: Path) -> Check:
+    if not path.exists():
+        hint = "mount the share or create the folder (the daemon scans it once it is there)"
+        return Check(name, False, f"{path}: does not exist", hint)
+    if not path.is_dir():
+        return Check(name, False, f"{path}: is not a folder", "name a folder in roots[].path")
+    try:
+        with os.scandir(path) as entries:
+            folders = sum(1 for e in entries if e.is_dir(follow_symlinks=False))
+    except OSError as exc:
+        return Check(name, False, f"{path}: cannot be listed ({exc.strerror})", _ACCESS_HINT)
+    problem = _write_problem(path)
+    if problem:
+        return Check(name, False, f"{path}: {problem}", _ACCESS_HINT)
+    return Check(name, True, f"{path}: {folders} folder(s), readable and writable by {_user()}")
+
+
+_ACCESS_HINT = (
+    "watchd writes status files and results into the batch folders: give its user read and "
+    "write access (and the unit's ReadWritePaths=)"
+)
+
+
+def _observer(name: str, root: RootSection) -> Check:
+    fstype = filesystem_type(root.path)
+    mode = choose_mode(root.observer, fstype)
+    chosen = f" → {mode.value}" if root.observer is ObserverMode.AUTO else ""
+    detail = f"{fstype or 'unknown'} filesystem, observer {root.observer.value}{chosen}"
+    if mode is ObserverMode.INOTIFY and fstype is not None and is_network(fstype):
+        hint = 'inotify sees no writes made on other hosts: set observer = "auto" or "polling"'
+        return Check(f"{name} observer", False, detail, hint)
+    return Check(f"{name} observer", True, detail)
+
+
+def inotify_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
+    """One watch per root and per batch folder directly under it; one inotify instance."""
+    watched = [
+        r.path
+        for r in config.roots
+        if choose_mode(r.observer, filesystem_type(r.path)) is ObserverMode.INOTIFY
+    ]
+    if not watched:
+        return [Check("inotify", True, "no root is watched with inotify")]
+    needed = sum(1 + _folders(path) for path in watched)
+    watches = _read_limit(INOTIFY_LIMITS / "max_user_watches")
+    instances = _read_limit(INOTIFY_LIMITS / "max_user_instances")
+    return [inotify_limits(needed, watches, instances)]
+
+
+def inotify_limits(needed: int, watches: int | None, instances: int | None) -> Check:
+    """Whether the kernel's per-user limits leave room for ``needed`` watches and one instance
+    (both limits are shared by every process of the user)."""
+    if watches is None or instances is None:
+        return Check("inotify", True, f"{needed} watch(es) needed; the limits are unknown here")
+    detail = (
+        f"{needed} watch(es) needed of max_user_watches {watches}, "
+        f"1 instance of max_user_instances {instances}"
+    )
+    if needed > watches:
+        hint = (
+            f"raise fs.inotify.max_user_watches above {needed} (sysctl, and a file in "
+            '/etc/sysctl.d/ to keep it), or set observer = "polling" on the biggest root'
+        )
+        return Check("inotify", False, detail, hint)
+    if instances < 1:
+        return Check("inotify", False, detail, "raise fs.inotify.max_user_instances")
+    return Check("inotify", True, detail)
+
+
+def _folders(path: Path) -> int:
+    try:
+        with os.scandir(path) as entries:
+            return sum(1 for e in entries if e.is_dir(follow_symlinks=False))
+    except OSError:
+        return 0
+
+
+def _read_limit(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+# -- the database, the daemon, the registry -----------------------------------------------------
+
+
+def database_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
+    """Integrity, schema version, WAL; and whether this user can record intents."""
+    path = config.daemon.database
+    if not path.exists():
+        detail = f"{path}: not created yet (the daemon creates it at its first start)"
+        problem = _write_problem(_nearest_existing(path.parent))
+        if problem:
+            hint = "make daemon.state_dir writable for the daemon (the unit's StateDirectory=)"
+            return [Check("database", False, f"{detail}; its folder: {problem}", hint)]
+        return [Check("database", True, detail)]
+    try:
+        store = Store(path)
+        try:
+            integrity, version, journal = (
+                store.integrity(), store.schema_version(), store.journal_mode()
+            )  # fmt: skip
+        finally:
+            store.close()
+    except sqlite3.Error as exc:
+        hint = "stop watchd, keep a copy of the file, and recover it (sqlite3 FILE .recover)"
+        return [Check("database", False, f"{path}: {exc}", hint)]
+    return [_database(path, integrity, version, journal, _writable(path))]
+
+
+def _database(path: Path, integrity: str, version: int, journal: str, writable: bool) -> Check:
+    latest = MIGRATIONS[-1][0]
+    size = f"{path.stat().st_size / 1e6:.1f} MB"
+    detail = f"{path}: integrity {integrity}, schema version {version} of {latest}, "
+    detail += f"journal {journal}, {size}"
+    if integrity != "ok":
+        hint = "stop watchd, keep a copy of the file, and recover it (sqlite3 FILE .recover)"
+        return Check("database", False, detail, hint)
+    if version > latest:
+        return Check("database", False, detail, "this watchctl is older than the daemon: upgrade")
+    if journal.lower() != "wal":
+        return Check("database", False, detail, "the daemon sets WAL when it opens the file")
+    if not writable:
+        hint = f"{_user()} cannot record intents (retry, cancel, pause): join the group watchd"
+        return Check("database", False, detail + f"; not writable by {_user()}", hint)
+    if version < latest:
+        detail += " (the daemon migrates it at its next start)"
+    return Check("database", True, detail)
+
+
+def daemon_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
+    """Whether the daemon runs, and runs the version installed here."""
+    if not config.daemon.database.exists():
+        return [Check("daemon", True, "never started with this config")]
+    store = Store(config.daemon.database)
+    try:
+        beat = store.heartbeat()
+    finally:
+        store.close()
+    live = liveness(beat, time.time(), config.daemon.heartbeat_seconds)
+    mine = code_version()
+    if beat is None or not live["alive"]:
+        return [Check("daemon", True, f"{live['state']}; this watchctl is version {mine}")]
+    detail = f"running (pid {beat.pid} on {beat.host}), version {beat.version}"
+    if beat.version != mine:
+        hint = "restart watchd to run the version installed here"
+        return [Check("daemon", False, f"{detail}; this watchctl is version {mine}", hint)]
+    return [Check("daemon", True, detail)]
+
+
+def registry_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
+    path = config.registry.path
+    hint = "training jobs write new model versions there: make it writable for watchd's user"
+    if not path.exists():
+        problem = _write_problem(_nearest_existing(path.parent))
+        detail = f"{path}: not there yet (the first training creates it)"
+        if problem:
+            return [Check("registry", False, f"{detail}; its folder: {problem}", hint)]
+        return [Check("registry", True, detail)]
+    if not path.is_dir():
+        return [Check("registry", False, f"{path}: is not a folder", "name a folder")]
+    problem = _write_problem(path)
+    if problem:
+        return [Check("registry", False, f"{path}: {problem}", hint)]
+    models = sum(1 for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+    return [Check("registry", True, f"{path}: {models} model(s), writable by {_user()}")]
+
+
 def executor_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
-    """The executor's own self-test (the one the daemon logs at start-up)."""
+    """The executor's own self-test (the one the daemon logs at start-up): for Slurm, the
+    controller reachable, client and controller versions, the partitions."""
     try:
         executor = make_executor(config, environ)
     except WatchdError as exc:
@@ -31,9 +239,44 @@ def executor_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
         executor.close()
 
 
-GROUPS: tuple[CheckGroup, ...] = (config_checks, executor_checks)
+# -- probes -------------------------------------------------------------------------------------
 
 
-def checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
-    """Every check, in order."""
-    return [check for group in GROUPS for check in group(config, environ)]
+def _write_problem(folder: Path) -> str | None:
+    """Why a file cannot be made in ``folder`` (tried: a temporary file made and removed)."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".watchd-doctor-", dir=folder)
+    except OSError as exc:
+        return f"not writable by {_user()} ({exc.strerror})"
+    os.close(fd)
+    os.unlink(name)
+    return None
+
+
+def _writable(path: Path) -> bool:
+    """The database file and its folder (SQLite writes its -wal and -shm files beside it)."""
+    return os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return f"uid {os.getuid()}"
+
+
+GROUPS: tuple[CheckGroup, ...] = (
+    config_checks,
+    root_checks,
+    inotify_checks,
+    database_checks,
+    daemon_checks,
+    registry_checks,
+    executor_checks,
+)

@@ -8,7 +8,10 @@ from daemon.jobspec import Problem
 
 
 class WatchdError(Exception):
-    """Root of every error watchd raises on purpose; the CLI prints it as one ``Error:`` line."""
+    """Root of every error watchd raises on purpose; the CLI prints it as one ``Error:`` line
+    and exits with ``exit_code``."""
+
+    exit_code = 1
 
 
 class ConfigError(WatchdError):
@@ -53,6 +56,12 @@ class CommandFailed(WatchdError):
         super().__init__(
             f"{' '.join(self.command)} exited with {returncode}: {' | '.join(tail) or 'no output'}"
         )
+
+
+class ChecksFailed(WatchdError):
+    """``watchctl doctor`` ran and found a problem (its own exit status, 3)."""
+
+    exit_code = 3
 
 
 class NotFound(WatchdError):

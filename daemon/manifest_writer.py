@@ -46,6 +46,8 @@ from daemon.safeopen import open_input
 
 IMAGE_SUFFIXES = frozenset({".png", ".tif", ".tiff"})
 
+ProgressHook = Callable[[int, int], None]  # (files done, files in all), after each file
+
 
 @dataclass(frozen=True)
 class ManifestRequest:
@@ -109,12 +111,13 @@ def _regular(path: Path) -> bool:
         return False
 
 
-def build(request: ManifestRequest) -> str:
-    """The manifest text for the folder; raises WatchdError when it would not be valid."""
-    return compose(request).text
+def build(request: ManifestRequest, progress: ProgressHook | None = None) -> str:
+    """The manifest text for the folder; raises WatchdError when it would not be valid.
+    ``progress`` hears of each file hashed (hashing 55,000 images takes a while)."""
+    return compose(request, progress).text
 
 
-def compose(request: ManifestRequest) -> Composed:
+def compose(request: ManifestRequest, progress: ProgressHook | None = None) -> Composed:
     """The manifest for the folder, and a note when it lists patterns instead of files."""
     folder = request.folder
     if not folder.is_dir():
@@ -138,7 +141,9 @@ def compose(request: ManifestRequest) -> Composed:
             "pattern(s) with their file counts instead (no per-file sizes or checksums)"
         )
     elif request.checksums:
-        document["files"] = _entries(folder, files, masks_prefix, partial(_sha256, folder))
+        document["files"] = _entries(
+            folder, files, masks_prefix, partial(_sha256, folder), progress
+        )
     text = tomli_w.dumps(document)
     _validate(text, request.max_bytes)
     return Composed(text, note)
@@ -165,9 +170,14 @@ def _document(request: ManifestRequest) -> dict[str, Any]:
 
 
 def _entries(
-    folder: Path, files: list[str], masks_prefix: str | None, digest: Callable[[str], str] | None
+    folder: Path,
+    files: list[str],
+    masks_prefix: str | None,
+    digest: Callable[[str], str] | None,
+    progress: ProgressHook | None = None,
 ) -> list[dict[str, Any]]:
-    """``[[files]]`` entries, with ``digest(path)`` as each one's sha256 if given."""
+    """``[[files]]`` entries, with ``digest(path)`` as each one's sha256 if given (``progress``
+    hears of each one)."""
     entries = []
     for relative in files:
         entry: dict[str, Any] = {"path": relative, "size": (folder / relative).stat().st_size}
@@ -176,6 +186,8 @@ def _entries(
         if masks_prefix and relative.startswith(masks_prefix):
             entry["role"] = "mask"
         entries.append(entry)
+        if progress is not None:
+            progress(len(entries), len(files))
     return entries
 
 
@@ -220,11 +232,13 @@ def _validate(text: str, max_bytes: int) -> Manifest:
         raise WatchdError(f"the manifest would not be valid: {listed}") from None
 
 
-def write(request: ManifestRequest, *, overwrite: bool = False) -> Written:
+def write(
+    request: ManifestRequest, *, overwrite: bool = False, progress: ProgressHook | None = None
+) -> Written:
     """Build and write ``FOLDER/manifest.toml`` atomically; refuse to replace one unless told."""
     target = request.folder / MANIFEST_NAME
     if target.exists() and not overwrite:
         raise WatchdError(f"{target} exists; pass --force to replace it (a new revision)")
-    composed = compose(request)
+    composed = compose(request, progress)
     atomicfile.write_text(target, composed.text)
     return Written(target, composed.note)

@@ -93,4 +93,38 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         ALTER TABLE jobs ADD COLUMN params TEXT NOT NULL DEFAULT '{}'
         """,
     ),
+    (
+        3,
+        # Intents may target a drop root (pause, resume) instead of a batch: batch_id becomes
+        # nullable beside a new root column, exactly one of them set. SQLite cannot drop NOT NULL
+        # with ALTER TABLE, so the table is rebuilt with its rows. The roots table is what the
+        # daemon made of those intents (only the daemon writes it). A job's attempts_base is its
+        # attempt count when an operator last started it afresh (retry, requeue): attempts keep
+        # counting, so each submission has its own number, and the retry budget counts from it.
+        """
+        CREATE TABLE intents_new (
+            id INTEGER PRIMARY KEY,
+            at REAL NOT NULL,
+            action TEXT NOT NULL,
+            batch_id INTEGER,
+            root TEXT,
+            requested_by TEXT NOT NULL DEFAULT '',
+            applied_at REAL,
+            outcome TEXT NOT NULL DEFAULT '',
+            CHECK ((batch_id IS NULL) <> (root IS NULL))
+        );
+        INSERT INTO intents_new (id, at, action, batch_id, requested_by, applied_at, outcome)
+            SELECT id, at, action, batch_id, requested_by, applied_at, outcome FROM intents;
+        DROP TABLE intents;
+        ALTER TABLE intents_new RENAME TO intents;
+        CREATE INDEX intents_pending ON intents(id) WHERE applied_at IS NULL;
+        CREATE TABLE roots (
+            path TEXT PRIMARY KEY,
+            paused INTEGER NOT NULL DEFAULT 0,
+            paused_by TEXT NOT NULL DEFAULT '',
+            paused_at REAL
+        );
+        ALTER TABLE jobs ADD COLUMN attempts_base INTEGER NOT NULL DEFAULT 0
+        """,
+    ),
 )

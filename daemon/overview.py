@@ -1,16 +1,18 @@
-"""What ``watchctl`` shows, as plain data: liveness from the heartbeat, counts, running and
-failed batches, one batch in full. Pure; the CLI renders it as tables or as JSON.
+"""What ``watchctl`` shows, as plain data: liveness from the heartbeat, counts, the drop roots,
+running and failed batches, lists of batches and jobs, one batch in full. Pure; the CLI renders
+it as tables or as JSON.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from daemon.records import Batch, Event, Heartbeat, Job
+from daemon.records import Batch, Event, Heartbeat, Intent, Job, RootRecord
 from daemon.states import BatchState, JobState
 
 
@@ -41,7 +43,11 @@ def liveness(
 
 
 def batch_summary(batch: Batch, jobs: Sequence[Job]) -> dict[str, Any]:
-    done = sum(1 for j in jobs if j.state is JobState.SUCCEEDED)
+    return batch_row(batch, Counter(j.state for j in jobs))
+
+
+def batch_row(batch: Batch, jobs: Mapping[JobState, int]) -> dict[str, Any]:
+    """A batch with its jobs counted by state."""
     return {
         "id": batch.id,
         "folder": batch.folder,
@@ -51,9 +57,9 @@ def batch_summary(batch: Batch, jobs: Sequence[Job]) -> dict[str, Any]:
         "state": batch.state.value,
         "owner": batch.owner,
         "reason": batch.reason,
-        "jobs_done": done,
-        "jobs_total": len(jobs),
-        "jobs_running": sum(1 for j in jobs if j.state.live),
+        "jobs_done": jobs.get(JobState.SUCCEEDED, 0),
+        "jobs_total": sum(jobs.values()),
+        "jobs_running": sum(n for state, n in jobs.items() if state.live),
         "created_at": iso(batch.created_at),
         "updated_at": iso(batch.updated_at),
     }
@@ -64,10 +70,12 @@ def status(
     counts: dict[BatchState, int],
     active: Sequence[tuple[Batch, Sequence[Job]]],
     failures: Sequence[tuple[Batch, Sequence[Job]]],
+    roots: Sequence[dict[str, Any]] = (),
 ) -> dict[str, Any]:
     return {
         "daemon": live,
         "counts": {state.value: n for state, n in counts.items()},
+        "roots": list(roots),
         "active": [batch_summary(b, j) for b, j in active],
         "recent_failures": [
             {**batch_summary(b, j), "problems": [p.render() for p in b.problems[:5]]}
@@ -76,7 +84,10 @@ def status(
     }
 
 
-def batch_detail(batch: Batch, jobs: Sequence[Job], events: Sequence[Event]) -> dict[str, Any]:
+def batch_detail(
+    batch: Batch, jobs: Sequence[Job], events: Sequence[Event], intents: Sequence[Intent] = ()
+) -> dict[str, Any]:
+    """A batch in full, with the operators' requests on it and what the daemon made of them."""
     return {
         **batch_summary(batch, jobs),
         "path": str(batch.path),
@@ -86,19 +97,17 @@ def batch_detail(batch: Batch, jobs: Sequence[Job], events: Sequence[Event]) -> 
         "title": batch.title,
         "problems": [asdict(p) for p in batch.problems],
         "detail": batch.detail,
-        "jobs": [
+        "jobs": [job_summary(j) for j in jobs],
+        "requests": [
             {
-                "id": j.id,
-                "name": j.name,
-                "pipeline": j.pipeline.value,
-                "state": j.state.value,
-                "attempts": j.attempts,
-                "handle": j.handle,
-                "exit_code": j.exit_code,
-                "error_kind": j.error_kind,
-                "reason": j.reason,
+                "id": i.id,
+                "at": iso(i.at),
+                "action": i.action,
+                "by": i.requested_by,
+                "applied_at": iso(i.applied_at),
+                "outcome": i.outcome if i.applied_at is not None else "pending",
             }
-            for j in jobs
+            for i in intents
         ],
         "history": [
             {
@@ -111,6 +120,43 @@ def batch_detail(batch: Batch, jobs: Sequence[Job], events: Sequence[Event]) -> 
             for e in events
         ],
     }
+
+
+def job_summary(job: Job) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "batch_id": job.batch_id,
+        "name": job.name,
+        "pipeline": job.pipeline.value,
+        "state": job.state.value,
+        "attempts": job.attempts,
+        "handle": job.handle,
+        "exit_code": job.exit_code,
+        "error_kind": job.error_kind,
+        "reason": job.reason,
+        "updated_at": iso(job.updated_at),
+    }
+
+
+def roots(
+    configured: Sequence[str], records: Sequence[RootRecord], info: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """The configured drop roots, in order (their index names them in watchctl), with how the
+    daemon last said it watches each (``info``: the heartbeat's) and whether one is paused."""
+    paused = {r.path: r for r in records if r.paused}
+    modes, lost = info.get("roots", {}), set(info.get("lost_roots", ()))
+    return [
+        {
+            "index": index,
+            "path": path,
+            "mode": modes.get(path),
+            "lost": path in lost,
+            "paused": path in paused,
+            "paused_by": paused[path].paused_by if path in paused else None,
+            "paused_at": iso(paused[path].paused_at) if path in paused else None,
+        }
+        for index, path in enumerate(configured)
+    ]
 
 
 def iso(at: float | None) -> str | None:

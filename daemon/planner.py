@@ -65,6 +65,7 @@ class Snapshot:
     free_slots: int | None  # None: the executor queues without limit
     policy: Policy
     submitting: bool = True  # False while shutting down
+    paused_roots: frozenset[str] = frozenset()  # paused by an operator: no job goes out
 
 
 @dataclass(frozen=True)
@@ -113,15 +114,30 @@ class ResolveIntent:
     outcome: str
 
 
-Action = MoveBatch | MoveJob | PlanJobs | Submit | Cancel | ResolveIntent
+@dataclass(frozen=True)
+class PauseRoot:
+    """Record a drop root as paused (no manifest taken in, no job submitted) or resumed."""
+
+    root: str
+    paused: bool
+    requested_by: str
+
+
+Action = MoveBatch | MoveJob | PlanJobs | Submit | Cancel | ResolveIntent | PauseRoot
 
 
 def plan(snapshot: Snapshot) -> list[Action]:
-    """Every action this tick: intents, then each batch in order, then submissions."""
+    """Every action this tick: intents, then each batch in order, then submissions (none for
+    the batches of a paused drop root)."""
     actions: list[Action] = []
     views = {v.batch.id: v for v in snapshot.batches}
     handled: set[int] = set()
+    paused = snapshot.paused_roots
     for intent in snapshot.intents:
+        if intent.batch_id is None:  # an intent on a drop root
+            root_actions, paused = _apply_root_intent(intent, paused)
+            actions += root_actions
+            continue
         view = views.get(intent.batch_id)
         actions += _apply_intent(intent, view)
         handled.add(intent.batch_id)
@@ -136,7 +152,8 @@ def plan(snapshot: Snapshot) -> list[Action]:
         actions += batch_actions
         pending += ready_to_submit
     if snapshot.submitting:
-        actions += _submissions(pending, views, snapshot.free_slots)
+        free = [j for j in pending if views[j.batch_id].batch.root not in paused]
+        actions += _submissions(free, views, snapshot.free_slots)
     return actions
 
 
@@ -164,11 +181,38 @@ def _apply_intent(intent: Intent, view: BatchView | None) -> list[Action]:
         )
         if state not in allowed:
             return [ResolveIntent(intent.id, f"not done: the batch is {state.value}")]
+        if view.manifest is None:
+            refused = "not done: its manifest was refused; saving a fixed one starts a new revision"
+            return [ResolveIntent(intent.id, refused)]
+        reason = f"{intent.action} asked by {who}"
+        # A retry re-runs the failed jobs once the inputs are checked; a requeue runs them all.
+        again: list[Action] = [
+            MoveJob(j.id, JobState.PENDING, reason, fresh=True)
+            for j in view.jobs
+            if intent.action == "requeue" and j.state.terminal
+        ]
         return [
-            MoveBatch(view.batch.id, BatchState.WAITING, f"{intent.action} asked by {who}"),
+            MoveBatch(view.batch.id, BatchState.WAITING, reason),
+            *again,
             ResolveIntent(intent.id, f"{intent.action}: waiting for inputs again"),
         ]
     return [ResolveIntent(intent.id, f"ignored: unknown action '{intent.action}'")]
+
+
+def _apply_root_intent(
+    intent: Intent, paused: frozenset[str]
+) -> tuple[list[Action], frozenset[str]]:
+    """Pause or resume a drop root; the paused roots after it."""
+    root, who = str(intent.root), intent.requested_by or "an operator"
+    if intent.action not in ("pause", "resume"):
+        return [ResolveIntent(intent.id, f"ignored: unknown action '{intent.action}'")], paused
+    pause = intent.action == "pause"
+    if (root in paused) == pause:
+        already = "already paused" if pause else "not paused"
+        return [ResolveIntent(intent.id, f"nothing to do: the root is {already}")], paused
+    after = paused | {root} if pause else paused - {root}
+    outcome = "paused" if pause else "resumed"
+    return [PauseRoot(root, pause, who), ResolveIntent(intent.id, outcome)], after
 
 
 def _cancel_jobs(jobs: Iterable[Job], reason: str) -> list[Action]:
@@ -197,7 +241,10 @@ def _plan_batch(view: BatchView, snapshot: Snapshot) -> tuple[list[Action], list
         actions.append(failure(batch.id))
         return actions, []
     actions += _next_stage(view, jobs, snapshot.policy)
-    pending = [j for j in jobs if j.state is JobState.PENDING]
+    # A job goes out once every job of the earlier stages succeeded (after a requeue, the
+    # report waits for the shards again).
+    open_stage = min((j.stage for j in jobs if j.state is not JobState.SUCCEEDED), default=0)
+    pending = [j for j in jobs if j.state is JobState.PENDING and j.stage == open_stage]
     return actions, pending
 
 
@@ -213,13 +260,14 @@ def _plan_waiting(view: BatchView, policy: Policy) -> list[Action]:
     verdict, batch = view.verdict, view.batch
     if isinstance(verdict, NotReady):
         return [
+            *_cancel_jobs(view.jobs, "batch failed"),  # a requeued batch's jobs wait pending
             MoveBatch(
                 batch.id,
                 BatchState.FAILED,
                 verdict.reason,
                 verdict.problems,
                 watch_inputs=verdict.watch,
-            )
+            ),
         ]
     if not isinstance(verdict, Ready) or view.manifest is None:
         return []
@@ -315,9 +363,9 @@ def _judge(job: Job, seen: JobSeen | None, policy: Policy) -> list[MoveJob]:
         return [MoveJob(job.id, JobState.SUCCEEDED, "finished", seen.exit_code)]
     kind, reason, detail = _failure_of(seen)
     moves = [MoveJob(job.id, JobState.FAILED, reason, seen.exit_code, kind, detail)]
-    if _retryable(kind) and job.attempts < policy.max_attempts:
+    if _retryable(kind) and job.tries < policy.max_attempts:
         moves.append(
-            MoveJob(job.id, JobState.PENDING, f"retry {job.attempts + 1} of {policy.max_attempts}")
+            MoveJob(job.id, JobState.PENDING, f"retry {job.tries + 1} of {policy.max_attempts}")
         )
     return moves
 
@@ -361,7 +409,7 @@ def _failure(jobs: Sequence[Job], seen: Mapping[int, JobSeen], policy: Policy) -
         observed = seen.get(job.id)
         result = observed.result if observed else None
         error = result.error if result else None
-        attempts = f" after {job.attempts} attempt(s)" if _retryable(job.error_kind) else ""
+        attempts = f" after {job.tries} attempt(s)" if _retryable(job.error_kind) else ""
         problems: tuple[Problem, ...] = error.problems if error else ()
         message = error.message if error else (job.reason or "it ended without a result")
         if not problems:

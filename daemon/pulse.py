@@ -11,15 +11,27 @@ import socket
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
+from daemon import overview
 from daemon.metrics import Metrics
 from daemon.notify import Notifier
 from daemon.records import Heartbeat
 from daemon.states import BatchState, JobState
 from daemon.store import Store
+from daemon.subprocesses import process_start_ticks
 from daemon.version import code_version
 
 ACTIVE = [BatchState.WAITING, BatchState.QUEUED, BatchState.RUNNING]
+
+
+def liveness(beat: Heartbeat | None, now: float, heartbeat_seconds: float) -> dict[str, Any]:
+    """What the heartbeat says of the daemon (for watchctl), with whether its process is still
+    there when it runs on this host."""
+    alive = None
+    if beat is not None and beat.host == socket.gethostname():
+        alive = process_start_ticks(beat.pid) is not None
+    return overview.liveness(beat, now, heartbeat_seconds, alive)
 
 
 class Pulse:

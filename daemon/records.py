@@ -1,5 +1,5 @@
-"""The records of watchd: batches, jobs, events, intents, the heartbeat. Frozen values, as
-the store returns them; nothing here touches the database."""
+"""The records of watchd: batches, jobs, events, intents, drop roots, the heartbeat. Frozen
+values, as the store returns them; nothing here touches the database."""
 
 from __future__ import annotations
 
@@ -75,6 +75,14 @@ class Job:
     finished_at: float | None
     # This job's own parameters (a sweep trial's point), merged over the manifest's [params].
     params: Mapping[str, Any] = field(default_factory=dict)
+    # ``attempts`` when an operator last started the job afresh (retry, requeue): attempts keep
+    # counting, so every submission has its own number; the retry budget counts from here.
+    attempts_base: int = 0
+
+    @property
+    def tries(self) -> int:
+        """Attempts since the operator's last fresh start (what the retry budget counts)."""
+        return self.attempts - self.attempts_base
 
 
 @dataclass(frozen=True)
@@ -107,13 +115,27 @@ class Event:
 
 @dataclass(frozen=True)
 class Intent:
+    """An operator's request, applied by the daemon: on a batch (retry, cancel, requeue) or on
+    a drop root (pause, resume); exactly one of ``batch_id`` and ``root`` is set."""
+
     id: int
     at: float
     action: str
-    batch_id: int
+    batch_id: int | None
     requested_by: str
     applied_at: float | None
     outcome: str
+    root: str | None = None
+
+
+@dataclass(frozen=True)
+class RootRecord:
+    """What the daemon made of pause and resume intents on one drop root."""
+
+    path: str
+    paused: bool
+    paused_by: str
+    paused_at: float | None
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from daemon.intake import inside_root
 from daemon.jobspec import Problem
 from daemon.manifest import MANIFEST_NAME, STATUS_NAME
 from daemon.readiness import Timing
-from daemon.records import Batch, Event, Job
+from daemon.records import Batch, Event, Job, RootRecord
 from daemon.states import BatchState, JobState
 from daemon.store import Store
 
@@ -45,6 +45,7 @@ class StatusInput:
     events: tuple[Event, ...]  # the batch's own (job events are for `watchctl show`)
     settle_seconds: float
     timeout_seconds: float
+    pause: RootRecord | None = None  # the batch's drop root, when an operator paused it
 
 
 def render(status: StatusInput, now: float) -> str:
@@ -57,6 +58,8 @@ def render(status: StatusInput, now: float) -> str:
         f"Batch:     #{b.id}, revision {b.revision}, {b.kind or 'unknown kind'}"
         + (f', "{b.title}"' if b.title else ""),
     ]
+    if status.pause is not None and not b.state.terminal:
+        lines.append(f"Paused:    {_paused(status.pause)}")
     if b.owner:
         lines.append(f"Owner:     {b.owner}" + (f" <{b.contact}>" if b.contact else ""))
     if status.jobs:
@@ -101,6 +104,12 @@ def _body(status: StatusInput) -> list[str]:
     if b.state is BatchState.CANCELLED:
         return [f"Why: {b.reason}"]
     return [f"Latest: {b.reason}"]
+
+
+def _paused(pause: RootRecord) -> str:
+    since = f" since {_time(pause.paused_at)}" if pause.paused_at is not None else ""
+    by = f" by {pause.paused_by}" if pause.paused_by else ""
+    return f"the drop folder was paused{by}{since}: no new job starts until it is resumed"
 
 
 def _problem_lines(title: str, problems: Sequence[Problem]) -> list[str]:
@@ -174,9 +183,10 @@ def _overwrite(path: Path, text: str) -> bool:
 def gather(store: Store, batch: Batch, waiting: tuple[Problem, ...], timing: Timing) -> StatusInput:
     """What the status file of ``batch`` shows, read from the store."""
     history = tuple(store.events(batch.id, limit=50, jobs=False))
+    pause = next((r for r in store.roots() if r.path == batch.root and r.paused), None)
     return StatusInput(
         batch, tuple(store.jobs([batch.id])), waiting, history,
-        timing.settle_seconds, timing.timeout_seconds,
+        timing.settle_seconds, timing.timeout_seconds, pause,
     )  # fmt: skip
 
 

@@ -41,6 +41,7 @@ from daemon.planner import (
     Cancel,
     MoveBatch,
     MoveJob,
+    PauseRoot,
     PlanJobs,
     Policy,
     ResolveIntent,
@@ -109,6 +110,7 @@ class Service:
         self._deferred: list[Deferred] = []
         self._dirty: set[int] = set()
         self._lost_roots: set[Path] = set()
+        self.paused: frozenset[str] = frozenset()  # drop roots an operator paused
         self._next_rescan = 0.0
         self._submitting = True
 
@@ -122,6 +124,8 @@ class Service:
             log.info("watching", root=str(path), mode=mode.value)
             self.intake.remember(path)
         self._self_test()
+        self.paused = self.store.paused_roots()
+        self._apply_root_intents(now)
         self.catch_up(now)
         live = self.store.jobs(states=[JobState.SUBMITTED, JobState.RUNNING])
         if live:
@@ -139,6 +143,14 @@ class Service:
             (log.info if check.ok else log.warning)(
                 "self-test", check=check.name, ok=check.ok, detail=check.detail
             )
+
+    def _apply_root_intents(self, now: float) -> None:
+        """Pauses and resumes asked for while the daemon was down take effect before the first
+        scan, so a paused root's new manifests are not taken in at start-up."""
+        intents = tuple(i for i in self.store.pending_intents() if i.batch_id is None)
+        snapshot = Snapshot(now, (), {}, intents, None, self.policy, False, self.paused)
+        for group in _transactions(plan(snapshot), self.store):
+            self._act_safely(group, now)
 
     def request_stop(self) -> None:
         """Called from a signal handler: the first asks for a graceful stop, a second forces."""
@@ -241,6 +253,8 @@ class Service:
             self._look(root, folder, now)
 
     def _look(self, root: Path, folder: str, now: float) -> None:
+        if str(root) in self.paused:
+            return  # the manifest waits on disk; the catch-up at resume finds it
         try:
             deferred = self.intake.look(root, folder, now)
         except Exception:  # one bad folder never stops the loop
@@ -260,6 +274,8 @@ class Service:
                 elif root.path in self._lost_roots:
                     self._lost_roots.discard(root.path)
                     log.info("drop root back", root=str(root.path))
+            if str(root.path) in self.paused:
+                continue
             started = time.monotonic()
             try:
                 found = list(scan_root(root.path))
@@ -286,7 +302,7 @@ class Service:
         intents = tuple(self.store.pending_intents())
         batches = {b.id: b for b in self.store.active_batches()}
         for intent in intents:
-            if intent.batch_id not in batches:
+            if intent.batch_id is not None and intent.batch_id not in batches:
                 batches[intent.batch_id] = self.store.batch(intent.batch_id)
         jobs = self.store.jobs(batch_ids=list(batches))
         by_batch: dict[int, list[Job]] = {}
@@ -308,8 +324,9 @@ class Service:
         slots = self.executor.slots()
         free = None if slots is None else slots - len(live)
         return Snapshot(
-            now, views, self.dispatch.observe(live), intents, free, self.policy, self._submitting
-        )
+            now, views, self.dispatch.observe(live), intents, free, self.policy, self._submitting,
+            self.paused,
+        )  # fmt: skip
 
     def _view(self, batch: Batch, jobs: Iterable[Job], now: float) -> BatchView:
         try:
@@ -378,6 +395,8 @@ class Service:
             self._submit(action.job_ids, now)
         elif isinstance(action, Cancel):
             self._cancel(action, now)
+        elif isinstance(action, PauseRoot):
+            self._pause(action, now)
         elif isinstance(action, ResolveIntent):
             self.store.resolve_intent(action.intent_id, action.outcome, now)
             log.info("intent applied", intent_id=action.intent_id, outcome=action.outcome)
@@ -401,6 +420,16 @@ class Service:
         )
         self._dirty.add(batch.id)
         self.waitroom.moved(batch)
+
+    def _pause(self, action: PauseRoot, now: float) -> None:
+        self.store.set_root_paused(action.root, action.paused, action.requested_by, now)
+        self.paused = self.store.paused_roots()
+        log.info("drop root " + ("paused" if action.paused else "resumed"), root=action.root,
+                 by=action.requested_by)  # fmt: skip
+        # The status files of its batches say whether they are held.
+        self._dirty.update(b.id for b in self.store.active_batches() if b.root == action.root)
+        if not action.paused:
+            self._next_rescan = now  # the next tick's catch-up takes in what waited
 
     def _fail_batch(self, batch_id: int, reason: str, detail: str, now: float) -> None:
         try:

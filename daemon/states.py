@@ -21,6 +21,7 @@ Job lifecycle::
     PENDING ──submit──▶ SUBMITTED ──starts──▶ RUNNING ──result──▶ SUCCEEDED | FAILED
        ▲                    │                   │
        └──── retry ◀── FAILED / CANCELLED ◀─────┘ (cancel, or ended without a result)
+       └──── requeue ◀── SUCCEEDED (an operator's requeue runs every job of the batch again)
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ JOB_TRANSITIONS: Mapping[JobState, frozenset[JobState]] = {
         {JobState.RUNNING, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
     ),
     JobState.RUNNING: frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}),
-    JobState.SUCCEEDED: frozenset(),
+    JobState.SUCCEEDED: frozenset({JobState.PENDING}),  # requeue
     JobState.FAILED: frozenset({JobState.PENDING}),  # retry
     JobState.CANCELLED: frozenset({JobState.PENDING}),  # retry
 }

@@ -30,6 +30,7 @@ from daemon.records import (
     JobChange,
     NewBatch,
     NewJob,
+    RootRecord,
 )
 from daemon.states import BatchState, JobState, batch_can_move, job_can_move
 
@@ -43,6 +44,8 @@ class Store:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA foreign_keys=ON")
+        # Case-insensitive matching beyond ASCII (SQLite's lower() and LIKE know only ASCII).
+        conn.create_function("casefold", 1, _casefold, deterministic=True)
         self.db = sqlite_utils.Database(conn, execute_plugins=False)
 
     @classmethod
@@ -111,6 +114,9 @@ class Store:
 
     def integrity(self) -> str:
         return str(self.db.execute("PRAGMA integrity_check").fetchone()[0])
+
+    def journal_mode(self) -> str:
+        return str(self.db.execute("PRAGMA journal_mode").fetchone()[0])
 
     # -- batches -----------------------------------------------------------------------------
 
@@ -185,12 +191,30 @@ class Store:
         *,
         limit: int | None = None,
         newest_first: bool = False,
+        owner: str | None = None,
+        root: str | None = None,
+        since: float | None = None,
     ) -> list[Batch]:
-        sql, params = f"SELECT {_BATCH_COLUMNS} FROM batches", []
+        """Batches in ``states``, whose owner contains ``owner`` (any case), in ``root``,
+        created at or after ``since``."""
+        clauses: list[str] = []
+        params: list[object] = []
         if states is not None:
             wanted = [s.value for s in states]
-            sql += f" WHERE state IN ({','.join('?' * len(wanted))})"
-            params = list(wanted)
+            clauses.append(f"state IN ({','.join('?' * len(wanted))})")
+            params += wanted
+        if owner:
+            clauses.append("instr(casefold(owner), ?) > 0")
+            params.append(_casefold(owner))
+        if root is not None:
+            clauses.append("root = ?")
+            params.append(root)
+        if since is not None:
+            clauses.append("created_at >= ?")
+            params.append(since)
+        sql = f"SELECT {_BATCH_COLUMNS} FROM batches" + (
+            f" WHERE {' AND '.join(clauses)}" if clauses else ""
+        )
         sql += " ORDER BY id DESC" if newest_first else " ORDER BY id"
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
@@ -316,9 +340,33 @@ class Store:
             raise NotFound(f"no job {job_id}")
         return _job(rows[0])
 
+    def job_named(self, name: str) -> Job:
+        rows = list(self.db.query(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE name = ?", [name]))
+        if not rows:
+            raise NotFound(f"no job {name!r}")
+        return _job(rows[0])
+
+    def job_counts(self, batch_ids: Iterable[int]) -> dict[int, dict[JobState, int]]:
+        """batch id → how many of its jobs are in each state (states with none left out)."""
+        ids = list(batch_ids)
+        rows = self.db.execute(
+            f"SELECT batch_id, state, count(*) FROM jobs WHERE batch_id IN"
+            f" ({','.join('?' * len(ids))}) GROUP BY batch_id, state",
+            ids,
+        )
+        counts: dict[int, dict[JobState, int]] = {i: {} for i in ids}
+        for batch_id, state, n in rows:
+            counts[batch_id][JobState(state)] = n
+        return counts
+
     def jobs(
-        self, batch_ids: Iterable[int] | None = None, states: Iterable[JobState] | None = None
+        self,
+        batch_ids: Iterable[int] | None = None,
+        states: Iterable[JobState] | None = None,
+        *,
+        limit: int | None = None,
     ) -> list[Job]:
+        """Jobs in id order; with ``limit``, the newest ``limit`` of them."""
         clauses: list[str] = []
         params: list[object] = []
         if batch_ids is not None:
@@ -331,6 +379,8 @@ class Store:
             params += wanted
         where = f" WHERE {' AND '.join(clauses)}" if clauses else ""
         sql = f"SELECT {_JOB_COLUMNS} FROM jobs{where} ORDER BY id"
+        if limit is not None:
+            sql = f"SELECT * FROM ({sql} DESC LIMIT {int(limit)}) ORDER BY id"
         return [_job(r) for r in self.db.query(sql, params)]
 
     def job_inputs(self, job_id: int) -> tuple[InputFile, ...]:
@@ -360,7 +410,7 @@ class Store:
             if change.handle is not None:
                 update["handle"] = change.handle
             if change.reset_attempts:
-                update["attempts"] = 0
+                update["attempts_base"] = current.attempts
             if change.new_attempt:
                 update["attempts"] = current.attempts + 1
                 update["submitted_at"] = now
@@ -451,11 +501,22 @@ class Store:
             intent_id = self._insert("intents", row)
         return self.intent(intent_id)
 
+    def add_root_intent(self, action: str, root: str, now: float, requested_by: str) -> Intent:
+        """An intent on a drop root (pause, resume); the caller knows it is a configured one."""
+        row = {"at": now, "action": action, "root": root, "requested_by": requested_by}
+        with self.atomic():
+            intent_id = self._insert("intents", row)
+        return self.intent(intent_id)
+
     def intent(self, intent_id: int) -> Intent:
         rows = list(self.db.query("SELECT * FROM intents WHERE id = ?", [intent_id]))
         if not rows:
             raise NotFound(f"no intent {intent_id}")
         return Intent(**rows[0])
+
+    def intents_of(self, batch_id: int) -> list[Intent]:
+        rows = self.db.query("SELECT * FROM intents WHERE batch_id = ? ORDER BY id", [batch_id])
+        return [Intent(**r) for r in rows]
 
     def pending_intents(self) -> list[Intent]:
         rows = self.db.query("SELECT * FROM intents WHERE applied_at IS NULL ORDER BY id")
@@ -464,6 +525,21 @@ class Store:
     def resolve_intent(self, intent_id: int, outcome: str, now: float) -> None:
         with self.atomic():
             self._table("intents").update(intent_id, {"applied_at": now, "outcome": outcome})
+
+    # -- drop roots (written by the daemon alone, as it applies pause and resume intents) -------
+
+    def roots(self) -> list[RootRecord]:
+        rows = self.db.query("SELECT * FROM roots ORDER BY path")
+        return [RootRecord(**{**r, "paused": bool(r["paused"])}) for r in rows]
+
+    def paused_roots(self) -> frozenset[str]:
+        return frozenset(r.path for r in self.roots() if r.paused)
+
+    def set_root_paused(self, root: str, paused: bool, by: str, now: float) -> None:
+        row = {"path": root, "paused": int(paused), "paused_by": by if paused else "",
+               "paused_at": now if paused else None}  # fmt: skip
+        with self.atomic():
+            self._table("roots").upsert(row, pk="path")
 
     # -- heartbeat ---------------------------------------------------------------------------
 
@@ -488,6 +564,10 @@ _JOB_COLUMNS = ", ".join(
     f.name
     for f in Job.__dataclass_fields__.values()  # every column but the inputs
 )
+
+
+def _casefold(text: str | None) -> str:
+    return (text or "").casefold()
 
 
 def _dump_problems(problems: Sequence[Problem]) -> str:

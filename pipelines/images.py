@@ -152,7 +152,7 @@ def peek_size(batch_dir: Path, item: InputFile) -> tuple[int, int] | None:
                 return height, width
             if head[:4] in TIFF_MAGICS:
                 handle.seek(0)
-                with tifffile.TiffFile(handle) as tif:
+                with tifffile.TiffFile(handle, name=Path(item.path).name) as tif:
                     page = tif.pages[0]
                     if isinstance(page, tifffile.TiffPage):
                         return page.imagelength, page.imagewidth

@@ -44,7 +44,9 @@ class RegionReader:
     def __init__(self, source: Path | BinaryIO, cache_pixel_rows: int = 4 * TILE) -> None:
         """``source``: a path, or a file open for reading at the TIFF's start (the caller
         opened it by the batch folder's rule and closes it)."""
-        self.tif = tifffile.TiffFile(source)
+        # A file opened by descriptor is named by its number, which tifffile cannot split.
+        name = source.name if isinstance(source, Path) else "input.tif"
+        self.tif = tifffile.TiffFile(source, name=name)
         page = self.tif.pages[0]
         assert isinstance(page, tifffile.TiffPage)
         if page.planarconfig == tifffile.PLANARCONFIG.SEPARATE and page.samplesperpixel > 1:
@@ -225,7 +227,10 @@ def _tiles(bands: Iterator[np.ndarray], width: int) -> Iterator[np.ndarray]:
 
 def _write_tiled(path: Path, bands: Iterator[np.ndarray], height: int, width: int) -> None:
     """Write uint8 bands as a tiled, deflate-compressed TIFF, atomically (temp + rename)."""
-    with atomic_writer(path) as handle, tifffile.TiffWriter(handle) as tif:
+    with (
+        atomic_writer(path) as handle,
+        tifffile.TiffWriter(tifffile.FileHandle(handle, mode="wb", name=path.name)) as tif,
+    ):
         tif.write(_tiles(bands, width), shape=(height, width), dtype=np.uint8,
                   tile=(TILE, TILE), compression="zlib", photometric="minisblack")  # fmt: skip
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import tomli_w
 
 from daemon.executors import Phase
@@ -13,6 +15,7 @@ from daemon.planner import (
     JobSeen,
     MoveBatch,
     MoveJob,
+    PauseRoot,
     PlanJobs,
     Policy,
     ResolveIntent,
@@ -327,3 +330,114 @@ def test_a_batch_left_with_only_cancelled_jobs_fails_instead_of_waiting_forever(
     actions = plan(snap(BatchView(batch(1, BatchState.RUNNING), manifest(), jobs)))
     assert actions[-1].target is BatchState.FAILED
     assert actions[-1].reason == "job j2 was cancelled (no reason recorded)"
+
+
+# -- pause and resume of a drop root; requeue -------------------------------------------------
+
+
+def root_intent(id: int, action: str, root: str = "/r") -> Intent:
+    return Intent(id, 0.0, action, None, "ops", None, "", root=root)
+
+
+def queued(id: int, root: str = "/r") -> BatchView:
+    view = BatchView(
+        replace(batch(id, BatchState.QUEUED), root=root),
+        manifest(),
+        (job(id * 10, JobState.PENDING, batch_id=id, attempts=0),),
+    )
+    return view
+
+
+def test_a_paused_root_holds_its_queued_batches_while_other_roots_submit() -> None:
+    held, other = queued(1, "/r"), queued(2, "/elsewhere")
+    actions = plan(replace(snap(held, other), paused_roots=frozenset({"/r"})))
+    assert actions == [MoveBatch(2, BatchState.RUNNING, "jobs submitted"), Submit((20,))]
+    assert plan(snap(held, other))[-1] == Submit((10, 20))
+
+
+def test_a_held_job_takes_no_slot_from_another_roots_jobs() -> None:
+    held, other = queued(1, "/r"), queued(2, "/elsewhere")
+    actions = plan(replace(snap(held, other, free=1), paused_roots=frozenset({"/r"})))
+    assert actions[-1] == Submit((20,))
+
+
+def test_a_pause_intent_holds_submissions_in_the_same_tick_and_a_resume_releases_them() -> None:
+    actions = plan(snap(queued(1), intents=[root_intent(5, "pause")]))
+    assert actions == [PauseRoot("/r", True, "ops"), ResolveIntent(5, "paused")]
+    paused = frozenset({"/r"})
+    actions = plan(
+        replace(snap(queued(1), intents=[root_intent(6, "resume")]), paused_roots=paused)
+    )
+    assert actions == [
+        PauseRoot("/r", False, "ops"),
+        ResolveIntent(6, "resumed"),
+        MoveBatch(1, BatchState.RUNNING, "jobs submitted"),
+        Submit((10,)),
+    ]
+
+
+def test_pausing_a_paused_root_or_resuming_a_running_one_changes_nothing() -> None:
+    paused = replace(snap(intents=[root_intent(1, "pause")]), paused_roots=frozenset({"/r"}))
+    assert plan(paused) == [ResolveIntent(1, "nothing to do: the root is already paused")]
+    assert plan(snap(intents=[root_intent(2, "resume")])) == [
+        ResolveIntent(2, "nothing to do: the root is not paused")
+    ]
+    assert plan(snap(intents=[root_intent(3, "shake")])) == [
+        ResolveIntent(3, "ignored: unknown action 'shake'")
+    ]
+
+
+def test_a_requeued_done_batch_waits_again_with_every_job_pending_afresh() -> None:
+    jobs = (job(1, JobState.SUCCEEDED), job(2, JobState.SUCCEEDED, pipeline=Pipeline.REPORT))
+    done = BatchView(batch(1, BatchState.DONE), manifest(), jobs)
+    intent = Intent(3, 0.0, "requeue", 1, "ops", None, "")
+    assert plan(snap(done, intents=[intent])) == [
+        MoveBatch(1, BatchState.WAITING, "requeue asked by ops"),
+        MoveJob(1, JobState.PENDING, "requeue asked by ops", fresh=True),
+        MoveJob(2, JobState.PENDING, "requeue asked by ops", fresh=True),
+        ResolveIntent(3, "requeue: waiting for inputs again"),
+    ]
+    running = BatchView(batch(1, BatchState.RUNNING), manifest(), ())
+    assert plan(snap(running, intents=[intent])) == [
+        ResolveIntent(3, "not done: the batch is running")
+    ]
+    refused = BatchView(batch(1, BatchState.FAILED), None, ())
+    assert plan(snap(refused, intents=[intent])) == [
+        ResolveIntent(
+            3, "not done: its manifest was refused; saving a fixed one starts a new revision"
+        )
+    ]
+
+
+def test_a_later_stage_goes_out_only_after_every_earlier_job_succeeded() -> None:
+    """After a requeue the shards and the report are all pending: the report waits."""
+    jobs = (
+        job(1, JobState.PENDING, attempts=1),
+        job(2, JobState.SUCCEEDED),
+        job(3, JobState.PENDING, pipeline=Pipeline.REPORT, attempts=1),
+    )
+    actions = plan(snap(BatchView(batch(1, BatchState.QUEUED), manifest(), jobs), free=None))
+    assert actions[-1] == Submit((1,))
+    shards_done = (job(1, JobState.SUCCEEDED), jobs[1], jobs[2])
+    actions = plan(snap(BatchView(batch(1, BatchState.RUNNING), manifest(), shards_done)))
+    assert actions == [Submit((3,))]
+
+
+def test_a_requeued_batch_whose_inputs_are_gone_fails_and_its_pending_jobs_are_cancelled() -> None:
+    problem = Problem("manifest.toml, files[0]", "'a' is missing")
+    view = BatchView(
+        batch(), manifest(), (job(1, JobState.PENDING),), NotReady((problem,), "inputs gone")
+    )
+    assert plan(snap(view)) == [
+        Cancel((1,), "batch failed"),
+        MoveBatch(1, BatchState.FAILED, "inputs gone", (problem,)),
+    ]
+
+
+def test_the_retry_budget_counts_from_the_operators_last_fresh_start() -> None:
+    """Attempts keep counting across a retry (each submission has its own number); the
+    automatic retries after a lost job count from the fresh start."""
+    fresh = replace(job(1, JobState.RUNNING, attempts=4), attempts_base=3)
+    view = BatchView(batch(1, BatchState.RUNNING), manifest(), (fresh,))
+    actions = plan(snap(view, seen=[JobSeen(1, Phase.ENDED, -9)]))
+    assert actions[1] == MoveJob(1, JobState.PENDING, "retry 2 of 3")

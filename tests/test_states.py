@@ -38,7 +38,9 @@ def test_terminal_states_only_leave_by_retry_or_requeue() -> None:
     for state in BatchState:
         if state.terminal:
             assert BATCH_TRANSITIONS[state] == {BatchState.WAITING}
-    assert JOB_TRANSITIONS[JobState.SUCCEEDED] == frozenset()
+    for state in JobState:
+        if state.terminal:
+            assert JOB_TRANSITIONS[state] == {JobState.PENDING}
 
 
 def test_a_batch_is_born_waiting_or_failed() -> None:

@@ -1,18 +1,26 @@
-"""The store's jobs: their own parameters (migration 2) and the inputs a later stage inherits."""
+"""The store's jobs: their own parameters (migration 2), the inputs a later stage inherits, and
+migration 3 (intents on drop roots, attempts counted on)."""
 
 from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from daemon.jobspec import InputFile, Pipeline
 from daemon.migrations import MIGRATIONS
-from daemon.records import NewBatch, NewJob
-from daemon.states import BatchState
+from daemon.records import Batch, JobChange, NewBatch, NewJob
+from daemon.states import BatchState, JobState
 from daemon.store import Store
 
 INPUTS = (InputFile("images/a.png", 1), InputFile("masks/a.png", 1, role="mask"),
           InputFile("images/b.png", 2))  # fmt: skip
+
+
+def a_batch(store: Store, kind: str) -> Batch:
+    new = NewBatch("/r", "f", "sha", "", "", kind, "", "o", None, "/run")
+    return store.create_batch(new, BatchState.WAITING, "accepted", 0.0)
 
 
 def test_trial_params_round_trip_and_a_later_stage_inherits_each_input_once(
@@ -20,10 +28,7 @@ def test_trial_params_round_trip_and_a_later_stage_inherits_each_input_once(
 ) -> None:
     store = Store.open(tmp_path / "watchd.sqlite")
     try:
-        batch = store.create_batch(
-            NewBatch("/r", "f", "sha", "", "", "sweep", "", "o", None, "/run"),
-            BatchState.WAITING, "accepted", 0.0,
-        )  # fmt: skip
+        batch = a_batch(store, "sweep")
         trials = [NewJob(f"b1-trial-{i}", Pipeline.TRAIN, 0, i, 3, INPUTS, "local",
                          params={"learning_rate": rate, "trial": i})
                   for i, rate in enumerate((0.1, 0.01, 0.001))]  # fmt: skip
@@ -61,8 +66,73 @@ def test_a_database_of_schema_1_gains_the_params_column_with_empty_params(tmp_pa
     connection.close()
     store = Store.open(path)
     try:
-        assert store.schema_version() == 2
+        assert store.schema_version() == MIGRATIONS[-1][0]
         (job,) = store.jobs()
         assert job.name == "old" and dict(job.params) == {}
+        assert (job.attempts, job.attempts_base) == (0, 0)
+    finally:
+        store.close()
+
+
+def test_migration_3_keeps_the_intents_and_lets_an_intent_name_a_root_instead_of_a_batch(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "v2.sqlite"
+    connection = sqlite3.connect(path)
+    connection.execute("CREATE TABLE migrations (version INTEGER PRIMARY KEY, applied_at TEXT)")
+    for version, script in MIGRATIONS[:2]:
+        connection.executescript(script)
+        connection.execute("INSERT INTO migrations VALUES (?, 'then')", [version])
+    connection.execute(
+        "INSERT INTO intents (at, action, batch_id, requested_by, applied_at, outcome)"
+        " VALUES (5.0, 'retry', 7, 'ops', 6.0, 'retry: waiting for inputs again')"
+    )
+    connection.commit()
+    connection.close()
+    store = Store.open(path)
+    try:
+        old = store.intent(1)
+        assert (old.action, old.batch_id, old.root, old.outcome) == (
+            "retry",
+            7,
+            None,
+            "retry: waiting for inputs again",
+        )
+        pause = store.add_root_intent("pause", "/drop", 8.0, "ops")
+        assert (pause.id, pause.batch_id, pause.root) == (2, None, "/drop")
+        assert [i.id for i in store.pending_intents()] == [2]
+        with pytest.raises(sqlite3.IntegrityError):  # exactly one of batch and root
+            store.db.execute("INSERT INTO intents (at, action) VALUES (1, 'pause')")
+        store.set_root_paused("/drop", True, "ops", 9.0)
+        assert store.paused_roots() == {"/drop"}
+        store.set_root_paused("/drop", False, "ops", 10.0)
+        assert store.paused_roots() == frozenset()
+        assert [(r.path, r.paused, r.paused_by, r.paused_at) for r in store.roots()] == [
+            ("/drop", False, "", None)
+        ]
+    finally:
+        store.close()
+
+
+def test_a_fresh_start_keeps_counting_attempts_and_restarts_the_retry_budget(
+    tmp_path: Path,
+) -> None:
+    """A retried job's next submission has a number of its own (a result left by an earlier
+    attempt is never taken for the new one's), while its retry budget starts again."""
+    store = Store.open(tmp_path / "watchd.sqlite")
+    try:
+        batch = a_batch(store, "inference")
+        (job,) = store.create_jobs(
+            batch.id, [NewJob("j", Pipeline.INFER, 0, 0, 1, INPUTS, "local")], 1.0
+        )
+        store.transition_job(job.id, JobState.SUBMITTED, "submitted", 2.0,
+                             JobChange(handle="h", new_attempt=True))  # fmt: skip
+        store.transition_job(job.id, JobState.FAILED, "bad input", 3.0)
+        again = store.transition_job(job.id, JobState.PENDING, "retry", 4.0,
+                                     JobChange(reset_attempts=True))  # fmt: skip
+        assert (again.attempts, again.attempts_base, again.tries) == (1, 1, 0)
+        second = store.transition_job(job.id, JobState.SUBMITTED, "submitted", 5.0,
+                                      JobChange(handle="h2", new_attempt=True))  # fmt: skip
+        assert (second.attempts, second.tries) == (2, 1)
     finally:
         store.close()

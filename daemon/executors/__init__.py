@@ -60,6 +60,7 @@ class Check:
     name: str
     ok: bool
     detail: str
+    hint: str = ""  # what to do about it, when it failed
 
 
 class Executor(Protocol):

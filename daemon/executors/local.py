@@ -112,7 +112,8 @@ class LocalExecutor:
 
     def self_test(self) -> list[Check]:
         if not os.access(self.python, os.X_OK):
-            return [Check("local executor", False, f"{self.python} is not executable")]
+            hint = "set executor.local.python to a Python with watchd[train] installed"
+            return [Check("local executor", False, f"{self.python} is not executable", hint)]
         detail = f"{self.python}, {self.max_parallel} job(s) at once"
         return [Check("local executor", True, detail)]
 

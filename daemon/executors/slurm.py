@@ -184,18 +184,22 @@ class SlurmExecutor:
             versions = self.client.versions()
             partitions = self.client.partitions()
         except WatchdError as exc:
-            return [*checks, Check("slurm controller", False, str(exc).splitlines()[0])]
+            hint = "is slurmctld up, and is slurm_conf the cluster's? the daemon retries meanwhile"
+            return [*checks, Check("slurm controller", False, str(exc).splitlines()[0], hint)]
         checks.append(
             Check("slurm controller", True, f"Slurm {versions.controller}, {versions.client}")
         )
         if self.client.name == "pyslurm":
             same = release(versions.client) == release(versions.controller)
             detail = f"{versions.client} for Slurm {versions.controller}"
-            checks.append(Check("pyslurm release", same, detail))
+            hint = 'install the pyslurm of this Slurm release, or set client = "cli"'
+            checks.append(Check("pyslurm release", same, detail, "" if same else hint))
         listed = ", ".join(partitions) or "none"
         wanted = self.site.partition
         if wanted:
-            found = Check("slurm partition", wanted in partitions, f"'{wanted}' among {listed}")
+            there = wanted in partitions
+            hint = "" if there else "set executor.slurm.partition to one the cluster has"
+            found = Check("slurm partition", there, f"'{wanted}' among {listed}", hint)
         else:
             found = Check("slurm partitions", bool(partitions), f"the default; there are {listed}")
         return [*checks, found]

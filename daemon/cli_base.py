@@ -1,0 +1,66 @@
+"""What every command line of watchd starts from: the config file found, the store opened, a
+drop root named, the shared options, the consoles, and the exit codes they end with."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from daemon.config import Config, RootSection, load_config
+from daemon.errors import WatchdError
+from daemon.store import Store
+
+ConfigOption = Annotated[
+    Path | None, typer.Option("--config", "-c", help="config.toml to use", show_default=False)
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
+
+# Tables piped into a file or grep are not cut to a terminal's 80 columns.
+console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 240)
+# Progress bars go to stderr, and only to a terminal: stdout stays what a script reads.
+progress_console = Console(stderr=True, highlight=False)
+
+EXIT_CODES = "\n\n".join(
+    (
+        "Exit status: 0 done; 1 an error, printed as one line 'Error: …' on stderr; "
+        "2 a usage error (an unknown option, a bad value); 3 watchctl doctor found a problem.",
+        "watchctl reads the database itself, so it works while the daemon is down. What it "
+        "changes (retry, cancel, requeue, pause, resume) it records as an intent that the daemon "
+        "applies at its next tick, through its state machine. Every command that reads takes "
+        "--json. Times are UTC.",
+    )
+)
+
+
+def find_config(explicit: Path | None) -> Path:
+    """``--config``, else ``$WATCHD_CONFIG``, else ``./config.toml``, else
+    ``/etc/watchd/config.toml``."""
+    if explicit is not None:
+        return explicit
+    for candidate in (os.environ.get("WATCHD_CONFIG"), "config.toml", "/etc/watchd/config.toml"):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    raise WatchdError("no config.toml here or in /etc/watchd; pass --config PATH")
+
+
+def open_store(config: Path | None) -> tuple[Config, Store]:
+    """The config and its database, which must exist already (never created by watchctl)."""
+    cfg = load_config(find_config(config))
+    return cfg, Store.open_existing(cfg.daemon.database)
+
+
+def find_root(cfg: Config, named: str) -> RootSection:
+    """A configured drop root, by its path or by its index (as ``watchctl status`` lists it)."""
+    if named.isdigit() and int(named) < len(cfg.roots):
+        return cfg.roots[int(named)]
+    wanted = {Path(os.path.abspath(named)), Path(named).resolve()}
+    for root in cfg.roots:
+        if root.path in wanted or root.path.resolve() in wanted:
+            return root
+    listed = ", ".join(f"[{i}] {r.path}" for i, r in enumerate(cfg.roots))
+    raise WatchdError(f"{named!r} is not a drop root of {cfg.source} (its roots: {listed})")

@@ -1,0 +1,102 @@
+"""A job's log, ``<run dir>/jobs/<job name>/log.txt`` (what the job printed, appended to by
+each attempt): its last lines, and the lines it gains until the job ends (``watchctl logs``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from daemon.jobspec import LOG_FILE, job_dir
+from daemon.records import Batch, Job
+from daemon.store import Store
+
+BLOCK = 8192
+
+
+def log_path(batch: Batch, job: Job) -> Path:
+    return job_dir(batch.run_dir, job.name) / LOG_FILE
+
+
+def _decode(line: bytes) -> str:
+    return line.decode("utf-8", "replace")
+
+
+@dataclass(frozen=True)
+class Tail:
+    lines: tuple[str, ...]  # the last whole lines
+    partial: bytes  # a last line still being written (no newline yet)
+    end: int  # the file's size when read
+
+
+def tail(path: Path, count: int) -> Tail:
+    """The last ``count`` lines of a file, read from its end (a training log may be large)."""
+    with open(path, "rb") as handle:
+        end = position = handle.seek(0, 2)
+        data = b""
+        while position > 0 and data.count(b"\n") <= count:
+            step = min(BLOCK, position)
+            position -= step
+            handle.seek(position)
+            data = handle.read(step) + data
+    *whole, partial = data.split(b"\n")
+    if position > 0 and whole:
+        whole = whole[1:]  # the first line read may have begun before the block
+    kept = whole[-count:] if count > 0 else []
+    return Tail(tuple(_decode(line) for line in kept), partial, end)
+
+
+class Follower:
+    """What a growing file gained since the last read, in whole lines."""
+
+    def __init__(self, path: Path, offset: int = 0, partial: bytes = b"") -> None:
+        self.path, self.offset, self.partial = path, offset, partial
+
+    def read(self) -> list[str]:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return []  # not written yet (the job has not started)
+        if size < self.offset:  # truncated or replaced: start from its beginning
+            self.offset, self.partial = 0, b""
+        with open(self.path, "rb") as handle:
+            handle.seek(self.offset)
+            data = handle.read(size - self.offset)
+        self.offset += len(data)
+        *whole, self.partial = (self.partial + data).split(b"\n")
+        return [_decode(line) for line in whole]
+
+    def rest(self) -> list[str]:
+        """Whatever is left once the job ended: its last line even without a newline."""
+        lines = self.read()
+        if self.partial:
+            lines.append(_decode(self.partial))
+            self.partial = b""
+        return lines
+
+
+def follow(
+    store: Store,
+    job_id: int,
+    follower: Follower,
+    emit: Callable[[str], None],
+    *,
+    poll_seconds: float = 0.5,
+) -> None:
+    """Emit the lines the log gains until the job has ended.
+
+    A job counts as ended when two polls in a row find it so: a failed job the daemon retries
+    goes back to pending in the same tick, and following should go on through the retry.
+    """
+    ended_before = False
+    while True:
+        for line in follower.read():
+            emit(line)
+        ended = store.job(job_id).state.terminal
+        if ended and ended_before:
+            break
+        ended_before = ended
+        time.sleep(poll_seconds)
+    for line in follower.rest():
+        emit(line)
