@@ -93,4 +93,16 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         ALTER TABLE jobs ADD COLUMN params TEXT NOT NULL DEFAULT '{}'
         """,
     ),
+    # review-slurm: cancels the executor could not deliver yet (the controller was away),
+    # sent again every tick until delivered, across restarts (renumber at merge if needed).
+    (
+        3,
+        """
+        CREATE TABLE cancels (
+            handle TEXT PRIMARY KEY,
+            job_id INTEGER NOT NULL,
+            at REAL NOT NULL
+        )
+        """,
+    ),
 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import tomli_w
 
 from daemon.executors import Phase
@@ -141,10 +143,44 @@ def test_pending_jobs_go_out_within_the_free_slots_oldest_batch_first() -> None:
         batch(2, BatchState.QUEUED), manifest(), (job(3, JobState.PENDING, batch_id=2, attempts=0),)
     )
     actions = plan(snap(first, second, free=2))
-    assert actions == [MoveBatch(1, BatchState.RUNNING, "jobs submitted"), Submit((1, 2))]
+    assert actions == [Submit((1, 2))]  # the batches stay queued until a job is taken
     assert plan(snap(first, second, free=0)) == []
     assert plan(snap(first, second, free=None))[-1] == Submit((1, 2, 3))
     assert plan(snap(first, second, submitting=False)) == []
+
+
+def test_a_queued_batch_runs_once_the_executor_took_one_of_its_jobs() -> None:
+    """Moved on the tick after the submission, from what the store says: a submission the
+    executor held back or refused leaves the batch queued."""
+    held = BatchView(
+        batch(1, BatchState.QUEUED), manifest(), (job(1, JobState.PENDING, attempts=0),)
+    )
+    taken = BatchView(
+        batch(2, BatchState.QUEUED),
+        manifest(),
+        (job(2, JobState.SUBMITTED, batch_id=2), job(3, JobState.PENDING, batch_id=2, attempts=0)),
+    )
+    assert plan(snap(held, taken)) == [
+        MoveBatch(2, BatchState.RUNNING, "jobs submitted"),
+        Submit((1, 3)),
+    ]
+
+
+def test_a_job_the_executor_refused_for_good_fails_its_queued_batch() -> None:
+    refused = job(1, JobState.FAILED, attempts=0, handle=None, error_kind=ErrorKind.INPUT.value)
+    refused = replace(refused, reason="refused by the slurm executor: Invalid partition")
+    view = BatchView(
+        batch(1, BatchState.QUEUED), manifest(), (refused, job(2, JobState.PENDING, attempts=0))
+    )
+    problem = Problem("job j1", "refused by the slurm executor: Invalid partition",
+                      "see its log: jobs/j1/log.txt")  # fmt: skip
+    assert plan(snap(view)) == [
+        Cancel((2,), "batch failed"),
+        MoveBatch(
+            1, BatchState.FAILED, "job j1 failed: refused by the slurm executor: Invalid partition",
+            (problem,),
+        ),
+    ]  # fmt: skip
 
 
 def test_a_finished_shard_succeeds_and_the_report_follows_the_last_one() -> None:

@@ -93,5 +93,7 @@ def test_only_a_training_batch_may_ask_for_several_tasks_and_no_value_may_be_sil
     )
     assert any(f.startswith("manifest.toml, resources.cpus: unknown key 'cpus'") for f in found)
     text = MANIFEST.format(kind="inference", resources="tasks = 2")
-    with pytest.raises(ManifestError, match=r"only training \(and a sweep's trials\) runs several tasks"):
+    with pytest.raises(
+        ManifestError, match=r"only training \(and a sweep's trials\) runs several tasks"
+    ):
         parse_manifest(text.encode())
