@@ -110,6 +110,9 @@ class SlurmExecutorSection(_Section):
     retry_attempts: Annotated[int, Field(ge=1, le=10)] = 3  # tries of one call, if they fail fast
     retry_wait_seconds: Seconds = 1.0  # first pause after an unreachable controller; doubles
     max_backoff_seconds: Seconds = 120.0  # the longest pause between tries
+    # Slurm refusing a job (bad partition, a limit) this many times, max_backoff_seconds apart,
+    # fails it with Slurm's message, and its batch with it.
+    max_refusals: Annotated[int, Field(ge=1, le=100)] = 3
 
     @pydantic.model_validator(mode="after")
     def _defaults_within_bounds(self) -> SlurmExecutorSection:

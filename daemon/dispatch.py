@@ -1,10 +1,17 @@
 """Dispatch: hand jobs to the executor and read back what became of them.
 
-Submitting writes the attempt's spec into the job directory first, then asks the executor, then
-records SUBMITTED with the handle. A daemon that dies between a job's end and the recording of
-it finds the result at the next submission of that attempt and records it instead of running
-the job again. Polling asks the executor about every live job in one call and reads the result
-file of each job the executor says has ended (or has forgotten).
+Submitting writes the attempt's spec into the job directory first (unless it is there already),
+then asks the executor, then records what became of each job: SUBMITTED with its handle, FAILED
+with the executor's word when it refused the job for good (the planner then fails the batch),
+or nothing (still pending, offered again next tick). A daemon that dies between a job's end and
+the recording of it finds the result at the next submission of that attempt and records it
+instead of running the job again. Polling asks the executor about every live job in one call
+and reads the result file of each job the executor says has ended (or has forgotten).
+
+Cancelling marks the jobs cancelled and keeps, in the same transaction, a cancel for each one
+the executor has; a cancel is dropped once delivered, and sent again every tick until then
+(across restarts). A job with a cancel not delivered yet is not submitted again: its earlier
+attempt may still run.
 """
 
 from __future__ import annotations
@@ -17,9 +24,17 @@ from pathlib import Path
 import structlog
 
 from daemon import atomicfile, jobspec, resources
-from daemon.errors import ExecutorUnavailable, SubmissionError
-from daemon.executors import Executor, Phase, Submission
-from daemon.jobspec import LOG_FILE, RESULT_FILE, SPEC_FILE, JobResult, JobSpec, Resources
+from daemon.errors import ExecutorUnavailable
+from daemon.executors import Accepted, Deferred, Executor, Handover, Phase, Refused, Submission
+from daemon.jobspec import (
+    LOG_FILE,
+    RESULT_FILE,
+    SPEC_FILE,
+    ErrorKind,
+    JobResult,
+    JobSpec,
+    Resources,
+)
 from daemon.manifest import Manifest
 from daemon.planner import JobSeen, job_spec
 from daemon.records import Batch, Job, JobChange
@@ -33,10 +48,12 @@ FINISHED_HANDLE = "finished"  # an attempt found finished before it was recorded
 
 @dataclass(frozen=True)
 class Outcome:
-    """What a submission round did: jobs now submitted, batches whose folder refused a write."""
+    """What a submission round did: jobs now submitted, jobs the executor refused for good
+    (now FAILED), batches whose folder refused a write."""
 
     submitted: tuple[Job, ...] = ()
     unwritable: tuple[tuple[Batch, OSError], ...] = ()
+    refused: tuple[Job, ...] = ()
 
 
 class Dispatcher:
@@ -63,11 +80,11 @@ class Dispatcher:
         self._no_result_since: dict[int, float] = {}
         self._said: dict[str, str] = {}  # the last warning of each kind, not to repeat it
 
-    def _warn(self, event: str, exc: Exception, **fields: object) -> None:
+    def _warn(self, event: str, error: str, **fields: object) -> None:
         """Log a warning once while it says the same thing (an outage lasts many ticks)."""
-        if self._said.get(event) != str(exc):
-            self._said[event] = str(exc)
-            log.warning(event, error=str(exc), **fields)
+        if self._said.get(event) != error:
+            self._said[event] = error
+            log.warning(event, error=error, **fields)
 
     def observe(self, live: Sequence[Job]) -> dict[int, JobSeen]:
         """One status query for every live job; the result file of each one that ended."""
@@ -77,7 +94,7 @@ class Dispatcher:
         try:
             statuses = self.executor.poll(list(handles))
         except ExecutorUnavailable as exc:
-            self._warn("executor unavailable", exc)
+            self._warn("executor unavailable", str(exc))
             return {}
         self._said.pop("executor unavailable", None)
         seen = {}
@@ -107,7 +124,10 @@ class Dispatcher:
         ready: list[tuple[Job, Submission]] = []
         done: list[Job] = []
         unwritable: list[tuple[Batch, OSError]] = []
+        cancelling = set(self.store.kept_cancels().values())
         for job, batch, manifest in work:
+            if job.id in cancelling:
+                continue  # its earlier attempt may still run until the cancel is delivered
             gpus, tasks = resources.shape(manifest.resources, job.pipeline, *self.training_shape)
             given = Resources(cpus=self.cpus, gpus=gpus, tasks=tasks)
             inputs = self.store.job_inputs(job.id)
@@ -126,40 +146,79 @@ class Dispatcher:
                 )
                 continue
             ready.append((job, _submission(spec, manifest)))
-        if ready:
-            done += self._hand_over(ready, now)
-        return Outcome(tuple(done), tuple(unwritable))
+        submitted, refused = self._hand_over(ready, now) if ready else ([], [])
+        return Outcome(tuple(done + submitted), tuple(unwritable), tuple(refused))
 
-    def _hand_over(self, ready: Sequence[tuple[Job, Submission]], now: float) -> list[Job]:
-        try:
-            handles = self.executor.submit([s for _, s in ready])
-        except (SubmissionError, ExecutorUnavailable) as exc:
-            self._warn("submission failed; retried next tick", exc, jobs=len(ready))
-            return []
-        self._said.pop("submission failed; retried next tick", None)
-        submitted = []
-        for (job, sub), handle in zip(ready, handles, strict=True):
-            change = JobChange(handle=handle, new_attempt=True)
+    def _hand_over(
+        self, ready: Sequence[tuple[Job, Submission]], now: float
+    ) -> tuple[list[Job], list[Job]]:
+        """One call to the executor; the jobs it took, and those it refused for good."""
+        handed = self.executor.submit([s for _, s in ready])
+        submitted: list[Job] = []
+        refused: list[Job] = []
+        for (job, sub), answer in zip(ready, handed, strict=True):
+            moved = self._record(job, sub, answer, now)
+            if moved is not None:
+                (submitted if moved.state is JobState.SUBMITTED else refused).append(moved)
+        self._say_held(ready, handed)
+        return submitted, refused
+
+    def _record(self, job: Job, sub: Submission, answer: Handover, now: float) -> Job | None:
+        """The job moved as the executor answered: SUBMITTED, FAILED, or left pending."""
+        if isinstance(answer, Accepted):
+            change = JobChange(handle=answer.handle, new_attempt=True)
             moved = self.store.transition_job(job.id, JobState.SUBMITTED, "submitted", now, change)
             log.info("job submitted", batch_id=job.batch_id, job_id=job.id, job=sub.name,
-                     handle=handle, attempt=moved.attempts)  # fmt: skip
-            submitted.append(moved)
-        return submitted
+                     handle=answer.handle, attempt=moved.attempts)  # fmt: skip
+            return moved
+        if isinstance(answer, Refused):
+            change = JobChange(error_kind=ErrorKind.INPUT.value)
+            reason = f"refused by the {self.executor.name} executor: {answer.reason}"
+            moved = self.store.transition_job(job.id, JobState.FAILED, reason, now, change)
+            log.warning("job refused", batch_id=job.batch_id, job_id=job.id, job=sub.name,
+                        reason=answer.reason)  # fmt: skip
+            _append_line(sub.job_dir / LOG_FILE, f"watchd: {reason}")  # where the owner is sent
+            return moved
+        return None
+
+    def _say_held(
+        self, ready: Sequence[tuple[Job, Submission]], handed: Sequence[Handover]
+    ) -> None:
+        """Warn once while jobs are held back for the same reason; say nothing more after."""
+        held = [a.reason for a in handed if isinstance(a, Deferred)]
+        if held:
+            self._warn("submission deferred; offered again later", held[0],
+                       jobs=len(held), of=len(ready))  # fmt: skip
+        else:
+            self._said.pop("submission deferred; offered again later", None)
 
     def cancel(self, job_ids: Sequence[int], reason: str, now: float) -> list[Job]:
-        """Stop the live ones at the executor; mark every one not yet ended as cancelled."""
-        jobs = [self.store.job(i) for i in job_ids]
-        handles = [j.handle for j in jobs if j.state.live and j.handle]
-        if handles:
-            try:
-                self.executor.cancel(handles)
-            except ExecutorUnavailable as exc:
-                log.warning("cancel not delivered", error=str(exc), handles=handles)
-        return [
-            self.store.transition_job(j.id, JobState.CANCELLED, reason, now)
-            for j in jobs
-            if not j.state.terminal
-        ]
+        """Mark every one not yet ended cancelled, keeping a cancel for each one the executor
+        has; then deliver the cancels (or leave them for a later tick)."""
+        cancelled = []
+        for job in (self.store.job(i) for i in job_ids):
+            if job.state.terminal:
+                continue
+            with self.store.atomic():
+                if job.state.live and job.handle and job.handle != FINISHED_HANDLE:
+                    self.store.keep_cancel(job.handle, job.id, now)
+                cancelled.append(self.store.transition_job(job.id, JobState.CANCELLED, reason, now))
+        self.deliver_cancels()
+        return cancelled
+
+    def deliver_cancels(self) -> None:
+        """Send the cancels not delivered yet (the service calls this every tick)."""
+        kept = self.store.kept_cancels()
+        if not kept:
+            return
+        try:
+            self.executor.cancel(list(kept))
+        except ExecutorUnavailable as exc:
+            self._warn("cancel not delivered; sent again later", str(exc), jobs=len(kept))
+            return
+        self._said.pop("cancel not delivered; sent again later", None)
+        self.store.drop_cancels(kept)
+        log.info("cancels delivered", jobs=len(kept))
 
 
 def _submission(spec: JobSpec, manifest: Manifest) -> Submission:
@@ -187,6 +246,14 @@ def end_note(reason: str, log_path: Path, lines: int = 3) -> str:
     return "; ".join(parts)
 
 
+def _append_line(path: Path, line: str) -> None:
+    try:
+        with open(path, "a", encoding="utf-8") as file:
+            file.write(line + "\n")
+    except OSError as exc:  # the store and the status file still say it
+        log.warning("cannot write to the job's log", path=str(path), error=str(exc))
+
+
 def read_result(job_dir: Path) -> JobResult | None:
     try:
         return JobResult.from_json((job_dir / RESULT_FILE).read_text(encoding="utf-8"))
@@ -204,13 +271,16 @@ def prepare_job_dir(spec: JobSpec) -> bool:
     job_dir = spec.job_dir
     atomicfile.makedirs_inside(Path(spec.batch_dir), job_dir)
     spec_path, result_path = job_dir / SPEC_FILE, job_dir / RESULT_FILE
+    text, old_text = spec.to_json(), None
     try:
-        old = JobSpec.from_json(spec_path.read_text(encoding="utf-8"))
+        old_text = spec_path.read_text(encoding="utf-8")
+        old = JobSpec.from_json(old_text)
         newer = result_path.stat().st_mtime_ns >= spec_path.stat().st_mtime_ns
         if old.attempt == spec.attempt and newer:
             return True
     except (OSError, ValueError, KeyError, TypeError):
         pass
     result_path.unlink(missing_ok=True)
-    atomicfile.write_text(spec_path, spec.to_json())
+    if text != old_text:  # a job offered again and again (held back) is not rewritten each time
+        atomicfile.write_text(spec_path, text)
     return False

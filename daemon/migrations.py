@@ -127,4 +127,16 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         ALTER TABLE jobs ADD COLUMN attempts_base INTEGER NOT NULL DEFAULT 0
         """,
     ),
+    # Cancels the executor could not deliver yet (the controller was away), sent again every
+    # tick until delivered, across restarts.
+    (
+        4,
+        """
+        CREATE TABLE cancels (
+            handle TEXT PRIMARY KEY,
+            job_id INTEGER NOT NULL,
+            at REAL NOT NULL
+        )
+        """,
+    ),
 )

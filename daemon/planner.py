@@ -153,7 +153,7 @@ def plan(snapshot: Snapshot) -> list[Action]:
         pending += ready_to_submit
     if snapshot.submitting:
         free = [j for j in pending if views[j.batch_id].batch.root not in paused]
-        actions += _submissions(free, views, snapshot.free_slots)
+        actions += _submissions(free, snapshot.free_slots)
     return actions
 
 
@@ -228,6 +228,9 @@ def _plan_batch(view: BatchView, snapshot: Snapshot) -> tuple[list[Action], list
     if batch.state is BatchState.WAITING:
         return _plan_waiting(view, snapshot.policy), []
     actions: list[Action] = []
+    if batch.state is BatchState.QUEUED and any(j.state.live for j in view.jobs):
+        # only once the executor took a job: a refused or held-back submission leaves it queued
+        actions.append(MoveBatch(batch.id, BatchState.RUNNING, "jobs submitted"))
     jobs = []
     for job in view.jobs:
         moves = _judge(job, snapshot.seen.get(job.id), snapshot.policy)
@@ -447,19 +450,11 @@ class _Failure:
         return MoveBatch(batch_id, BatchState.FAILED, self.reason, self.problems, self.detail)
 
 
-def _submissions(
-    pending: Sequence[Job], views: Mapping[int, BatchView], free_slots: int | None
-) -> list[Action]:
-    """Hand pending jobs to the executor, oldest batch first, within the free slots."""
+def _submissions(pending: Sequence[Job], free_slots: int | None) -> list[Action]:
+    """Hand pending jobs to the executor, oldest batch first, within the free slots. The
+    batch moves to RUNNING on a later tick, once the executor took one of its jobs."""
     chosen = list(pending) if free_slots is None else list(pending)[: max(0, free_slots)]
-    if not chosen:
-        return []
-    actions: list[Action] = []
-    for batch_id in dict.fromkeys(j.batch_id for j in chosen):
-        if views[batch_id].batch.state is BatchState.QUEUED:
-            actions.append(MoveBatch(batch_id, BatchState.RUNNING, "jobs submitted"))
-    actions.append(Submit(tuple(j.id for j in chosen)))
-    return actions
+    return [Submit(tuple(j.id for j in chosen))] if chosen else []
 
 
 def job_spec(

@@ -226,6 +226,7 @@ class Service:
         self._drain(now)
         if now >= self._next_rescan:
             self.catch_up(now)
+        self.dispatch.deliver_cancels()  # before any submission: a retried job may wait on one
         snapshot = self._snapshot(now)
         for group in _transactions(plan(snapshot), self.store):
             self._act_safely(group, now)
@@ -454,6 +455,9 @@ class Service:
                 work.append((job, batch, manifest))
         outcome = self.dispatch.submit(work, now)
         self._dirty.update(j.batch_id for j in outcome.submitted)
+        for job in outcome.refused:  # its batch fails at the next tick's plan
+            self._dirty.add(job.batch_id)
+            self.metrics.job_ended(job)
         for refused_batch, error in outcome.unwritable:
             self._unwritable(refused_batch, error, now)
 

@@ -19,9 +19,13 @@ is DONE goes back to WAITING on a requeue. Every other state change is refused.
 Job lifecycle::
 
     PENDING ──submit──▶ SUBMITTED ──starts──▶ RUNNING ──result──▶ SUCCEEDED | FAILED
-       ▲                    │                   │
-       └──── retry ◀── FAILED / CANCELLED ◀─────┘ (cancel, or ended without a result)
-       └──── requeue ◀── SUCCEEDED (an operator's requeue runs every job of the batch again)
+       ▲  │                 │                   │
+       │  └─ refused ──▶ FAILED / CANCELLED ◀───┘ (cancel, or ended without a result)
+       └──────── retry ◀───────┘
+       └──────── requeue ◀── SUCCEEDED (an operator's requeue runs every job of the batch again)
+
+A pending job goes to FAILED when the executor refuses it for good (e.g. Slurm refused it
+``max_refusals`` times): it never ran, and its batch fails with the executor's word.
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ BATCH_TRANSITIONS: Mapping[BatchState, frozenset[BatchState]] = {
 }
 
 JOB_TRANSITIONS: Mapping[JobState, frozenset[JobState]] = {
-    JobState.PENDING: frozenset({JobState.SUBMITTED, JobState.CANCELLED}),
+    JobState.PENDING: frozenset({JobState.SUBMITTED, JobState.FAILED, JobState.CANCELLED}),
     JobState.SUBMITTED: frozenset(
         {JobState.RUNNING, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
     ),

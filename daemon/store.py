@@ -541,6 +541,27 @@ class Store:
         with self.atomic():
             self._table("roots").upsert(row, pk="path")
 
+    # -- cancels not delivered yet ------------------------------------------------------------
+
+    def keep_cancel(self, handle: str, job_id: int, now: float) -> None:
+        """Remember a cancel to deliver; in the transaction that marks the job cancelled, so a
+        crash cannot lose it."""
+        with self.atomic():
+            row = {"handle": handle, "job_id": job_id, "at": now}
+            self._table("cancels").upsert(row, pk="handle")
+
+    def kept_cancels(self) -> dict[str, int]:
+        """Cancels not delivered yet: handle → job id, oldest first."""
+        rows = self.db.execute("SELECT handle, job_id FROM cancels ORDER BY at, handle")
+        return {str(handle): int(job_id) for handle, job_id in rows.fetchall()}
+
+    def drop_cancels(self, handles: Iterable[str]) -> None:
+        """These cancels were delivered."""
+        with self.atomic():
+            self.db.conn.executemany(
+                "DELETE FROM cancels WHERE handle = ?", [(h,) for h in handles]
+            )
+
     # -- heartbeat ---------------------------------------------------------------------------
 
     def beat(self, beat: Heartbeat) -> None:

@@ -8,7 +8,7 @@ import signal
 import time
 from pathlib import Path
 
-from daemon.executors import Phase, Submission
+from daemon.executors import Accepted, Phase, Submission
 from daemon.executors.local import LAUNCH_FILE, LocalExecutor
 
 
@@ -20,12 +20,14 @@ def test_a_job_started_just_before_a_crash_is_adopted_not_started_again(tmp_path
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "lib")}
     sub = Submission(1, job_dir.name, "sleeper", job_dir, env=env)
     first = LocalExecutor(max_parallel=2, env=env)
-    (handle,) = first.submit([sub])
+    (accepted,) = first.submit([sub])
+    assert isinstance(accepted, Accepted)
+    handle = accepted.handle
     (job_dir / LAUNCH_FILE).unlink()  # the daemon died before writing it down
     first.close()
     second = LocalExecutor(max_parallel=2, env=env)
     try:
-        assert second.submit([sub]) == [handle]
+        assert second.submit([sub]) == [Accepted(handle)]
         assert second.poll([handle])[handle].phase is Phase.RUNNING
     finally:
         pid = int(handle.split(":")[1])
@@ -43,7 +45,9 @@ def test_a_first_submission_starts_the_job(tmp_path: Path) -> None:
     job_dir.mkdir()
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "lib")}
     executor = LocalExecutor(max_parallel=1, env=env)
-    (handle,) = executor.submit([Submission(1, "job", "quick", job_dir, env=env)])
+    (accepted,) = executor.submit([Submission(1, "job", "quick", job_dir, env=env)])
+    assert isinstance(accepted, Accepted)
+    handle = accepted.handle
     deadline = time.monotonic() + 30
     while (
         status := executor.poll([handle])[handle]

@@ -144,10 +144,44 @@ def test_pending_jobs_go_out_within_the_free_slots_oldest_batch_first() -> None:
         batch(2, BatchState.QUEUED), manifest(), (job(3, JobState.PENDING, batch_id=2, attempts=0),)
     )
     actions = plan(snap(first, second, free=2))
-    assert actions == [MoveBatch(1, BatchState.RUNNING, "jobs submitted"), Submit((1, 2))]
+    assert actions == [Submit((1, 2))]  # the batches stay queued until a job is taken
     assert plan(snap(first, second, free=0)) == []
     assert plan(snap(first, second, free=None))[-1] == Submit((1, 2, 3))
     assert plan(snap(first, second, submitting=False)) == []
+
+
+def test_a_queued_batch_runs_once_the_executor_took_one_of_its_jobs() -> None:
+    """Moved on the tick after the submission, from what the store says: a submission the
+    executor held back or refused leaves the batch queued."""
+    held = BatchView(
+        batch(1, BatchState.QUEUED), manifest(), (job(1, JobState.PENDING, attempts=0),)
+    )
+    taken = BatchView(
+        batch(2, BatchState.QUEUED),
+        manifest(),
+        (job(2, JobState.SUBMITTED, batch_id=2), job(3, JobState.PENDING, batch_id=2, attempts=0)),
+    )
+    assert plan(snap(held, taken)) == [
+        MoveBatch(2, BatchState.RUNNING, "jobs submitted"),
+        Submit((1, 3)),
+    ]
+
+
+def test_a_job_the_executor_refused_for_good_fails_its_queued_batch() -> None:
+    refused = job(1, JobState.FAILED, attempts=0, handle=None, error_kind=ErrorKind.INPUT.value)
+    refused = replace(refused, reason="refused by the slurm executor: Invalid partition")
+    view = BatchView(
+        batch(1, BatchState.QUEUED), manifest(), (refused, job(2, JobState.PENDING, attempts=0))
+    )
+    problem = Problem("job j1", "refused by the slurm executor: Invalid partition",
+                      "see its log: jobs/j1/log.txt")  # fmt: skip
+    assert plan(snap(view)) == [
+        Cancel((2,), "batch failed"),
+        MoveBatch(
+            1, BatchState.FAILED, "job j1 failed: refused by the slurm executor: Invalid partition",
+            (problem,),
+        ),
+    ]  # fmt: skip
 
 
 def test_a_finished_shard_succeeds_and_the_report_follows_the_last_one() -> None:
@@ -351,7 +385,7 @@ def queued(id: int, root: str = "/r") -> BatchView:
 def test_a_paused_root_holds_its_queued_batches_while_other_roots_submit() -> None:
     held, other = queued(1, "/r"), queued(2, "/elsewhere")
     actions = plan(replace(snap(held, other), paused_roots=frozenset({"/r"})))
-    assert actions == [MoveBatch(2, BatchState.RUNNING, "jobs submitted"), Submit((20,))]
+    assert actions == [Submit((20,))]
     assert plan(snap(held, other))[-1] == Submit((10, 20))
 
 
@@ -371,7 +405,6 @@ def test_a_pause_intent_holds_submissions_in_the_same_tick_and_a_resume_releases
     assert actions == [
         PauseRoot("/r", False, "ops"),
         ResolveIntent(6, "resumed"),
-        MoveBatch(1, BatchState.RUNNING, "jobs submitted"),
         Submit((10,)),
     ]
 

@@ -2,7 +2,8 @@
 command everywhere: ``python -m pipelines.<name> JOB_DIR``.
 
 Submitting is idempotent by job directory: an executor asked to submit a job it already runs
-returns the existing handle instead of starting a second copy.
+returns the existing handle instead of starting a second copy. Each submission gets its own
+answer (:data:`Handover`): one job the executor refuses never keeps the others back.
 """
 
 from __future__ import annotations
@@ -54,6 +55,32 @@ class Status:
 
 
 @dataclass(frozen=True)
+class Accepted:
+    """The executor has the job: ``handle`` names it for good."""
+
+    handle: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The executor will not run this job, for good (e.g. Slurm refused it every time it was
+    asked): ``reason`` is its word, for the job's failure and the data owner's status file."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """Not handed over this time (the executor does not answer, or waits after refusing the
+    job): the job stays pending and is offered again later."""
+
+    reason: str
+
+
+Handover = Accepted | Refused | Deferred
+
+
+@dataclass(frozen=True)
 class Check:
     """One line of a self-test (start-up log, ``watchctl doctor``)."""
 
@@ -67,16 +94,19 @@ class Executor(Protocol):
     name: str
 
     def slots(self) -> int | None:
-        """How many jobs may run at once (None: the executor queues without limit)."""
+        """How many jobs may run at once (None: the executor queues without limit); 0 while it
+        takes no submissions at all (its cluster does not answer), so none are prepared."""
 
-    def submit(self, submissions: Sequence[Submission]) -> list[str]:
-        """Start these jobs (or find them already started); their handles, in order."""
+    def submit(self, submissions: Sequence[Submission]) -> list[Handover]:
+        """Start these jobs (or find them already started): what became of each, in order."""
 
     def poll(self, handles: Sequence[str]) -> dict[str, Status]:
         """The status of many jobs in one go; a handle it does not know is UNKNOWN."""
 
     def cancel(self, handles: Sequence[str]) -> None:
-        """Ask these jobs to stop; they end as seen by a later poll."""
+        """Ask these jobs to stop; they end as seen by a later poll. Jobs already gone are no
+        error; raises ExecutorUnavailable when the request could not be delivered (the caller
+        keeps it and sends it again)."""
 
     def close(self) -> None:
         """Release what the executor holds; running jobs keep running."""

@@ -7,6 +7,7 @@ Each job runs in its own session, so it outlives a daemon that is stopped or kil
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -15,8 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from daemon import atomicfile
-from daemon.errors import SubmissionError
-from daemon.executors import Check, Phase, Status, Submission
+from daemon.executors import Accepted, Check, Deferred, Handover, Phase, Refused, Status, Submission
 from daemon.jobspec import LOG_FILE
 from daemon.subprocesses import (
     exited,
@@ -29,6 +29,9 @@ from daemon.subprocesses import (
 
 LAUNCH_FILE = "launch.json"
 CANCEL_GRACE_SECONDS = 10.0
+# A start that failed for want of processes, memory or file descriptors may work later; any
+# other failure (no such interpreter, not executable) will fail every time.
+PASSING = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE})
 
 
 class LocalExecutor:
@@ -46,22 +49,27 @@ class LocalExecutor:
     def slots(self) -> int | None:
         return self.max_parallel
 
-    def submit(self, submissions: Sequence[Submission]) -> list[str]:
-        return [self._adopt(s) or self._start(s) for s in submissions]
+    def submit(self, submissions: Sequence[Submission]) -> list[Handover]:
+        return [self._hand_over(s) for s in submissions]
 
-    def _start(self, sub: Submission) -> str:
+    def _hand_over(self, sub: Submission) -> Handover:
+        adopted = self._adopt(sub)
+        return Accepted(adopted) if adopted else self._start(sub)
+
+    def _start(self, sub: Submission) -> Handover:
         command = [self.python, "-m", sub.module, str(sub.job_dir)]
         env = {**self.env, **sub.env, "OMP_NUM_THREADS": str(sub.cpus)}
         try:
             pid = spawn(command, log_path=sub.job_dir / LOG_FILE, env=env)
         except OSError as exc:
-            raise SubmissionError(f"cannot start {sub.name}: {exc}") from exc
+            reason = f"cannot start {sub.name}: {exc}"
+            return Deferred(reason) if exc.errno in PASSING else Refused(reason)
         ticks = process_start_ticks(pid)
         handle = f"local:{pid}:{ticks if ticks is not None else 0}"
         self._children[handle] = pid
         record = {"handle": handle, "pid": pid, "command": command}
         atomicfile.write_text(sub.job_dir / LAUNCH_FILE, json.dumps(record))
-        return handle
+        return Accepted(handle)
 
     def _adopt(self, sub: Submission) -> str | None:
         """The handle of this job's process if an earlier daemon started it and it still runs.

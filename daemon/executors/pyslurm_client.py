@@ -35,6 +35,9 @@ PROBE_TIMEOUT = 30.0
 TRANSIENT_ERRNOS = frozenset(
     {11, 1800, 1801, 1802, 1803, 5004, 5005}  # EAGAIN, socket/connection, timeouts, zero bytes
 )
+# A cancel answered with these found nothing to stop: the job is unknown (purged after
+# MinJobAge) or already done. Not an error: a kept cancel is delivered once it gets this far.
+GONE_ERRNOS = frozenset({2017, 2021})  # ESLURM_INVALID_JOB_ID, ESLURM_ALREADY_DONE
 
 
 def config_path(slurm_conf: Path | None, environment: Mapping[str, str]) -> Path:
@@ -168,6 +171,8 @@ class PyslurmClient:
             if errno is None and len(exc.args) > 1 and isinstance(exc.args[1], int):
                 errno = exc.args[1]
             text = f"pyslurm: {exc}"
+            if kind == "cancel" and errno in GONE_ERRNOS:
+                return None
             if kind == "submit" and not transient(errno, str(exc)):
                 raise SubmissionError(text) from None
             raise ExecutorUnavailable(text) from None

@@ -10,8 +10,11 @@
   submission). Slurm forgets finished jobs after MinJobAge and keeps no accounting here: a job
   it no longer knows is UNKNOWN, and the result file on the share says what became of it.
 - Faults: calls go through a :class:`Gate`: bounded retries, then a growing pause during which
-  calls fail at once, so the daemon's loop goes on (intake, readiness, status files) and
-  submits when the controller is back. A cancel that could not be delivered is sent again.
+  calls fail at once and :meth:`SlurmExecutor.slots` is 0, so the daemon's loop goes on
+  (intake, readiness, status files) and submits when the controller is back. A launch Slurm
+  refuses (bad partition, a limit) holds back only its own jobs, which are asked again after a
+  pause and refused for good after ``max_refusals`` tries. A cancel that could not be delivered
+  raises; the dispatcher keeps it (in the store) and sends it again.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import structlog
@@ -28,7 +31,16 @@ import structlog
 from daemon import atomicfile
 from daemon.config import SlurmExecutorSection
 from daemon.errors import ExecutorUnavailable, SubmissionError, WatchdError
-from daemon.executors import Check, Phase, Status, Submission
+from daemon.executors import (
+    Accepted,
+    Check,
+    Deferred,
+    Handover,
+    Phase,
+    Refused,
+    Status,
+    Submission,
+)
 from daemon.executors import slurm_launch as launching
 from daemon.executors.gate import Gate
 from daemon.executors.slurm_api import JobRecord, SlurmClient, describe, phase_of, release
@@ -38,6 +50,16 @@ from daemon.executors.slurm_launch import HANDLE_PREFIX, Launch
 log = structlog.get_logger("watchd.slurm")
 
 Adopted = dict[tuple[Path, str, int], str]  # (jobs folder, job name, attempt) → handle
+
+
+@dataclass(frozen=True)
+class Refusals:
+    """Slurm refused a job ``count`` time(s), the last with ``reason``; not asked before
+    ``until``."""
+
+    count: int
+    until: float
+    reason: str
 
 
 class SlurmExecutor:
@@ -66,53 +88,99 @@ class SlurmExecutor:
         self._records: dict[str, JobRecord] | None = None  # the last answer to a status query
         self._asked_at = 0.0
         self._must_look = True  # a submission may repeat one Slurm already has
-        self._refused_until = 0.0
-        self._undelivered: set[str] = set()  # cancels to send again
+        self._refusals: dict[int, Refusals] = {}  # by job id: Slurm said no, not yet for good
 
     def slots(self) -> int | None:
-        return None  # Slurm queues; arrays are throttled with %K
+        """No limit (Slurm queues; arrays are throttled with %K), but none while the gate is
+        shut: the daemon then prepares no submissions it could not hand over."""
+        return None if self.gate.open else 0
 
     # -- submitting --------------------------------------------------------------------------
 
-    def submit(self, submissions: Sequence[Submission]) -> list[str]:
-        if self.clock() < self._refused_until:
-            raise SubmissionError("Slurm refused the last submission; trying again later")
-        launches = launching.plan(submissions, self.site)
-        handles: dict[int, str] = {}
+    def submit(self, submissions: Sequence[Submission]) -> list[Handover]:
+        """Each launch on its own: one Slurm refuses does not keep the others back. Its jobs
+        wait ``max_backoff_seconds`` before they are offered again, and are refused for good
+        (their batch fails with Slurm's word) after ``max_refusals`` refusals."""
+        now = self.clock()
+        self._forget_refusals(now)
+        answers: dict[int, Handover] = {}
+        ready = []
+        for sub in submissions:
+            why = launching.unnameable(sub)
+            held = self._refusals.get(sub.job_id)
+            if why:
+                answers[sub.job_id] = Refused(why)
+            elif held is not None and now < held.until:
+                answers[sub.job_id] = Deferred(f"{held.reason} (asked again later)")
+            else:
+                ready.append(sub)
+        launches = launching.plan(ready, self.site)
         try:
-            adopted = self._adoptable(launches) if self._must_look else {}
+            adopted = self._adoptable(launches) if self._must_look and launches else {}
+        except ExecutorUnavailable as exc:
+            answers.update((s.job_id, Deferred(str(exc))) for s in ready)
+        else:
+            self._must_look = False
             for launch in launches:
-                handles.update(self._launch(launch, adopted))
-        except SubmissionError:
-            self._must_look = True
-            self._refused_until = self.clock() + self.site.max_backoff_seconds
-            raise
-        except ExecutorUnavailable:
-            self._must_look = True
-            raise
-        self._must_look = False
-        self._records = None  # the next poll asks afresh and sees the new jobs
-        return [handles[s.job_id] for s in submissions]
+                answers.update(self._try(launch, adopted))
+        return [answers[s.job_id] for s in submissions]
 
-    def _launch(self, launch: Launch, adopted: Adopted) -> dict[int, str]:
-        found = {
-            s.job_id: adopted[(launch.jobs_dir, s.job_dir.name, s.attempt)]
-            for s in launch.submissions
-            if (launch.jobs_dir, s.job_dir.name, s.attempt) in adopted
-        }
+    def _try(self, launch: Launch, adopted: Adopted) -> dict[int, Handover]:
+        """Adopt what Slurm already has of a launch; send the rest as one job or array."""
+        found = _found(launch, adopted)
         if found:
             log.info("adopted jobs already in Slurm", jobs=len(found), name=launch.name)
+        answers: dict[int, Handover] = {job_id: Accepted(h) for job_id, h in found.items()}
         rest = tuple(s for s in launch.submissions if s.job_id not in found)
         if not rest:
-            return found
+            return answers
         if len(rest) < len(launch.submissions):
             launch = replace(launch, submissions=rest)
+        try:
+            job_id = self._send(launch)
+        except ExecutorUnavailable as exc:
+            self._must_look = True  # it may have been accepted before the answer was lost
+            return answers | {s.job_id: Deferred(str(exc)) for s in rest}
+        except (SubmissionError, OSError) as exc:  # OSError: its files could not be written
+            self._must_look = True
+            return answers | self._refused(launch, str(exc))
+        self._records = None  # the next poll asks afresh and sees the new jobs
+        for sub in rest:
+            self._refusals.pop(sub.job_id, None)
+        return answers | {s.job_id: Accepted(launch.handle(job_id, i)) for i, s in enumerate(rest)}
+
+    def _refused(self, launch: Launch, reason: str) -> dict[int, Handover]:
+        """Count Slurm's refusal of a launch's jobs: each waits before it is asked again, or is
+        given up on after ``max_refusals``."""
+        answers: dict[int, Handover] = {}
+        until = self.clock() + self.site.max_backoff_seconds
+        for sub in launch.submissions:
+            known = self._refusals.pop(sub.job_id, None)
+            count = known.count + 1 if known else 1
+            if count >= self.site.max_refusals:
+                answers[sub.job_id] = Refused(f"Slurm refused it {count} time(s): {reason}")
+            else:
+                self._refusals[sub.job_id] = Refusals(count, until, reason)
+                answers[sub.job_id] = Deferred(reason)
+        given_up = sum(isinstance(a, Refused) for a in answers.values())
+        log.warning("slurm refused a submission", name=launch.name, jobs=len(answers),
+                    given_up=given_up, error=reason)  # fmt: skip
+        return answers
+
+    def _forget_refusals(self, now: float) -> None:
+        """Drop the count of a job not offered since its wait ended (cancelled meanwhile, or
+        Slurm was away): a job offered again later starts from nothing."""
+        stale = now - 2 * self.site.max_backoff_seconds
+        self._refusals = {k: r for k, r in self._refusals.items() if r.until > stale}
+
+    def _send(self, launch: Launch) -> str:
+        """Write the launch's files and submit it; Slurm's job id."""
         script = self._write_files(launch)
         request = launching.request(launch, self.site, script, self.environment)
         job_id = self.gate.call("sbatch", lambda: self.client.submit(request))
         log.info("submitted to slurm", slurm_job=job_id, name=launch.name,
                  tasks=len(launch.submissions), array=request.array)  # fmt: skip
-        return found | {s.job_id: launch.handle(job_id, i) for i, s in enumerate(rest)}
+        return job_id
 
     def _write_files(self, launch: Launch) -> Path:
         launch.files.mkdir(parents=True, exist_ok=True)
@@ -122,29 +190,32 @@ class SlurmExecutor:
         return script
 
     def _adoptable(self, launches: Sequence[Launch]) -> Adopted:
-        """Jobs of these launches' folders that Slurm already has, by their tasks files."""
-        keys: dict[str, str] = {}
+        """Jobs of these launches' folders that Slurm has and that have not ended, found by
+        their comment and tasks file. An ended one is not adopted: it may be an attempt that
+        was cancelled and is now asked for again (an operator's retry counts attempts anew)."""
+        arrays: dict[str, list[str]] = {}  # launch key → Slurm ids of its jobs or arrays
+        live: set[str] = set()
         for record in self._query():
             key = launching.key_of_comment(record.comment)
             if key is not None:
-                keys.setdefault(key, record.array_id)
+                arrays.setdefault(key, []).append(record.array_id)
+                if phase_of(record.state) is not Phase.ENDED:
+                    live.add(record.id)
         adopted: Adopted = {}
         for jobs_dir in {launch.jobs_dir for launch in launches}:
-            for key, array_id in keys.items():
+            for key, array_ids in arrays.items():
                 try:
                     text = (jobs_dir / launching.LAUNCH_DIR / f"{key}.tasks").read_text()
                 except OSError:
                     continue
                 tasks = launching.parse_tasks(text)
-                for i, (name, attempt) in enumerate(tasks):
-                    task = f"_{i}" if len(tasks) > 1 else ""
-                    adopted[(jobs_dir, name, attempt)] = f"{HANDLE_PREFIX}{array_id}{task}"
+                for task, handle in launching.live_tasks(tasks, array_ids, live).items():
+                    adopted.setdefault((jobs_dir, *task), handle)
         return adopted
 
     # -- tracking ----------------------------------------------------------------------------
 
     def poll(self, handles: Sequence[str]) -> dict[str, Status]:
-        self._send_undelivered()
         if self._records is None or self.clock() - self._asked_at >= self.site.poll_seconds:
             self._query()
         records = self._records or {}
@@ -157,21 +228,10 @@ class SlurmExecutor:
         return found
 
     def cancel(self, handles: Sequence[str]) -> None:
-        ids = [h.removeprefix(HANDLE_PREFIX) for h in handles if h.startswith(HANDLE_PREFIX)]
-        self._undelivered.update(ids)
-        self._send_undelivered()
-
-    def _send_undelivered(self) -> None:
-        if not self._undelivered:
-            return
-        ids = sorted(self._undelivered)
-        try:
+        ids = sorted(h.removeprefix(HANDLE_PREFIX) for h in handles if h.startswith(HANDLE_PREFIX))
+        if ids:
             self.gate.call("scancel", lambda: self.client.cancel(ids))
-        except ExecutorUnavailable:
-            log.warning("cancel kept until Slurm answers", jobs=len(ids))
-            raise
-        self._undelivered.clear()
-        self._records = None
+            self._records = None
 
     def close(self) -> None:
         """Nothing to release: Slurm jobs keep running and a later daemon re-adopts them."""
@@ -203,6 +263,12 @@ class SlurmExecutor:
         else:
             found = Check("slurm partitions", bool(partitions), f"the default; there are {listed}")
         return [*checks, found]
+
+
+def _found(launch: Launch, adopted: Adopted) -> dict[int, str]:
+    """The handles of the launch's jobs that Slurm already has, by job id."""
+    keys = {s.job_id: (launch.jobs_dir, s.job_dir.name, s.attempt) for s in launch.submissions}
+    return {job_id: adopted[key] for job_id, key in keys.items() if key in adopted}
 
 
 def _status(record: JobRecord | None) -> Status:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import re
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,8 +97,8 @@ def plan(submissions: Sequence[Submission], site: SlurmExecutorSection) -> list[
     together as one array (in chunks of ``max_array_tasks``); the rest alone."""
     groups: dict[tuple[str, Path, str, Allocation], list[Submission]] = {}
     for sub in submissions:
-        if not SAFE_NAME.match(sub.job_dir.name):
-            raise SubmissionError(f"job name {sub.job_dir.name!r} cannot name a Slurm task")
+        if why := unnameable(sub):
+            raise SubmissionError(why)
         pipeline = Pipeline(sub.module.removeprefix("pipelines."))
         alloc = allocation(sub.resources, site, pipeline)
         key = (sub.group or sub.name, sub.job_dir.parent, sub.module, alloc)
@@ -113,6 +113,13 @@ def plan(submissions: Sequence[Submission], site: SlurmExecutorSection) -> list[
     return launches
 
 
+def unnameable(sub: Submission) -> str:
+    """Why this job's folder cannot name a line of a tasks file ('' when it can)."""
+    if SAFE_NAME.match(sub.job_dir.name):
+        return ""
+    return f"job name {sub.job_dir.name!r} cannot name a Slurm task"
+
+
 def tasks_text(launch: Launch) -> str:
     return "".join(f"{s.job_dir.name}\t{s.attempt}\n" for s in launch.submissions)
 
@@ -123,6 +130,20 @@ def parse_tasks(text: str) -> list[tuple[str, int]]:
     for line in text.splitlines():
         name, _, attempt = line.partition("\t")
         found.append((name, int(attempt) if attempt.isdigit() else 0))
+    return found
+
+
+def live_tasks(
+    tasks: Sequence[tuple[str, int]], array_ids: Sequence[str], live: Set[str]
+) -> dict[tuple[str, int], str]:
+    """The handle of each task of a tasks file (job name, attempt) that waits or runs in Slurm:
+    task *i* of one of ``array_ids`` (the job itself, for a launch of one) among ``live``."""
+    found: dict[tuple[str, int], str] = {}
+    for array_id in dict.fromkeys(array_ids):
+        for i, task in enumerate(tasks):
+            slurm_id = f"{array_id}_{i}" if len(tasks) > 1 else array_id
+            if slurm_id in live:
+                found.setdefault(task, f"{HANDLE_PREFIX}{slurm_id}")
     return found
 
 

@@ -30,6 +30,7 @@ from test_crash import start_daemon, wait_for
 from daemon.config import Config, load_config
 from daemon.doctor import inotify_limits
 from daemon.manifest import STATUS_NAME, Kind
+from daemon.migrations import MIGRATIONS
 from daemon.states import BatchState, JobState
 from daemon.store import Store
 
@@ -208,7 +209,8 @@ def test_doctor_passes_on_a_good_setup_and_says_what_it_checked(history: History
     # A watch on each root and on each folder in it: plate A, plate bad; plate B.
     assert checks["inotify"]["detail"].startswith("5 watch(es) needed of max_user_watches ")
     database = checks["database"]["detail"]
-    assert "integrity ok, schema version 3 of 3, journal wal" in database
+    latest = MIGRATIONS[-1][0]
+    assert f"integrity ok, schema version {latest} of {latest}, journal wal" in database
     assert checks["daemon"]["detail"].startswith("stopped at ")
     assert checks["registry"]["detail"].endswith(f"1 model(s), writable by {_user()}")
     text = cli("watchctl", "doctor", "--config", str(history.config.source)).stdout

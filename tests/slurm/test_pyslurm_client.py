@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from daemon.config import SlurmExecutorSection
 from daemon.errors import ExecutorUnavailable
 from daemon.executors import pyslurm_client
 from daemon.executors.pyslurm_client import (
+    PyslurmClient,
     arrays_to_cancel,
     expand,
     load,
@@ -95,6 +97,47 @@ def test_rpc_errors_of_an_absent_or_busy_controller_are_transient() -> None:
 
 def test_cancelling_array_tasks_signals_each_array_once() -> None:
     assert arrays_to_cancel(["41_2", "41_3", "40", "45_0"]) == [40, 41, 45]
+
+
+class StandInPyslurm(types.ModuleType):
+    """The part of pyslurm's object API a cancel uses, answering as pyslurm 22.5 does: jobs in
+    ``errnos`` raise RPCError with that errno, the others are cancelled."""
+
+    class RPCError(Exception):
+        def __init__(self, msg: str, errno: int) -> None:
+            super().__init__(msg)
+            self.errno = errno
+
+    def __init__(self, errnos: dict[int, int]) -> None:
+        super().__init__("pyslurm")
+        self.errnos = errnos
+        self.cancelled: list[int] = []
+        module = self
+
+        class Job:
+            def __init__(self, job_id: int) -> None:
+                self.job_id = job_id
+
+            def cancel(self) -> None:
+                if self.job_id in module.errnos:
+                    raise module.RPCError(
+                        f"errno {module.errnos[self.job_id]}", module.errnos[self.job_id]
+                    )
+                module.cancelled.append(self.job_id)
+
+        self.Job = Job
+
+
+def test_a_cancel_of_a_job_slurm_forgot_or_already_ended_is_delivered_not_an_outage() -> None:
+    """A kept cancel is sent again until it is delivered: a job purged meanwhile (2017) or
+    ended (2021) must count as delivered, or it would hold the daemon back for good."""
+    pyslurm = StandInPyslurm({40: 2017, 41: 2021})
+    client = PyslurmClient(pyslurm, "22.5.3", 0)
+    client.cancel(["40", "41_2", "42"])
+    assert pyslurm.cancelled == [42]
+    pyslurm.errnos[43] = 1800  # the controller did not answer: not delivered
+    with pytest.raises(ExecutorUnavailable, match="errno 1800"):
+        client.cancel(["43"])
 
 
 # -- the import guard ---------------------------------------------------------------------------

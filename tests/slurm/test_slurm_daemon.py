@@ -247,14 +247,16 @@ def test_a_controller_outage_holds_submissions_while_new_batches_are_taken_in(
         assert cluster("stop-controller").returncode == 0
         try:
             replay.run(copy_slowly(second, drop_root / "second", 0, 0.01),
-                       until=lambda s: len(s.store.batches([BatchState.RUNNING])) == 2,
+                       until=lambda s: bool(s.store.jobs(states=[JobState.PENDING])),
                        timeout=60)  # fmt: skip
             outage_jobs = {b.folder: [j.state for j in js] for b, js in batches_and_jobs(config)}
+            outage_states = {b.folder: b.state for b, _ in batches_and_jobs(config)}
             time.sleep(2)
         finally:
             assert cluster("start-controller").returncode == 0
         replay.run(timeout=180)
     assert set(outage_jobs["second"]) == {JobState.PENDING}  # taken in, not submitted
+    assert outage_states["second"] is BatchState.QUEUED  # RUNNING only once Slurm took a job
     done = batches_and_jobs(config)
     assert [b.state for b, _ in done] == [BatchState.DONE, BatchState.DONE]
     for batch, jobs in done:
@@ -284,6 +286,71 @@ def test_watchctl_cancel_cancels_the_slurm_jobs(
             break
         time.sleep(0.5)
     assert states == {"CANCELLED"}
+
+
+def test_a_cancel_made_while_the_controller_is_down_is_delivered_by_the_next_daemon(
+    config_for: Callable[..., Config],
+    staged: Callable[..., Path],
+    drop_root: Path,
+    node_python: Callable[..., str],
+    slurm_env: dict[str, str],
+) -> None:
+    """The operator cancels while slurmctld is down and the daemon stops before it is back:
+    the batch is cancelled in the store at once, and the next daemon, with no job live, still
+    delivers the cancel to Slurm."""
+    config = config_for(slurm={"python": node_python(sleep=60), "array_throttle": 1})
+    with Replay(config, executor_for(config)) as replay:
+        replay.run(copy_slowly(staged(count=4), drop_root / "plate", 0, 0.01),
+                   until=some_running, timeout=60)  # fmt: skip
+        assert cluster("stop-controller").returncode == 0
+        try:
+            replay.service.store.add_intent("cancel", 1, time.time(), "tester")
+            replay.run(until=lambda s: bool(s.store.batches([BatchState.CANCELLED])), timeout=60)
+            kept = replay.service.store.kept_cancels()
+        finally:
+            assert cluster("start-controller").returncode == 0
+    ((_, jobs),) = batches_and_jobs(config)
+    assert sorted(kept) == sorted(str(j.handle) for j in jobs)
+    array = slurm_ids(jobs)[0].split("_")[0]
+    assert {r["JobState"] for r in job_fields(slurm_env, array)} & {"RUNNING", "PENDING"}
+    with Replay(config, executor_for(config)) as replay:
+        replay.run(until=lambda s: not s.store.kept_cancels(), timeout=60)
+    deadline = time.monotonic() + 20
+    while True:
+        states = {r["JobState"] for r in job_fields(slurm_env, array)}
+        if states == {"CANCELLED"} or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert states == {"CANCELLED"}
+
+
+def test_a_batch_slurm_refuses_fails_with_slurms_message_and_holds_no_other_back(
+    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path
+) -> None:
+    """The first batch asks for more GPUs than any node has (within watchd's bound): Slurm
+    refuses its array each time. The second batch goes out and ends done meanwhile; the first
+    fails after ``max_refusals`` refusals, never RUNNING, with Slurm's message for its owner."""
+    config = config_for(slurm={"max_gpus": 8, "max_refusals": 2, "max_backoff_seconds": 1.0})
+    greedy = staged("greedy", count=2, extra="\n[resources]\ngpus = 3\n")
+    executor = executor_for(config)
+    with Replay(config, executor) as replay:
+        replay.run(copy_slowly(greedy, drop_root / "greedy", 0, 0.01),
+                   until=lambda s: executor.client.counts["submit"] == 1, timeout=60)  # fmt: skip
+        replay.run(copy_slowly(staged("plain", count=2), drop_root / "plain", 0, 0.01),
+                   timeout=180)  # fmt: skip
+    (refused, refused_jobs), (plain, _) = batches_and_jobs(config)
+    assert plain.state is BatchState.DONE, plain.reason
+    assert refused.state is BatchState.FAILED
+    message = "Batch job submission failed: Requested node configuration is not available"
+    assert refused.reason.endswith(
+        f"Slurm refused it 2 time(s): sbatch exited with 1: sbatch: error: {message}"
+    )
+    assert {(j.state, j.error_kind) for j in refused_jobs} == {(JobState.FAILED, "input")}
+    store = Store(config.daemon.database)
+    moves = [e.to_state.value for e in store.events(refused.id) if e.job_id is None]
+    store.close()
+    assert BatchState.RUNNING.value not in moves
+    assert message in (drop_root / "greedy" / STATUS_NAME).read_text()
 
 
 def test_resources_above_the_sites_bounds_are_refused_in_the_status_file(

@@ -196,6 +196,21 @@ def test_a_launch_key_names_the_jobs_and_attempts_and_changes_with_a_retry() -> 
     assert launching.parse_tasks(text) == [("b000001-infer-0000", 1), ("b000001-infer-0001", 2)]
 
 
+def test_only_tasks_still_waiting_or_running_in_slurm_are_found_for_adoption() -> None:
+    """Two arrays of one launch (the first cancelled, then the same tasks submitted again):
+    each task's live copy is found, an ended one never; a launch of one job is the job id."""
+    tasks = [("b1-infer-0000", 1), ("b1-infer-0001", 1)]
+    live = {"12_0", "12_1", "11_1"}
+    assert launching.live_tasks(tasks, ["10", "11", "12"], live) == {
+        ("b1-infer-0000", 1): "slurm:12_0",
+        ("b1-infer-0001", 1): "slurm:11_1",
+    }
+    assert launching.live_tasks([("b1-train", 1)], ["7", "8"], {"8"}) == {
+        ("b1-train", 1): "slurm:8"
+    }
+    assert launching.live_tasks(tasks, ["10"], live) == {}
+
+
 def test_a_job_name_that_could_not_name_a_task_is_refused() -> None:
     with pytest.raises(SubmissionError, match="cannot name a Slurm task"):
         launching.plan([Submission(1, "x", "pipelines.infer", Path("/j/a b"))], SITE)
