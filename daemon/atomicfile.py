@@ -3,6 +3,8 @@
 Every file the daemon or a pipeline hands over (job spec, result, mask, report, status) is
 written to a temporary name in the same directory, flushed, and renamed into place: a reader
 never sees half a file, and a crash leaves at most a stray ``.tmp-*`` file that nobody reads.
+:func:`remove_strays` clears those away once nobody writes in a folder any more (the report
+job, the last of a batch, does it for the run folder).
 """
 
 from __future__ import annotations
@@ -36,6 +38,23 @@ def atomic_writer(path: Path, *, mode: str = "wb", fsync: bool = True) -> Iterat
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
         raise
+
+
+def remove_strays(folder: Path) -> list[Path]:
+    """Remove the temporaries interrupted writes left anywhere under ``folder`` (regular files
+    named ``.tmp-*``; links are neither followed nor removed); the paths removed. Only call it
+    when no one else writes under ``folder``: a write in progress has such a file too."""
+    removed = []
+    for dirpath, _dirnames, filenames in os.walk(folder):
+        for name in filenames:
+            path = Path(dirpath) / name
+            if not name.startswith(TMP_PREFIX):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISREG(os.lstat(path).st_mode):
+                    path.unlink()
+                    removed.append(path)
+    return removed
 
 
 def _umask() -> int:

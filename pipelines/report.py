@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from daemon.atomicfile import write_text
+from daemon.atomicfile import remove_strays, write_text
 from daemon.jobspec import JOBS_DIR, RESULT_FILE, JobResult, JobSpec, Pipeline
 from daemon.safeopen import RefusedInput, open_input
 from daemon.version import code_version
@@ -271,6 +271,11 @@ def _inference(spec: JobSpec, run_dir: Path) -> tuple[dict[str, Any], dict[str, 
 def report(spec: JobSpec, job_dir: Path) -> dict[str, Any]:
     """The report job."""
     run_dir = Path(spec.run_dir)
+    # Every other job of the batch has ended: what a killed one was writing is garbage.
+    strays = remove_strays(run_dir)
+    if strays:
+        log.info("removed %d temporary file(s) left by interrupted writes, e.g. %s",
+                 len(strays), strays[0].relative_to(run_dir))  # fmt: skip
     summary: dict[str, Any] = {
         "batch": {
             "id": spec.batch_id,

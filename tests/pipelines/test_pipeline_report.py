@@ -106,3 +106,35 @@ def test_a_missing_shard_table_fails_the_report_as_internal(
     assert error is not None and error.kind is ErrorKind.INTERNAL
     assert "no table row for 2 of 5 images" in error.message and error.traceback
     assert not (batch_dir / "results" / "report.html").exists()
+
+
+def test_the_report_clears_away_what_killed_writes_left_and_nothing_else(
+    inferred: InferredBatch,
+    job_spec: Callable[..., Any],
+    run: Callable[..., JobRun],
+    tmp_path: Path,
+) -> None:
+    """A shard killed while writing a mask leaves ``.tmp-<mask>.*``; its retry writes the mask
+    anew. The report, run once every shard has ended, removes the stray; a link of that name
+    is neither followed nor removed, and the masks stay."""
+    masks = inferred.batch_dir / "results" / "masks"
+    stray = next(masks.rglob("*.png")).parent / ".tmp-img.png.k1ll3d"
+    stray.write_bytes(b"half a mask")
+    outside = tmp_path / "keep.png"
+    outside.write_bytes(b"not the job's")
+    link = masks / ".tmp-link.png.abcdef"
+    link.symlink_to(outside)
+    before = sorted(masks.rglob("*.png"))
+    try:
+        job = run(
+            report_spec(
+                inferred.batch_dir, "inference", inferred.shards[0], job_spec, inferred.inputs
+            )
+        )
+        assert job.returncode == 0, job.log
+        assert not stray.exists()
+        assert "removed 1 temporary file(s) left by interrupted writes" in job.log
+        assert link.is_symlink() and outside.read_bytes() == b"not the job's"
+        assert sorted(masks.rglob("*.png")) == before
+    finally:
+        link.unlink()
