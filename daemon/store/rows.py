@@ -1,0 +1,50 @@
+"""Rows to records and back, for every part of the store: the column lists, the decoders,
+and the ``casefold`` SQL function."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from daemon.jobspec import Pipeline, Problem
+from daemon.records import Batch, Event, Job
+from daemon.states import BatchState, JobState
+
+_BATCH_COLUMNS = ", ".join(Batch.__dataclass_fields__)  # all but the manifest's text
+_JOB_COLUMNS = ", ".join(
+    f.name
+    for f in Job.__dataclass_fields__.values()  # every column but the inputs
+)
+
+
+def _casefold(text: str | None) -> str:
+    return (text or "").casefold()
+
+
+def _dump_problems(problems: Sequence[Problem]) -> str:
+    return json.dumps([asdict(p) for p in problems], ensure_ascii=False)
+
+
+def _event(row: dict[str, Any]) -> Event:
+    state = BatchState if row["job_id"] is None else JobState
+    row = dict(row)
+    for key in ("from_state", "to_state"):
+        row[key] = state(row[key]) if row[key] is not None else None
+    return Event(**row)
+
+
+def _batch(row: dict[str, Any]) -> Batch:
+    row = dict(row)
+    row["state"] = BatchState(row["state"])
+    row["problems"] = tuple(Problem(**p) for p in json.loads(row["problems"]))
+    return Batch(**row)
+
+
+def _job(row: dict[str, Any]) -> Job:
+    row = dict(row)
+    row["params"] = json.loads(row["params"])
+    row["state"] = JobState(row["state"])
+    row["pipeline"] = Pipeline(row["pipeline"])
+    return Job(**row)
