@@ -12,22 +12,20 @@ the next start).
 
 from __future__ import annotations
 
-import errno
 import os
 import queue
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import structlog
 
 from daemon import readiness, reporter, resources
+from daemon.acting import Actor
 from daemon.config import Config
 from daemon.dispatch import Dispatcher
 from daemon.endings import Endings
-from daemon.errors import ManifestError
 from daemon.executors import Executor
 from daemon.intake import Deferred, Intake
 from daemon.jobspec import Problem
@@ -35,24 +33,11 @@ from daemon.mailer import Mailer
 from daemon.manifest import Manifest
 from daemon.metrics import Metrics
 from daemon.notify import Notifier
-from daemon.planner import (
-    Action,
-    BatchView,
-    Cancel,
-    MoveBatch,
-    MoveJob,
-    PauseRoot,
-    PlanJobs,
-    Policy,
-    ResolveIntent,
-    Snapshot,
-    Submit,
-    plan,
-)
+from daemon.planner import BatchView, PauseRoot, Policy, Snapshot, plan
 from daemon.pulse import Pulse, roots_info
 from daemon.readiness import NotReady
-from daemon.records import Batch, Job, JobChange
-from daemon.states import BatchState, JobState
+from daemon.records import Batch, Job
+from daemon.states import JobState
 from daemon.store import Store
 from daemon.waitroom import Schedule, WaitRoom
 from daemon.watcher import FolderTouched, RootLost, Watcher, WatchEvent, scan_root
@@ -105,6 +90,10 @@ class Service:
             self.store, self.notifier, self.metrics, config.daemon.heartbeat_seconds,
             lambda: {"executor": executor.name, **roots_info(self.watcher.modes, self._lost_roots)},
         )  # fmt: skip
+        self.actor = Actor(
+            self.store, self.dispatch, self.waitroom, self.metrics,
+            touched=lambda batch_id: self._dirty.add(batch_id), pause=self._pause,
+        )  # fmt: skip
         self.stop_requested = stop or threading.Event()
         self.force_stop = threading.Event()
         self._deferred: list[Deferred] = []
@@ -149,8 +138,7 @@ class Service:
         scan, so a paused root's new manifests are not taken in at start-up."""
         intents = tuple(i for i in self.store.pending_intents() if i.batch_id is None)
         snapshot = Snapshot(now, (), {}, intents, None, self.policy, False, self.paused)
-        for group in _transactions(plan(snapshot), self.store):
-            self._act_safely(group, now)
+        self.actor.carry_out(plan(snapshot), now)
 
     def request_stop(self) -> None:
         """Called from a signal handler: the first asks for a graceful stop, a second forces."""
@@ -228,8 +216,7 @@ class Service:
             self.catch_up(now)
         self.dispatch.deliver_cancels()  # before any submission: a retried job may wait on one
         snapshot = self._snapshot(now)
-        for group in _transactions(plan(snapshot), self.store):
-            self._act_safely(group, now)
+        self.actor.carry_out(plan(snapshot), now)
         self._write_statuses(now)
         self.endings.follow(now)
         self.pulse.beat(now)
@@ -347,82 +334,10 @@ class Service:
             log.exception("cannot check inputs", batch_id=batch.id, folder=batch.folder)
             return False
 
-    # -- acting ------------------------------------------------------------------------------
-
-    def _act_safely(self, group: list[Action], now: float) -> None:
-        """Carry out one group of actions: store-only actions of one batch commit together (a
-        crash between them must not leave half a decision), an executor action alone."""
-        try:
-            if len(group) == 1:
-                self._act(group[0], now)
-            else:
-                with self.store.atomic():
-                    for action in group:
-                        self._act(action, now)
-        except Exception as exc:  # a bug must not stop the loop: fail that batch, go on
-            batch_id = _batch_of(group[0], self.store)
-            names = [type(a).__name__ for a in group]
-            log.exception("action failed", actions=names, batch_id=batch_id)
-            if batch_id is not None:
-                self._fail_batch(batch_id, f"internal error: {exc}", traceback.format_exc(), now)
-
-    def _act(self, action: Action, now: float) -> None:
-        if isinstance(action, MoveBatch):
-            self._move_batch(action, now)
-        elif isinstance(action, MoveJob):
-            change = JobChange(
-                exit_code=action.exit_code,
-                error_kind=action.error_kind,
-                reset_attempts=action.fresh,
-            )
-            job = self.store.transition_job(
-                action.job_id, action.target, action.reason, now, change, action.detail
-            )
-            log.info(
-                "job " + action.target.value,
-                batch_id=job.batch_id,
-                job_id=job.id,
-                job=job.name,
-                reason=action.reason,
-            )
-            self._dirty.add(job.batch_id)
-            if job.state.terminal:
-                self.metrics.job_ended(job)
-        elif isinstance(action, PlanJobs):
-            jobs = self.store.create_jobs(action.batch_id, action.jobs, now)
-            log.info("jobs planned", batch_id=action.batch_id, jobs=len(jobs))
-            self._dirty.add(action.batch_id)
-        elif isinstance(action, Submit):
-            self._submit(action.job_ids, now)
-        elif isinstance(action, Cancel):
-            self._cancel(action, now)
-        elif isinstance(action, PauseRoot):
-            self._pause(action, now)
-        elif isinstance(action, ResolveIntent):
-            self.store.resolve_intent(action.intent_id, action.outcome, now)
-            log.info("intent applied", intent_id=action.intent_id, outcome=action.outcome)
-
-    def _move_batch(self, action: MoveBatch, now: float) -> None:
-        batch = self.store.transition_batch(
-            action.batch_id,
-            action.target,
-            action.reason,
-            now,
-            problems=action.problems,
-            detail=action.detail,
-            watch_inputs=action.watch_inputs,
-        )
-        log.info(
-            "batch " + batch.state.value,
-            batch_id=batch.id,
-            folder=batch.folder,
-            reason=action.reason,
-            problems=[p.render() for p in action.problems],
-        )
-        self._dirty.add(batch.id)
-        self.waitroom.moved(batch)
+    # -- pausing a drop root ------------------------------------------------------------------
 
     def _pause(self, action: PauseRoot, now: float) -> None:
+        """The one action the Actor hands back: a paused root changes what the loop takes in."""
         self.store.set_root_paused(action.root, action.paused, action.requested_by, now)
         self.paused = self.store.paused_roots()
         log.info("drop root " + ("paused" if action.paused else "resumed"), root=action.root,
@@ -431,56 +346,6 @@ class Service:
         self._dirty.update(b.id for b in self.store.active_batches() if b.root == action.root)
         if not action.paused:
             self._next_rescan = now  # the next tick's catch-up takes in what waited
-
-    def _fail_batch(self, batch_id: int, reason: str, detail: str, now: float) -> None:
-        try:
-            batch = self.store.batch(batch_id)
-            if not batch.state.terminal:
-                self._move_batch(MoveBatch(batch_id, BatchState.FAILED, reason, detail=detail), now)
-        except Exception:
-            log.exception("cannot mark batch failed", batch_id=batch_id)
-
-    def _submit(self, job_ids: Iterable[int], now: float) -> None:
-        work = []
-        batches: dict[int, Batch] = {}
-        for job_id in job_ids:
-            job = self.store.job(job_id)
-            batch = batches.setdefault(job.batch_id, self.store.batch(job.batch_id))
-            try:
-                manifest = self.waitroom.parsed(batch)
-            except ManifestError as refused:
-                self._fail_batch(batch.id, f"manifest no longer valid: {refused}", "", now)
-                continue
-            if manifest is not None and not self.store.batch(batch.id).state.terminal:
-                work.append((job, batch, manifest))
-        outcome = self.dispatch.submit(work, now)
-        self._dirty.update(j.batch_id for j in outcome.submitted)
-        for job in outcome.refused:  # its batch fails at the next tick's plan
-            self._dirty.add(job.batch_id)
-            self.metrics.job_ended(job)
-        for refused_batch, error in outcome.unwritable:
-            self._unwritable(refused_batch, error, now)
-
-    def _unwritable(self, batch: Batch, exc: OSError, now: float) -> None:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            hint = "the share is full (or over quota): free space, then ask for a retry"
-        elif exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            hint = "remove it: watchd writes its results only inside the batch folder"
-        else:
-            hint = "make the batch folder writable for the watchd service, then ask for a retry"
-        problem = Problem("results folder", f"cannot be written: {exc.strerror or exc}", hint)
-        if not self.store.batch(batch.id).state.terminal:
-            jobs = [j.id for j in self.store.jobs([batch.id]) if not j.state.terminal]
-            self._cancel(Cancel(tuple(jobs), "batch failed"), now)
-            failed = MoveBatch(
-                batch.id, BatchState.FAILED, "results folder not writable", (problem,)
-            )
-            self._move_batch(failed, now)
-
-    def _cancel(self, action: Cancel, now: float) -> None:
-        for job in self.dispatch.cancel(action.job_ids, action.reason, now):
-            log.info("job cancelled", batch_id=job.batch_id, job_id=job.id, reason=action.reason)
-            self._dirty.add(job.batch_id)
 
     # -- status files and heartbeat ------------------------------------------------------------
 
@@ -499,30 +364,3 @@ def _site_limits(config: Config) -> Callable[[Manifest], list[Problem]]:
     else:
         bounds = resources.local_bounds(config.executor.local)
     return lambda manifest: resources.problems(manifest.resources, bounds)
-
-
-def _transactions(actions: Iterable[Action], store: Store) -> list[list[Action]]:
-    """Consecutive store-only actions of the same batch form one group; an action that also
-    talks to the executor (submit, cancel) is a group of its own."""
-    groups: list[list[Action]] = []
-    key: int | None = None
-    for action in actions:
-        batch_id = None if isinstance(action, (Submit, Cancel)) else _batch_of(action, store)
-        if batch_id is not None and groups and batch_id == key:
-            groups[-1].append(action)
-        else:
-            groups.append([action])
-        key = batch_id
-    return groups
-
-
-def _batch_of(action: Action, store: Store) -> int | None:
-    if isinstance(action, (MoveBatch, PlanJobs)):
-        return action.batch_id
-    if isinstance(action, MoveJob):
-        return store.job(action.job_id).batch_id
-    if isinstance(action, (Submit, Cancel)) and action.job_ids:
-        return store.job(action.job_ids[0]).batch_id
-    if isinstance(action, ResolveIntent):
-        return store.intent(action.intent_id).batch_id
-    return None

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from daemon.acting import _transactions
 from daemon.jobspec import Pipeline
 from daemon.planner import Cancel, MoveBatch, MoveJob, PlanJobs, ResolveIntent, Submit
 from daemon.records import NewBatch, NewJob
-from daemon.service import _transactions
 from daemon.states import BatchState, JobState
 from daemon.store import Store
 
