@@ -29,6 +29,19 @@ def store_of(config: Config) -> Store:
     return Store(config.daemon.database)
 
 
+def batches_are(config: Config, *states: BatchState) -> Callable[[object], bool]:
+    """A Replay ``until``: the batches so far are in these states, in order."""
+
+    def check(_service: object) -> bool:
+        store = store_of(config)
+        try:
+            return [b.state for b in store.batches()] == list(states)
+        finally:
+            store.close()
+
+    return check
+
+
 def only_batch(config: Config) -> Batch:
     store = store_of(config)
     try:
@@ -149,12 +162,7 @@ def test_a_file_short_past_the_timeout_fails_naming_it_then_revives_when_it_is_c
     image.write_bytes(full[:100])
     failed_status: list[str] = []
 
-    def failed(service: object) -> bool:
-        store = store_of(config)
-        try:
-            return [b.state for b in store.batches()] == [BatchState.FAILED]
-        finally:
-            store.close()
+    failed = batches_are(config, BatchState.FAILED)
 
     with Replay(config) as replay:
         replay.run(
@@ -387,12 +395,7 @@ def test_a_timed_out_revision_replaced_by_a_new_manifest_never_comes_back(
     second = first.replace(b'title = ""', b'title = "second"')
     missing = (source / "images" / "img_0001.png").read_bytes()
 
-    def first_failed(service: object) -> bool:
-        store = store_of(config)
-        try:
-            return [b.state for b in store.batches()] == [BatchState.FAILED]
-        finally:
-            store.close()
+    first_failed = batches_are(config, BatchState.FAILED)
 
     with Replay(config) as replay:
         replay.run([write_atomically(folder / "manifest.toml", first, 0.0)], until=first_failed)

@@ -279,13 +279,17 @@ def test_watchctl_cancel_cancels_the_slurm_jobs(
     ((batch, jobs),) = batches_and_jobs(config)
     assert batch.state is BatchState.CANCELLED
     array = slurm_ids(jobs)[0].split("_")[0]
-    deadline = time.monotonic() + 20
+    assert slurm_states_settle(slurm_env, array) == {"CANCELLED"}
+
+
+def slurm_states_settle(slurm_env: dict[str, str], array: str, seconds: float = 20) -> set[str]:
+    """The states Slurm gives the array's tasks, once all are CANCELLED or ``seconds`` passed."""
+    deadline = time.monotonic() + seconds
     while True:
         states = {r["JobState"] for r in job_fields(slurm_env, array)}
         if states == {"CANCELLED"} or time.monotonic() > deadline:
-            break
+            return states
         time.sleep(0.5)
-    assert states == {"CANCELLED"}
 
 
 def test_a_cancel_made_while_the_controller_is_down_is_delivered_by_the_next_daemon(
@@ -315,13 +319,7 @@ def test_a_cancel_made_while_the_controller_is_down_is_delivered_by_the_next_dae
     assert {r["JobState"] for r in job_fields(slurm_env, array)} & {"RUNNING", "PENDING"}
     with Replay(config, executor_for(config)) as replay:
         replay.run(until=lambda s: not s.store.kept_cancels(), timeout=60)
-    deadline = time.monotonic() + 20
-    while True:
-        states = {r["JobState"] for r in job_fields(slurm_env, array)}
-        if states == {"CANCELLED"} or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert states == {"CANCELLED"}
+    assert slurm_states_settle(slurm_env, array) == {"CANCELLED"}
 
 
 def test_a_batch_slurm_refuses_fails_with_slurms_message_and_holds_no_other_back(
