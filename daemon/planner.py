@@ -22,7 +22,8 @@ from daemon.jobspec import (
     Resources,
     Shard,
 )
-from daemon.manifest import Kind, Manifest, Role
+from daemon.manifest import Manifest
+from daemon.manifest_schema import Kind, Role
 from daemon.readiness import NotReady, Ready, Verdict
 from daemon.records import Batch, Intent, Job, NewJob
 from daemon.states import BatchState, JobState
