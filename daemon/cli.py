@@ -41,7 +41,8 @@ from daemon.cli_base import (
 from daemon.config import Config, load_config
 from daemon.errors import ChecksFailed, CommandFailed, WatchdError
 from daemon.executors import make_executor
-from daemon.manifest import MAX_MANIFEST_BYTES, Kind, ManifestModel
+from daemon.manifest import MAX_MANIFEST_BYTES
+from daemon.manifest_schema import Kind, ManifestModel
 from daemon.subprocesses import run as run_command_line
 
 watchd_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The watchd daemon.")

@@ -26,6 +26,7 @@ import structlog
 from daemon import atomicfile, jobspec, resources
 from daemon.errors import ExecutorUnavailable
 from daemon.executors import Accepted, Deferred, Executor, Handover, Phase, Refused, Submission
+from daemon.jobplan import job_spec
 from daemon.jobspec import (
     LOG_FILE,
     RESULT_FILE,
@@ -36,7 +37,7 @@ from daemon.jobspec import (
     Resources,
 )
 from daemon.manifest import Manifest
-from daemon.planner import JobSeen, job_spec
+from daemon.planner import JobSeen
 from daemon.records import Batch, Job, JobChange
 from daemon.states import JobState
 from daemon.store import Store

@@ -31,17 +31,14 @@ from daemon import atomicfile
 from daemon.checksums import sha256_of_stream
 from daemon.errors import ManifestError, WatchdError
 from daemon.manifest import (
-    FORMAT_VERSION,
     MANIFEST_NAME,
-    MAX_INPUTS,
     MAX_MANIFEST_BYTES,
-    MAX_PATTERNS,
     RESULTS_DIR,
     STATUS_NAME,
-    Kind,
     Manifest,
     parse_manifest,
 )
+from daemon.manifest_schema import FORMAT_VERSION, MAX_INPUTS, MAX_PATTERNS, Kind
 from daemon.safeopen import open_input
 
 IMAGE_SUFFIXES = frozenset({".png", ".tif", ".tiff"})

@@ -12,21 +12,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from daemon.executors import Phase
-from daemon.jobspec import (
-    ErrorKind,
-    InputFile,
-    JobResult,
-    JobSpec,
-    Pipeline,
-    Problem,
-    Resources,
-    Shard,
-)
-from daemon.manifest import Kind, Manifest, Role
+from daemon.jobplan import compute_jobs, next_stage_job
+from daemon.jobspec import ErrorKind, JobResult, Pipeline, Problem
+from daemon.manifest import Manifest
 from daemon.readiness import NotReady, Ready, Verdict
 from daemon.records import Batch, Intent, Job, NewJob
 from daemon.states import BatchState, JobState
-from daemon.sweep import trial_params
 
 
 @dataclass(frozen=True)
@@ -276,7 +267,9 @@ def _plan_waiting(view: BatchView, policy: Policy) -> list[Action]:
         return []
     actions: list[Action] = [MoveBatch(batch.id, BatchState.QUEUED, "inputs complete")]
     if not view.jobs:
-        jobs = compute_jobs(batch, view.manifest, verdict.inputs, policy)
+        jobs = compute_jobs(
+            batch, view.manifest, verdict.inputs, policy.shard_size, policy.executor
+        )
         return [*actions, PlanJobs(batch.id, jobs)]
     return actions + [
         MoveJob(j.id, JobState.PENDING, "retry asked by operator", fresh=True)
@@ -285,65 +278,15 @@ def _plan_waiting(view: BatchView, policy: Policy) -> list[Action]:
     ]
 
 
-def compute_jobs(
-    batch: Batch, manifest: Manifest, inputs: Sequence[InputFile], policy: Policy
-) -> tuple[NewJob, ...]:
-    """A training batch is one job; an inference batch is shards of ``shard_size`` images; a
-    sweep batch is one training job per trial (one group: one job array under Slurm)."""
-    prefix = f"b{batch.id:06d}"
-    if manifest.kind is Kind.TRAINING:
-        return (NewJob(f"{prefix}-train", Pipeline.TRAIN, 0, 0, 1, tuple(inputs), policy.executor),)
-    if manifest.kind is Kind.SWEEP and manifest.sweep is not None:
-        trials = trial_params(manifest.sweep)
-        return tuple(
-            NewJob(
-                f"{prefix}-trial-{i:04d}",
-                Pipeline.TRAIN,
-                0,
-                i,
-                len(trials),
-                tuple(inputs),
-                policy.executor,
-                params=params,
-            )
-            for i, params in enumerate(trials)
-        )
-    images = [f for f in inputs if f.role == Role.IMAGE.value]
-    size = policy.shard_size
-    count = max(1, -(-len(images) // size))
-    return tuple(
-        NewJob(
-            f"{prefix}-infer-{i:04d}",
-            Pipeline.INFER,
-            0,
-            i,
-            count,
-            tuple(images[i * size : (i + 1) * size]),
-            policy.executor,
-        )
-        for i in range(count)
-    )
-
-
 def _next_stage(view: BatchView, jobs: Sequence[Job], policy: Policy) -> list[Action]:
-    """Once every job so far succeeded: a sweep's trials are followed by the sweep job (compare,
-    register the best), compute jobs by the report; done after the report succeeded."""
+    """Once every job so far succeeded: the next stage's job (see next_stage_job); done after
+    the report succeeded."""
     if not jobs or any(j.state is not JobState.SUCCEEDED for j in jobs):
         return []
     batch = view.batch
-    pipelines = {j.pipeline for j in jobs}
-    if Pipeline.REPORT in pipelines:
+    if Pipeline.REPORT in {j.pipeline for j in jobs}:
         return [MoveBatch(batch.id, BatchState.DONE, "all jobs succeeded")]
-    stage = max(j.stage for j in jobs) + 1
-    if batch.kind == Kind.SWEEP.value and Pipeline.SWEEP not in pipelines:
-        plan = view.manifest.sweep if view.manifest else None
-        params = {"sweep": plan.describe() if plan else {}}
-        sweep = NewJob(f"b{batch.id:06d}-sweep", Pipeline.SWEEP, stage, 0, 1, (),
-                       policy.executor, inherit_inputs=True, params=params)  # fmt: skip
-        return [PlanJobs(batch.id, (sweep,))]
-    report = NewJob(f"b{batch.id:06d}-report", Pipeline.REPORT, stage, 0, 1, (),
-                    policy.executor, inherit_inputs=True)  # fmt: skip
-    return [PlanJobs(batch.id, (report,))]
+    return [PlanJobs(batch.id, (next_stage_job(batch, view.manifest, jobs, policy.executor),))]
 
 
 # -- jobs ---------------------------------------------------------------------------------------
@@ -455,35 +398,3 @@ def _submissions(pending: Sequence[Job], free_slots: int | None) -> list[Action]
     batch moves to RUNNING on a later tick, once the executor took one of its jobs."""
     chosen = list(pending) if free_slots is None else list(pending)[: max(0, free_slots)]
     return [Submit(tuple(j.id for j in chosen))] if chosen else []
-
-
-def job_spec(
-    job: Job,
-    batch: Batch,
-    manifest: Manifest,
-    inputs: Sequence[InputFile],
-    registry_dir: str,
-    resources: Resources,
-) -> JobSpec:
-    """The spec of the job's next attempt; the job's own params override the manifest's;
-    ``resources``: what the executor gives this job."""
-    params = {**manifest.params, **job.params}
-    return JobSpec(
-        job_id=job.id,
-        job_name=job.name,
-        pipeline=job.pipeline,
-        attempt=job.attempts + 1,
-        batch_id=batch.id,
-        batch_revision=batch.revision,
-        batch_kind=manifest.kind.value,
-        batch_dir=str(batch.path),
-        run_dir=batch.run_dir,
-        manifest_sha256=batch.manifest_sha256,
-        inputs=tuple(inputs),
-        model=manifest.model,
-        registry_dir=registry_dir,
-        params=params,
-        shard=Shard(job.shard_index, job.shard_count),
-        resources=resources,
-        title=manifest.title,
-    )

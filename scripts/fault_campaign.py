@@ -40,7 +40,8 @@ from replay import Replay, copy_slowly, manifest_text
 
 from daemon import logs
 from daemon.config import Config, load_config
-from daemon.manifest import STATUS_NAME, Kind
+from daemon.manifest import STATUS_NAME
+from daemon.manifest_schema import Kind
 from daemon.records import Batch
 from daemon.states import BatchState
 from daemon.store import Store

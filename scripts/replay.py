@@ -19,7 +19,8 @@ from pathlib import Path
 from daemon import manifest_writer
 from daemon.config import Config
 from daemon.executors import Executor, make_executor
-from daemon.manifest import MANIFEST_NAME, Kind
+from daemon.manifest import MANIFEST_NAME
+from daemon.manifest_schema import Kind
 from daemon.service import Service
 
 

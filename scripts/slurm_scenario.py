@@ -26,7 +26,7 @@ from replay import Replay, copy_slowly, manifest_text
 
 from daemon import logs
 from daemon.config import Config, load_config
-from daemon.manifest import Kind
+from daemon.manifest_schema import Kind
 from daemon.records import Batch, Job
 from daemon.store import Store
 

@@ -40,7 +40,7 @@ from replay import manifest_text
 
 from daemon import logs
 from daemon.config import Config, load_config
-from daemon.manifest import Kind
+from daemon.manifest_schema import Kind
 from daemon.states import BatchState
 from daemon.store import Store
 

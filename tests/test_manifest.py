@@ -10,14 +10,8 @@ from hypothesis import strategies as st
 
 from daemon.errors import ManifestError
 from daemon.jobspec import InputFile
-from daemon.manifest import (
-    InferenceParams,
-    Kind,
-    TrainingParams,
-    check_relative_path,
-    pairing_problems,
-    parse_manifest,
-)
+from daemon.manifest import check_relative_path, pairing_problems, parse_manifest
+from daemon.manifest_schema import InferenceParams, Kind, TrainingParams
 
 
 def doc(**overrides: object) -> bytes:
@@ -285,7 +279,7 @@ def test_the_documented_examples_are_valid(name: str) -> None:
 def test_the_published_schema_matches_the_parser() -> None:
     import json
 
-    from daemon.manifest import ManifestModel
+    from daemon.manifest_schema import ManifestModel
 
     published = json.loads((REPO / "docs" / "manifest.schema.json").read_text())
     assert published == ManifestModel.model_json_schema()

@@ -9,7 +9,8 @@ from pathlib import Path
 import synth
 
 from daemon.inputs import observe
-from daemon.manifest import Kind, parse_manifest
+from daemon.manifest import parse_manifest
+from daemon.manifest_schema import Kind
 from daemon.manifest_writer import ManifestRequest, compose
 from daemon.readiness import Ready, Timing, assess
 

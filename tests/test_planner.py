@@ -326,7 +326,7 @@ def test_a_sweep_batch_becomes_one_training_job_per_trial_with_its_own_params() 
 def test_a_trial_spec_merges_its_params_over_the_manifest_and_carries_its_resources() -> None:
     from dataclasses import replace
 
-    from daemon.planner import job_spec
+    from daemon.jobplan import job_spec
 
     m = manifest("sweep")
     trial = replace(job(7, JobState.PENDING, pipeline=Pipeline.TRAIN),

@@ -13,7 +13,7 @@ import tomli_w
 from replay import Replay, copy_slowly, manifest_text
 
 from daemon.config import Config, load_config
-from daemon.manifest import Kind
+from daemon.manifest_schema import Kind
 
 MODEL = "spheroid-unet"
 TINY_TRAINING = {"epochs": 2, "batch_size": 4, "depth": 2, "width": 8, "learning_rate": 0.01}

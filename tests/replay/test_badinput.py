@@ -64,7 +64,7 @@ def outcome(tmp_path_factory: pytest.TempPathFactory, trained_registry: Path) ->
         images(root / name, 3)
         from replay import manifest_text
 
-        from daemon.manifest import Kind
+        from daemon.manifest_schema import Kind
 
         (root / name / "manifest.toml").write_bytes(
             manifest_text(root / name, Kind.INFERENCE, model=MODEL, version="latest")

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from replay import Replay, copy_slowly, manifest_text, write_atomically
 
 from daemon.config import Config
-from daemon.manifest import Kind
+from daemon.manifest_schema import Kind
 from daemon.service import Service
 from daemon.states import BatchState
 

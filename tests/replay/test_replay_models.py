@@ -14,7 +14,7 @@ from conftest import MODEL, TINY_TRAINING
 from replay import Replay, copy_slowly, manifest_text
 
 from daemon.config import Config
-from daemon.manifest import Kind
+from daemon.manifest_schema import Kind
 from daemon.states import BatchState, JobState
 from daemon.store import Store
 

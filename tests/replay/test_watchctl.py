@@ -29,7 +29,8 @@ from test_crash import start_daemon, wait_for
 
 from daemon.config import Config, load_config
 from daemon.doctor import inotify_limits
-from daemon.manifest import STATUS_NAME, Kind
+from daemon.manifest import STATUS_NAME
+from daemon.manifest_schema import Kind
 from daemon.migrations import MIGRATIONS
 from daemon.states import BatchState, JobState
 from daemon.store import Store

@@ -1,0 +1,102 @@
+"""A batch's jobs: what runs for it, stage by stage, and the spec of a job's next attempt. Pure;
+the planner decides when.
+
+Stage 0 is one training job, a sweep's trials or inference shards; a sweep's trials are followed
+by the sweep job, and every batch ends with a report job. Jobs are named after their batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from daemon.jobspec import InputFile, JobSpec, Pipeline, Resources, Shard
+from daemon.manifest import Manifest
+from daemon.manifest_schema import Kind, Role
+from daemon.records import Batch, Job, NewJob
+from daemon.sweep import trial_params
+
+
+def compute_jobs(
+    batch: Batch, manifest: Manifest, inputs: Sequence[InputFile], shard_size: int, executor: str
+) -> tuple[NewJob, ...]:
+    """A training batch is one job; an inference batch is shards of ``shard_size`` images; a
+    sweep batch is one training job per trial (one group: one job array under Slurm)."""
+    prefix = f"b{batch.id:06d}"
+    if manifest.kind is Kind.TRAINING:
+        return (NewJob(f"{prefix}-train", Pipeline.TRAIN, 0, 0, 1, tuple(inputs), executor),)
+    if manifest.kind is Kind.SWEEP and manifest.sweep is not None:
+        trials = trial_params(manifest.sweep)
+        return tuple(
+            NewJob(
+                f"{prefix}-trial-{i:04d}",
+                Pipeline.TRAIN,
+                0,
+                i,
+                len(trials),
+                tuple(inputs),
+                executor,
+                params=params,
+            )
+            for i, params in enumerate(trials)
+        )
+    images = [f for f in inputs if f.role == Role.IMAGE.value]
+    count = max(1, -(-len(images) // shard_size))
+    return tuple(
+        NewJob(
+            f"{prefix}-infer-{i:04d}",
+            Pipeline.INFER,
+            0,
+            i,
+            count,
+            tuple(images[i * shard_size : (i + 1) * shard_size]),
+            executor,
+        )
+        for i in range(count)
+    )
+
+
+def next_stage_job(
+    batch: Batch, manifest: Manifest | None, jobs: Sequence[Job], executor: str
+) -> NewJob:
+    """The job after ``jobs``, all succeeded: a sweep's trials are followed by the sweep job
+    (compare, register the best), compute jobs by the report."""
+    stage = max(j.stage for j in jobs) + 1
+    if batch.kind == Kind.SWEEP.value and Pipeline.SWEEP not in {j.pipeline for j in jobs}:
+        plan = manifest.sweep if manifest else None
+        params = {"sweep": plan.describe() if plan else {}}
+        return NewJob(f"b{batch.id:06d}-sweep", Pipeline.SWEEP, stage, 0, 1, (),
+                      executor, inherit_inputs=True, params=params)  # fmt: skip
+    return NewJob(f"b{batch.id:06d}-report", Pipeline.REPORT, stage, 0, 1, (),
+                  executor, inherit_inputs=True)  # fmt: skip
+
+
+def job_spec(
+    job: Job,
+    batch: Batch,
+    manifest: Manifest,
+    inputs: Sequence[InputFile],
+    registry_dir: str,
+    resources: Resources,
+) -> JobSpec:
+    """The spec of the job's next attempt; the job's own params override the manifest's;
+    ``resources``: what the executor gives this job."""
+    params = {**manifest.params, **job.params}
+    return JobSpec(
+        job_id=job.id,
+        job_name=job.name,
+        pipeline=job.pipeline,
+        attempt=job.attempts + 1,
+        batch_id=batch.id,
+        batch_revision=batch.revision,
+        batch_kind=manifest.kind.value,
+        batch_dir=str(batch.path),
+        run_dir=batch.run_dir,
+        manifest_sha256=batch.manifest_sha256,
+        inputs=tuple(inputs),
+        model=manifest.model,
+        registry_dir=registry_dir,
+        params=params,
+        shard=Shard(job.shard_index, job.shard_count),
+        resources=resources,
+        title=manifest.title,
+    )
