@@ -211,11 +211,12 @@ def manifest_command(
     if kind.trains and masks is None and (folder / "masks").is_dir():
         masks = "masks"
     try:
-        limit = load_config(find_config(config)).intake.max_manifest_bytes
+        cfg: Config | None = load_config(find_config(config))
     except WatchdError:
         if config is not None:
             raise
-        limit = MAX_MANIFEST_BYTES  # no usable configuration here: the daemon's default
+        cfg = None  # no usable configuration here: the daemon's defaults
+    limit = cfg.intake.max_manifest_bytes if cfg else MAX_MANIFEST_BYTES
     request = manifest_writer.ManifestRequest(
         folder=folder, kind=kind, model=model, version=version,
         owner=owner or getpass.getuser(), email=email, title=title, masks=masks,
@@ -226,6 +227,23 @@ def manifest_command(
     if written.note:
         print(written.note, file=sys.stderr)
     console.print(f"wrote {written.path}")
+    if cfg is not None and not kind.trains:
+        _say_if_unregistered(cfg, model)
+
+
+def _say_if_unregistered(cfg: Config, model: str) -> None:
+    """The batch would fail at its first job: say so now, while the expert is here (the model
+    may still be trained before the inputs are complete, so this is a note, not a refusal)."""
+    from daemon.doctor import registered_models
+
+    known = registered_models(cfg.registry.path)
+    if model not in known:
+        print(
+            f"note: no model named {model!r} in the registry {cfg.registry.path} (models there: "
+            f"{', '.join(known) or 'none'}); the batch fails unless it is registered before its "
+            "files are complete — see watchctl models list",
+            file=sys.stderr,
+        )
 
 
 @contextlib.contextmanager

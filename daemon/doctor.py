@@ -221,8 +221,18 @@ def registry_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
     problem = _write_problem(path)
     if problem:
         return [Check("registry", False, f"{path}: {problem}", hint)]
-    models = sum(1 for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+    models = len(registered_models(path))
     return [Check("registry", True, f"{path}: {models} model(s), writable by {_user()}")]
+
+
+def registered_models(registry: Path) -> list[str]:
+    """The names of the models in the registry (one folder each), without importing models/."""
+    try:
+        return sorted(
+            p.name for p in registry.iterdir() if p.is_dir() and not p.name.startswith(".")
+        )
+    except OSError:
+        return []
 
 
 def executor_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 import synth
+
+# At import, while "conftest" is this folder's (see test_badinput.py).
+from conftest import MODEL
 from replay import Replay
 
 from daemon.config import Config
@@ -217,3 +220,30 @@ def test_manifest_keeps_within_the_configured_limit_and_says_when_it_counts_inst
     )  # fmt: skip
     assert listed.stderr == ""
     assert len(parse_manifest((folder / "manifest.toml").read_bytes()).files) == 24
+
+
+def test_manifest_notes_an_inference_model_the_registry_does_not_hold(
+    config_for: Callable[..., Config], tmp_path: Path
+) -> None:
+    """The batch would fail at its first job; the expert hears it while writing the manifest.
+    A note, not a refusal: the model may still be trained before the files are complete."""
+    config = config_for()
+    folder = tmp_path / "plate"
+    synth.make_batch(folder, "inference", count=2, size=32, seed=1)
+    ask = (
+        "watchctl",
+        "manifest",
+        str(folder),
+        "--kind",
+        "inference",
+        "--config",
+        str(config.source),
+    )
+    unknown = cli(*ask, "--model", "no-such-model")
+    assert unknown.stdout.strip() == f"wrote {folder / 'manifest.toml'}"
+    assert unknown.stderr.startswith(
+        f"note: no model named 'no-such-model' in the registry {config.registry.path} "
+        f"(models there: {MODEL})"
+    )
+    known = cli(*ask, "--model", MODEL, "--force")
+    assert known.stderr == ""
