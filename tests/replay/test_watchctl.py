@@ -409,15 +409,27 @@ def test_logs_follow_prints_a_running_jobs_log_and_ends_when_the_job_ends(
 
 
 def test_manifest_shows_a_progress_bar_on_a_terminal_and_nothing_else_elsewhere(
-    tmp_path: Path,
+    tmp_path: Path, config_for: Callable[..., Config]
 ) -> None:
+    """(With a configuration whose registry holds the model, so no note is due either.)"""
+    config = config_for()
     folder = tmp_path / "plate"
     synth.make_batch(folder, "inference", count=3, size=32, seed=1)
-    plain = cli("watchctl", "manifest", str(folder), "--owner", "A")
+    ask = (
+        "manifest",
+        str(folder),
+        "--owner",
+        "A",
+        "--model",
+        MODEL,
+        "--config",
+        str(config.source),
+    )
+    plain = cli("watchctl", *ask)
     assert (plain.stdout.strip(), plain.stderr) == (f"wrote {folder / 'manifest.toml'}", "")
     leader, follower = pty.openpty()
     done = subprocess.run(
-        [WATCHCTL, "manifest", str(folder), "--owner", "A", "--force"],
+        [WATCHCTL, *ask, "--force"],
         stdout=subprocess.PIPE, stderr=follower, text=True, timeout=60,
     )  # fmt: skip
     os.close(follower)
