@@ -149,6 +149,9 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=60.0)
     parser.add_argument("--batches", type=int, default=10_000)
     parser.add_argument("--idle", type=float, default=5.0, help="idle minutes at the end")
+    parser.add_argument(
+        "--drain", type=float, default=10.0, help="minutes to wait for the queue to empty first"
+    )
     parser.add_argument("--sample", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
@@ -197,9 +200,12 @@ def main() -> int:
             "waiting for the queue",
             flush=True,
         )
-        while counts(config)[1] > 0 and time.monotonic() < drop_until + 600:
+        while counts(config)[1] > 0 and time.monotonic() < drop_until + args.drain * 60:
             time.sleep(5)
         idle_from = sample(daemon.pid, start, config)
+        if idle_from.active:
+            print(f"note: {idle_from.active} batches still active after {args.drain:g} min: "
+                  "the idle figure below includes their work", flush=True)  # fmt: skip
         time.sleep(args.idle * 60)
         idle_to = sample(daemon.pid, start, config)
         samples += [idle_from, idle_to]
