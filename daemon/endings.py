@@ -3,7 +3,8 @@
 The loop calls :meth:`Endings.follow` once per tick. It reads the events appended since its
 last call: the store's audit log records every state change, whichever path made it (intake
 refusing a manifest, the planner, an operator's intent, an internal error), so no ending is
-missed and none is seen twice.
+missed and none is seen twice. The loop hears of each ending too (``on_end``): it stops
+watching the batch's folder after a while.
 
 At most one e-mail per batch end: a note ``e-mail to ADDRESS`` is recorded before the letter
 goes to the mailer's thread, and an ending already followed by such a note is never mailed
@@ -13,13 +14,15 @@ recorded in the moments before a crash is still mailed if it was not, and no ear
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import structlog
 
 from daemon import reporter
 from daemon.mailer import Mailer, compose
 from daemon.metrics import Metrics
 from daemon.readiness import Timing
-from daemon.records import Event
+from daemon.records import Batch, Event
 from daemon.states import BatchState
 from daemon.store import Store
 
@@ -37,8 +40,11 @@ class Endings:
         mailer: Mailer | None,
         timing: Timing,
         sender: str = "",
+        on_end: Callable[[Batch, float], None] = lambda batch, now: None,
     ) -> None:
+        """``on_end``: called with every batch that ended, once per ending."""
         self.store = store
+        self.on_end = on_end
         self.metrics = metrics
         self.mailer = mailer
         self.timing = timing
@@ -73,6 +79,7 @@ class Endings:
         state = event.to_state
         assert isinstance(state, BatchState)
         came_from = event.from_state if isinstance(event.from_state, BatchState) else None
+        self.on_end(batch, now)
         self.metrics.batch_ended(state, came_from, self.store.jobs([batch.id]))
         if self.mailer is None or state not in MAILED or not batch.contact:
             return

@@ -27,7 +27,7 @@ from daemon.manifest import MANIFEST_NAME, RESULTS_DIR, Manifest, manifest_sha25
 from daemon.records import Batch, NewBatch
 from daemon.states import BatchState
 from daemon.store import Store
-from daemon.watcher import stat_signature
+from daemon.watcher import FolderSeen, stat_signature
 
 log = structlog.get_logger("watchd.intake")
 
@@ -58,15 +58,13 @@ class Intake:
         self.max_bytes = max_manifest_bytes
         self.settle = settle_seconds
         self.on_batch = on_batch
-        self.known: dict[tuple[Path, str], str] = {}  # (root, folder) → manifest stat signature
 
-    def remember(self, root: Path) -> None:
-        """Load what is known of a root's manifests, so unchanged ones are not read again."""
-        for folder, signature in self.store.manifest_stats(str(root)).items():
-            self.known[(root, folder)] = signature
-
-    def changed(self, root: Path, folder: str, signature: str) -> bool:
-        return self.known.get((root, folder)) != signature
+    def changed(self, root: Path, found: Sequence[FolderSeen]) -> list[str]:
+        """The folders among some a scan found whose manifest is not the one last taken in (by
+        its stat). The signatures are asked of the store and not kept: the daemon's memory does
+        not grow with the number of folders on the share."""
+        known = self.store.manifest_stats(str(root), [seen.folder for seen in found])
+        return [seen.folder for seen in found if known.get(seen.folder) != seen.manifest_stat]
 
     def look(self, root: Path, folder: str, now: float) -> Deferred | None:
         """Read the folder's manifest if it changed; record a batch (or a failure) for it."""
@@ -76,7 +74,7 @@ class Intake:
         except OSError:
             return None  # no manifest (yet), or the folder is gone
         signature = stat_signature(st)
-        if not self.changed(root, folder, signature):
+        if self.store.manifest_stat(str(root), folder) == signature:
             return None
         refusal = _refusal(root, folder, st)
         if refusal is not None:
@@ -96,7 +94,6 @@ class Intake:
         latest = self.store.latest_revision(str(root), folder)
         if latest is not None and latest.manifest_sha256 == sha:
             self.store.set_manifest_stat(latest.id, signature)
-            self.known[(root, folder)] = signature
             log.info("manifest unchanged", batch_id=latest.id, folder=folder)
             self.on_batch(latest)  # the folder may be a fresh copy: give it its status file again
             return None
@@ -146,7 +143,6 @@ class Intake:
                 )
             if previous is not None:
                 self._supersede(previous, batch, now)
-        self.known[(root, folder)] = signature
         log.info(
             "batch recorded",
             batch_id=batch.id,
@@ -177,7 +173,6 @@ class Intake:
         latest = self.store.latest_revision(str(root), folder)
         if latest is None or latest.manifest_sha256 != sha:
             self._record(root, folder, signature, b"", sha, None, (problem,), now)
-        self.known[(root, folder)] = signature
 
 
 def _refusal(root: Path, folder: str, st: os.stat_result) -> Problem | None:

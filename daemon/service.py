@@ -12,10 +12,12 @@ the next start).
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -45,6 +47,7 @@ from daemon.watcher import FolderTouched, RootLost, Watcher, WatchEvent, scan_ro
 log = structlog.get_logger("watchd")
 
 Clock = Callable[[], float]
+SCAN_CHUNK = 500  # folders compared with the store at once by the catch-up scan
 
 
 class Service:
@@ -68,12 +71,14 @@ class Service:
             config.executor.result_grace_seconds, config.executor.training_shape,
         )  # fmt: skip
         self.events: queue.Queue[WatchEvent] = queue.Queue()
-        self.watcher = Watcher(config.roots, self.events)
+        self.watcher = Watcher(
+            config.roots, self.events, lambda root: self.store.ended_folders(str(root))
+        )
         self.intake = Intake(
             self.store,
             max_manifest_bytes=config.intake.max_manifest_bytes,
             settle_seconds=config.intake.settle_seconds,
-            on_batch=lambda b: self._dirty.add(b.id),
+            on_batch=self._taken,
             limits=_site_limits(config),
         )
         self.policy = Policy(config.planner.shard_size, config.planner.max_attempts, executor.name)
@@ -85,7 +90,9 @@ class Service:
         )
         self.metrics = Metrics()
         mailer = Mailer.from_config(config.mail)
-        self.endings = Endings(self.store, self.metrics, mailer, self.timing, config.mail.sender)
+        self.endings = Endings(
+            self.store, self.metrics, mailer, self.timing, config.mail.sender, self._ended
+        )
         self.pulse = Pulse(
             self.store, self.notifier, self.metrics, config.daemon.heartbeat_seconds,
             lambda: {"executor": executor.name, **roots_info(self.watcher.modes, self._lost_roots)},
@@ -99,6 +106,7 @@ class Service:
         self._deferred: list[Deferred] = []
         self._dirty: set[int] = set()
         self._lost_roots: set[Path] = set()
+        self._to_release: deque[tuple[float, str, str]] = deque()  # (when, root, folder)
         self.paused: frozenset[str] = frozenset()  # drop roots an operator paused
         self._next_rescan = 0.0
         self._submitting = True
@@ -111,7 +119,6 @@ class Service:
         modes = self.watcher.start()
         for path, mode in modes.items():
             log.info("watching", root=str(path), mode=mode.value)
-            self.intake.remember(path)
         self._self_test()
         self.paused = self.store.paused_roots()
         self._apply_root_intents(now)
@@ -219,6 +226,7 @@ class Service:
         self.actor.carry_out(plan(snapshot), now)
         self._write_statuses(now)
         self.endings.follow(now)
+        self._release_ended(now)
         self.pulse.beat(now)
         self.pulse.ping(now)
 
@@ -266,17 +274,47 @@ class Service:
                 continue
             started = time.monotonic()
             try:
-                found = list(scan_root(root.path))
+                found = self._scan(root.path, now)
             except OSError as exc:
                 if root.path not in self._lost_roots:  # a lost root was said once already
                     log.warning("cannot scan drop root", root=str(root.path), error=str(exc))
                 continue
-            for seen in found:
-                if self.intake.changed(root.path, seen.folder, seen.manifest_stat):
-                    self._look(root.path, seen.folder, now)
             seconds = time.monotonic() - started
             self.metrics.scanned(root.path, seconds)
-            log.debug("scanned", root=str(root.path), folders=len(found), seconds=round(seconds, 4))
+            log.debug("scanned", root=str(root.path), folders=found, seconds=round(seconds, 4))
+
+    def _scan(self, root: Path, now: float) -> int:
+        """Look at the folders whose manifest changed, a few hundred at a time; how many there
+        are. Raises OSError if the root cannot be listed."""
+        found = scan_root(root)
+        count = 0
+        while chunk := list(itertools.islice(found, SCAN_CHUNK)):
+            count += len(chunk)
+            for folder in self.intake.changed(root, chunk):
+                self._look(root, folder, now)
+        return count
+
+    # -- which batch folders are watched ------------------------------------------------------
+
+    def _taken(self, batch: Batch) -> None:
+        """Intake recorded (or looked again at) a batch: its status file is due; a folder with
+        a batch under way is watched for a changed manifest."""
+        self._dirty.add(batch.id)
+        if not batch.state.terminal:
+            self.watcher.follow(Path(batch.root), batch.folder)
+
+    def _ended(self, batch: Batch, now: float) -> None:
+        linger = self.config.intake.watch_ended_seconds
+        self._to_release.append((now + linger, batch.root, batch.folder))
+
+    def _release_ended(self, now: float) -> None:
+        """Stop watching the folders whose batch ended ``watch_ended_seconds`` ago and has no
+        newer revision under way: the watches follow the batches under way, not the share."""
+        while self._to_release and self._to_release[0][0] <= now:
+            _, root, folder = self._to_release.popleft()
+            latest = self.store.latest_revision(root, folder)
+            if latest is None or latest.state.terminal:
+                self.watcher.release(Path(root), folder)
 
     def _root_lost(self, root: Path) -> None:
         if root not in self._lost_roots:

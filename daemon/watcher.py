@@ -10,11 +10,12 @@ lost (overflow, outages, a daemon that was down), so a catch-up scan runs at sta
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,7 +56,7 @@ class RootLost:
 WatchEvent = FolderTouched | RootLost
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FolderSeen:
     """One batch folder found by a scan, with its manifest's stat signature ('' if none)."""
 
@@ -71,23 +72,29 @@ def stat_signature(st: os.stat_result) -> str:
 def scan_root(root: Path) -> Iterator[FolderSeen]:
     """Every folder directly under ``root`` that holds a manifest; two stats per folder.
 
-    Never lists a batch folder's content. Raises OSError when the root itself cannot be read.
+    Never lists a batch folder's content. Streams: the folders are not all held at once, so a
+    scan of a share with many thousand folders costs no more memory than one of a few.
+    Raises OSError when the root itself cannot be read.
     """
     with os.scandir(root) as entries:
-        candidates = [e for e in entries if e.is_dir(follow_symlinks=True)]
-    for entry in candidates:
-        try:
-            st = os.lstat(os.path.join(entry.path, MANIFEST_NAME))
-        except OSError:
-            continue
-        yield FolderSeen(entry.name, stat_signature(st), entry.is_symlink())
+        for entry in entries:
+            if not entry.is_dir(follow_symlinks=True):
+                continue
+            try:
+                st = os.lstat(os.path.join(entry.path, MANIFEST_NAME))
+            except OSError:
+                continue
+            yield FolderSeen(entry.name, stat_signature(st), entry.is_symlink())
 
 
 class _DepthOneInotify:
-    """inotify watches on a root and on each folder directly under it, none deeper.
+    """inotify watches on a root and on folders directly under it, none deeper.
 
     A callback of watchdog's InotifyFD thread, which reads one inotify descriptor for all of
-    them; events go to the queue as FolderTouched.
+    them; events go to the queue as FolderTouched. A folder is watched from the moment it
+    appears until its batch has ended and the service lets it go (:meth:`release`): the watches,
+    here and in the kernel, grow with the batches under way, not with every folder ever dropped.
+    A manifest changed in a folder no longer watched is found by the catch-up scan.
     """
 
     ROOT_MASK = (
@@ -104,37 +111,68 @@ class _DepthOneInotify:
         | InotifyConstants.IN_DONT_FOLLOW
     )
 
-    def __init__(self, fd: InotifyFD, root: Path, events: queue.Queue[WatchEvent]) -> None:
+    def __init__(
+        self,
+        fd: InotifyFD,
+        root: Path,
+        events: queue.Queue[WatchEvent],
+        unwatched: Collection[str] = (),
+    ) -> None:
+        """``unwatched``: folders not to watch (their batch has ended)."""
         self.fd, self.root, self.events = fd, root, events
         self.id = CallbackId(id(self))
-        self.lock = threading.Lock()
-        self.paths: dict[WatchDescriptor, bytes] = {}
+        self.lock = threading.Lock()  # taken before watchdog's own lock, never after
+        self.folders: dict[WatchDescriptor, str] = {}
+        self.wds: dict[str, WatchDescriptor] = {}
         self.alive = False
+        self.root_wd: WatchDescriptor | None = None
         try:
-            self.root_wd = self._add(os.fsencode(root), self.ROOT_MASK)
+            mask = self.ROOT_MASK
+            self.root_wd = self.fd.add_callback(os.fsencode(root), mask, self, self.id)  # type: ignore[arg-type]
             with os.scandir(root) as entries:
                 for entry in entries:
-                    if entry.is_dir(follow_symlinks=False):
-                        self._add(os.fsencode(entry.path), self.FOLDER_MASK)
+                    if entry.name not in unwatched and entry.is_dir(follow_symlinks=False):
+                        self._watch(entry.name)
         except OSError:
             self.close()  # no half-built watch left registered
             raise
         self.alive = True
 
-    def _add(self, path: bytes, mask: int) -> WatchDescriptor:
-        wd = self.fd.add_callback(path, mask, self, self.id)  # type: ignore[arg-type]
+    def follow(self, folder: str) -> None:
+        """Watch ``folder`` (again); nothing if it is gone or already watched."""
+        with contextlib.suppress(OSError):  # gone: nothing to watch
+            self._watch(folder)
+
+    def release(self, folder: str) -> None:
+        """Stop watching ``folder``."""
         with self.lock:
-            self.paths[wd] = path
-        return wd
+            wd = self.wds.pop(folder, None)
+            if wd is None:
+                return
+            self.folders.pop(wd, None)
+            self.fd.remove_callbacks([(wd, self.id)])
+
+    def watching(self) -> frozenset[str]:
+        with self.lock:
+            return frozenset(self.wds)
+
+    def _watch(self, folder: str) -> None:
+        with self.lock:
+            if folder in self.wds:
+                return
+            path = os.path.join(os.fsencode(self.root), os.fsencode(folder))
+            wd = self.fd.add_callback(path, self.FOLDER_MASK, self, self.id)  # type: ignore[arg-type]
+            self.folders[wd] = folder
+            self.wds[folder] = wd
 
     def on_event(self, event: InotifyEvent) -> None:
         if event.wd == self.root_wd:
             self._root_event(event)
             return
         with self.lock:
-            folder = self.paths.get(event.wd)
+            folder = self.folders.get(event.wd)
         if folder is not None and event.name == MANIFEST_NAME.encode():
-            self.events.put(FolderTouched(self.root, os.fsdecode(os.path.basename(folder))))
+            self.events.put(FolderTouched(self.root, folder))
 
     def _root_event(self, event: InotifyEvent) -> None:
         if event.is_delete_self or event.is_move_self:
@@ -143,17 +181,19 @@ class _DepthOneInotify:
             return
         if not event.is_directory or not event.name:
             return
-        path = os.path.join(os.fsencode(self.root), event.name)
+        folder = os.fsdecode(event.name)
         try:
-            self._add(path, self.FOLDER_MASK)
+            self._watch(folder)
         except OSError:
             return  # gone again already
         # The manifest may have been written before the watch was in place: look once.
-        self.events.put(FolderTouched(self.root, os.fsdecode(event.name)))
+        self.events.put(FolderTouched(self.root, folder))
 
     def on_watch_deleted(self, wd: WatchDescriptor) -> None:
         with self.lock:
-            self.paths.pop(wd, None)
+            folder = self.folders.pop(wd, None)
+            if folder is not None and self.wds.get(folder) == wd:
+                del self.wds[folder]
         if wd == self.root_wd and self.alive:
             self.alive = False
             self.events.put(RootLost(self.root))
@@ -170,9 +210,10 @@ class _DepthOneInotify:
 
     def close(self) -> None:
         with self.lock:
-            wds = list(self.paths)
-            self.paths.clear()
-        self.fd.remove_callbacks([(wd, self.id) for wd in wds])
+            wds = [*self.folders, *([] if self.root_wd is None else [self.root_wd])]
+            self.folders.clear()
+            self.wds.clear()
+            self.fd.remove_callbacks([(wd, self.id) for wd in wds])
 
 
 class ManifestListing:
@@ -216,9 +257,16 @@ class _PollingHandler(FileSystemEventHandler):
 class Watcher:
     """Watches every drop root in the mode its configuration (or its filesystem) calls for."""
 
-    def __init__(self, roots: Sequence[RootSection], events: queue.Queue[WatchEvent]) -> None:
+    def __init__(
+        self,
+        roots: Sequence[RootSection],
+        events: queue.Queue[WatchEvent],
+        ended: Callable[[Path], Collection[str]] = lambda root: (),
+    ) -> None:
+        """``ended``: the folders of a root whose batch has ended, not watched when it is armed."""
         self.roots = tuple(roots)
         self.events = events
+        self.ended = ended
         self.modes: dict[Path, ObserverMode] = {}
         self._fd: InotifyFD | None = None
         self._inotify: dict[Path, _DepthOneInotify] = {}
@@ -258,7 +306,27 @@ class Watcher:
         if self._fd is None or not self._fd.is_alive():
             self._fd = InotifyFD()
             self._fd.start()
-        self._inotify[root.path] = _DepthOneInotify(self._fd, root.path, self.events)
+        self._inotify[root.path] = _DepthOneInotify(
+            self._fd, root.path, self.events, self.ended(root.path)
+        )
+
+    def follow(self, root: Path, folder: str) -> None:
+        """Watch a batch folder again: a batch in it is under way (inotify roots only; polling
+        looks at every folder anyway)."""
+        watch = self._inotify.get(root)
+        if watch is not None:
+            watch.follow(folder)
+
+    def release(self, root: Path, folder: str) -> None:
+        """Stop watching a batch folder whose batch has ended; the catch-up scan still looks."""
+        watch = self._inotify.get(root)
+        if watch is not None:
+            watch.release(folder)
+
+    def watched_folders(self, root: Path) -> frozenset[str]:
+        """The batch folders of an inotify root watched now (empty for a polled root)."""
+        watch = self._inotify.get(root)
+        return frozenset() if watch is None else watch.watching()
 
     def _arm_polling(self, root: RootSection) -> None:
         observer = PollingObserverVFS(

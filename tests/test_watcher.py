@@ -66,6 +66,36 @@ def test_inotify_watches_the_root_and_each_batch_folder_only(drop_root: Path) ->
     assert inotify_watches() == before
 
 
+def test_the_folders_of_ended_batches_are_not_watched_and_can_be_let_go_and_taken_back(
+    drop_root: Path,
+) -> None:
+    for name in ("ended", "running"):
+        batch_with_images(drop_root, name, images=1)
+    before = inotify_watches()
+    events: queue.Queue = queue.Queue()
+    root = RootSection(path=drop_root, observer=ObserverMode.INOTIFY)
+    watcher = Watcher([root], events, ended=lambda path: {"ended"})
+    watcher.start()
+    try:
+        assert watcher.watched_folders(drop_root) == {"running"}
+        assert inotify_watches() - before == 1 + 1
+        (drop_root / "ended" / "manifest.toml").write_text("x")
+        assert events_within(events, 0.3) == []  # left to the catch-up scan
+        watcher.release(drop_root, "running")
+        watcher.follow(drop_root, "ended")
+        watcher.follow(drop_root, "ended")  # twice is once
+        watcher.follow(drop_root, "never dropped")  # nothing to watch: no error
+        assert watcher.watched_folders(drop_root) == {"ended"}
+        assert inotify_watches() - before == 1 + 1
+        (drop_root / "running" / "manifest.toml").write_text("x")
+        (drop_root / "ended" / "manifest.toml").write_text("y")
+        seen = [e.folder for e in events_within(events, 0.3) if isinstance(e, FolderTouched)]
+        assert seen == ["ended"]
+    finally:
+        watcher.stop()
+    assert inotify_watches() == before
+
+
 @pytest.mark.parametrize("mode", [ObserverMode.INOTIFY, ObserverMode.POLLING])
 def test_a_manifest_renamed_in_or_a_folder_moved_in_whole_is_seen(
     mode: ObserverMode, drop_root: Path, tmp_path: Path

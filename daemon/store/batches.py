@@ -8,7 +8,7 @@ from dataclasses import asdict
 from daemon.errors import IllegalTransition, NotFound
 from daemon.jobspec import Problem
 from daemon.records import Batch, NewBatch
-from daemon.states import BatchState, batch_can_move
+from daemon.states import TERMINAL_BATCH_STATES, BatchState, batch_can_move
 from daemon.store.base import StoreBase
 from daemon.store.rows import _BATCH_COLUMNS, _batch, _casefold, _dump_problems
 
@@ -72,14 +72,37 @@ class BatchStore(StoreBase):
         )
         return next((_batch(r) for r in rows), None)
 
-    def manifest_stats(self, root: str) -> dict[str, str]:
-        """folder → the stat signature of its newest revision's manifest, for one root."""
+    def manifest_stats(self, root: str, folders: Sequence[str]) -> dict[str, str]:
+        """folder → the stat signature of its newest revision's manifest, for some folders of
+        one root (those without a batch are left out)."""
+        marks = ", ".join("?" * len(folders))
         rows = self.db.execute(
-            "SELECT folder, manifest_stat FROM batches b WHERE root = ? AND revision ="
+            f"SELECT folder, manifest_stat FROM batches b WHERE root = ? AND folder IN ({marks})"
+            " AND revision ="
             " (SELECT max(revision) FROM batches WHERE root = b.root AND folder = b.folder)",
-            [root],
+            [root, *folders],
         )
         return {folder: stat for folder, stat in rows}
+
+    def manifest_stat(self, root: str, folder: str) -> str | None:
+        """The stat signature of the folder's newest revision's manifest; None if no batch."""
+        row = self.db.execute(
+            "SELECT manifest_stat FROM batches WHERE root = ? AND folder = ?"
+            " ORDER BY revision DESC LIMIT 1",
+            [root, folder],
+        ).fetchone()
+        return None if row is None else str(row[0])
+
+    def ended_folders(self, root: str) -> set[str]:
+        """The folders of one root whose newest revision has ended (done, failed, cancelled)."""
+        ended = [s.value for s in TERMINAL_BATCH_STATES]
+        marks = ", ".join("?" * len(ended))
+        rows = self.db.execute(
+            f"SELECT folder FROM batches b WHERE root = ? AND state IN ({marks}) AND revision ="
+            " (SELECT max(revision) FROM batches WHERE root = b.root AND folder = b.folder)",
+            [root, *ended],
+        )
+        return {folder for (folder,) in rows}
 
     def batches(
         self,

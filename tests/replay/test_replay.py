@@ -8,6 +8,7 @@ import csv
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -265,6 +266,46 @@ def test_a_broken_manifest_fails_alone_and_its_fix_runs(
     assert by_folder[("broken", 2)].state is BatchState.DONE
     refused = [e for e in logged if e["event"] == "batch recorded" and e["state"] == "failed"]
     assert refused and "not valid TOML" in refused[0]["problems"][0]
+
+
+def test_an_ended_batch_folder_is_let_go_and_a_later_fix_is_found_by_the_catch_up_scan(
+    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path
+) -> None:
+    """inotify watches follow the batches under way, not every folder ever dropped: an ended
+    batch's folder is watched ``watch_ended_seconds`` longer (here none), a manifest fixed after
+    that is found by the catch-up scan, and the new revision's folder is watched again."""
+    config = config_for(daemon={"rescan_seconds": 3600.0}, intake={"watch_ended_seconds": 0.0})
+    source = staged("b", count=2)
+    broken = drop_root / "broken"
+    shutil.copytree(source, broken, ignore=shutil.ignore_patterns("manifest.toml"))
+    fixed = (source / "manifest.toml").read_bytes()
+    with Replay(config) as replay:
+        watched = lambda: replay.service.watcher.watched_folders(drop_root)  # noqa: E731
+        replay.run([write_atomically(broken / "manifest.toml", b"watchd = 1\n[owner\n", 0.0)])
+        assert [b.state for b in store_batches(config)] == [BatchState.FAILED]
+        assert "broken" not in watched()
+        replay.run([write_atomically(broken / "manifest.toml", fixed, 0.0)])
+        assert len(store_batches(config)) == 1  # no watch, no event: the scan is due in an hour
+        replay.service.catch_up(time.time())
+        assert "broken" in watched()  # revision 2 is under way
+        replay.run()
+        assert "broken" not in watched()
+    assert [(b.revision, b.state) for b in store_batches(config)] == [
+        (1, BatchState.FAILED),
+        (2, BatchState.DONE),
+    ]
+    with Replay(config) as replay:  # a restart watches no ended batch's folder, new ones at once
+        assert replay.service.watcher.watched_folders(drop_root) == frozenset()
+        (drop_root / "new").mkdir()
+        replay.run(until=lambda service: "new" in service.watcher.watched_folders(drop_root))
+
+
+def store_batches(config: Config) -> list[Batch]:
+    store = store_of(config)
+    try:
+        return store.batches()
+    finally:
+        store.close()
 
 
 def test_manifests_naming_files_outside_their_folder_are_refused_and_nothing_runs(
