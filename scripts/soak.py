@@ -6,7 +6,8 @@ Drops go into one drop root for --minutes: small inference batches that really r
 refused at once, models that do not exist (the job fails), inputs that never complete (the
 batch times out); running jobs are killed now and then. The daemon thus ends up tracking
 --batches batches (10,000 by default), each one taken in through its real intake.
-Every --sample seconds the daemon's RSS (VmRSS) and CPU (utime+stime) are read from /proc.
+Every --sample seconds the daemon's RSS (VmRSS), CPU (utime+stime) and inotify watches are
+read from /proc.
 After the drops, --idle minutes with nothing to do give the idle CPU.
 
 Targets: idle CPU <= 1 % of a core; RSS <= 150 MB with 10,000 batches tracked, flat within
@@ -55,14 +56,18 @@ class Sample:
     cpu_seconds: float
     tracked: int
     active: int
+    watches: int  # inotify watches the daemon holds
 
 
-def write_config(base: Path, root: Path, registry: Path) -> Config:
+def write_config(
+    base: Path, root: Path, registry: Path, *, rescan_seconds: float = 300.0, **intake: float
+) -> Config:
+    """The soak's configuration; ``intake``: more keys of [intake] (the defaults otherwise)."""
     document = {
         "daemon": {"state_dir": str(base / "state"), "tick_seconds": 1.0, "heartbeat_seconds": 5.0,
-                   "rescan_seconds": 300.0, "log_format": "json", "log_level": "warning"},
+                   "rescan_seconds": rescan_seconds, "log_format": "json", "log_level": "warning"},
         "roots": [{"path": str(root), "observer": "inotify"}],
-        "intake": {"settle_seconds": 0.5, "check_seconds": 1.0, "timeout_seconds": 30},
+        "intake": {"settle_seconds": 0.5, "check_seconds": 1.0, "timeout_seconds": 30, **intake},
         "planner": {"shard_size": 8, "max_attempts": 2},
         "executor": {"local": {"max_parallel": 2}},
         "registry": {"path": str(registry)},
@@ -180,7 +185,7 @@ def main() -> int:
         start = time.monotonic()
         drop_until = start + args.minutes * 60
         next_sample = start
-        while time.monotonic() < drop_until and dropper.count < args.batches:
+        while dropper.count < args.batches:  # past the minutes, the rest go at once
             _, active = counts(config)
             left = max(1.0, drop_until - time.monotonic())
             cheap_per_good = max(0, (args.batches - dropper.count) / max(1.0, left / 2.0) - 1)
@@ -219,16 +224,28 @@ def main() -> int:
     return report(samples, idle_from, idle_to, base)
 
 
+def inotify_watches(pid: int) -> int:
+    """How many inotify watches process ``pid`` holds (its /proc fdinfo)."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:inotify":
+                count += Path(f"/proc/{pid}/fdinfo/{fd}").read_text().count("inotify wd:")
+        except OSError:
+            continue
+    return count
+
+
 def sample(pid: int, start: float, config: Config) -> Sample:
     rss, cpu = read_proc(pid)
     tracked, active = counts(config)
-    return Sample(time.monotonic() - start, rss, cpu, tracked, active)
+    return Sample(time.monotonic() - start, rss, cpu, tracked, active, inotify_watches(pid))
 
 
 def format_sample(s: Sample) -> str:
     return (
         f"{s.at / 60:6.1f} min  RSS {s.rss_mb:6.1f} MB  CPU {s.cpu_seconds:8.1f} s  "
-        f"tracked {s.tracked:6,}  busy {s.active:4}"
+        f"tracked {s.tracked:6,}  busy {s.active:4}  watches {s.watches:5,}"
     )
 
 
