@@ -91,7 +91,8 @@ def _observer(name: str, root: RootSection) -> Check:
 
 
 def inotify_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
-    """One watch per root and per batch folder directly under it; one inotify instance."""
+    """One watch per root and per folder directly under it whose batch has not ended (those the
+    daemon watches when it starts); one inotify instance."""
     watched = [
         r.path
         for r in config.roots
@@ -99,7 +100,8 @@ def inotify_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
     ]
     if not watched:
         return [Check("inotify", True, "no root is watched with inotify")]
-    needed = sum(1 + _folders(path) for path in watched)
+    ended = _ended_folders(config.daemon.database, watched)
+    needed = sum(1 + len(_folder_names(path) - ended[path]) for path in watched)
     watches = _read_limit(INOTIFY_LIMITS / "max_user_watches")
     instances = _read_limit(INOTIFY_LIMITS / "max_user_instances")
     return [inotify_limits(needed, watches, instances)]
@@ -125,12 +127,26 @@ def inotify_limits(needed: int, watches: int | None, instances: int | None) -> C
     return Check("inotify", True, detail)
 
 
-def _folders(path: Path) -> int:
+def _folder_names(path: Path) -> set[str]:
     try:
         with os.scandir(path) as entries:
-            return sum(1 for e in entries if e.is_dir(follow_symlinks=False))
+            return {e.name for e in entries if e.is_dir(follow_symlinks=False)}
     except OSError:
-        return 0
+        return set()
+
+
+def _ended_folders(database: Path, roots: list[Path]) -> dict[Path, set[str]]:
+    """For each root, the folders whose newest batch has ended (none if there is no database)."""
+    if not database.is_file():
+        return {root: set() for root in roots}
+    try:
+        store = Store(database)
+        try:
+            return {root: store.ended_folders(str(root)) for root in roots}
+        finally:
+            store.close()
+    except sqlite3.Error:
+        return {root: set() for root in roots}  # the database check says what is wrong
 
 
 def _read_limit(path: Path) -> int | None:
