@@ -74,7 +74,7 @@ class Intake:
         except OSError:
             return None  # no manifest (yet), or the folder is gone
         signature = stat_signature(st)
-        if self.store.manifest_stat(str(root), folder) == signature:
+        if self.store.manifest_stats(str(root), [folder]).get(folder) == signature:
             return None
         refusal = _refusal(root, folder, st)
         if refusal is not None:

@@ -12,6 +12,11 @@ from daemon.states import TERMINAL_BATCH_STATES, BatchState, batch_can_move
 from daemon.store.base import StoreBase
 from daemon.store.rows import _BATCH_COLUMNS, _batch, _casefold, _dump_problems
 
+# A row of ``batches b`` that is its folder's newest revision.
+_NEWEST_REVISION = (
+    "b.revision = (SELECT max(revision) FROM batches WHERE root = b.root AND folder = b.folder)"
+)
+
 
 class BatchStore(StoreBase):
     """Batches: recorded, looked up, listed, counted and moved through their states."""
@@ -78,28 +83,18 @@ class BatchStore(StoreBase):
         marks = ", ".join("?" * len(folders))
         rows = self.db.execute(
             f"SELECT folder, manifest_stat FROM batches b WHERE root = ? AND folder IN ({marks})"
-            " AND revision ="
-            " (SELECT max(revision) FROM batches WHERE root = b.root AND folder = b.folder)",
+            f" AND {_NEWEST_REVISION}",
             [root, *folders],
         )
         return {folder: stat for folder, stat in rows}
-
-    def manifest_stat(self, root: str, folder: str) -> str | None:
-        """The stat signature of the folder's newest revision's manifest; None if no batch."""
-        row = self.db.execute(
-            "SELECT manifest_stat FROM batches WHERE root = ? AND folder = ?"
-            " ORDER BY revision DESC LIMIT 1",
-            [root, folder],
-        ).fetchone()
-        return None if row is None else str(row[0])
 
     def ended_folders(self, root: str) -> set[str]:
         """The folders of one root whose newest revision has ended (done, failed, cancelled)."""
         ended = [s.value for s in TERMINAL_BATCH_STATES]
         marks = ", ".join("?" * len(ended))
         rows = self.db.execute(
-            f"SELECT folder FROM batches b WHERE root = ? AND state IN ({marks}) AND revision ="
-            " (SELECT max(revision) FROM batches WHERE root = b.root AND folder = b.folder)",
+            f"SELECT folder FROM batches b WHERE root = ? AND state IN ({marks})"
+            f" AND {_NEWEST_REVISION}",
             [root, *ended],
         )
         return {folder for (folder,) in rows}
@@ -148,8 +143,7 @@ class BatchStore(StoreBase):
         rows = self.db.query(
             f"SELECT {_BATCH_COLUMNS} FROM batches b"
             " WHERE state = ? AND watch_inputs != '' AND updated_at > ?"
-            " AND revision = (SELECT max(revision) FROM batches"
-            " WHERE root = b.root AND folder = b.folder)",
+            f" AND {_NEWEST_REVISION}",
             [BatchState.FAILED.value, since],
         )
         return [_batch(r) for r in rows]
