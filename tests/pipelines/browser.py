@@ -8,8 +8,11 @@ log entry (failed loads among them) and every request the page made, then takes 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -80,16 +83,29 @@ def render(page: Path, full_height: bool = True) -> Rendered:
     """Open ``page`` in headless Chromium; its screenshot, errors and requests."""
     binary = chromium()
     assert binary is not None
-    with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
+    # Chromium's helper processes can outlive the browser for a moment and still write to the
+    # profile: the whole process group is ended, and a profile file appearing during removal
+    # does not fail the test.
+    with tempfile.TemporaryDirectory(prefix="chromium-", ignore_cleanup_errors=True) as profile:
         process = subprocess.Popen(
             [binary, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
         try:
             return _drive(Path(profile), page, full_height)
         finally:
-            process.terminate()
-            process.wait(timeout=30)
+            _end_group(process)
+
+
+def _end_group(process: subprocess.Popen[bytes]) -> None:
+    """Terminate Chromium and every helper it started (its own session), then reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 def _drive(profile: Path, page: Path, full_height: bool) -> Rendered:
