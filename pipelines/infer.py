@@ -9,11 +9,13 @@ shard only its own), inside ``run_dir``:
   shard skips images already segmented from the same bytes with the same model and params.
 
 The model is loaded (and its sha256 checked) once per shard. Images are read and decoded by
-DataLoader workers ahead of the net (prefetch) and handed over in shared memory; images of one
-size go through the net in batches of ``batch_size``, under ``inference_mode`` in channels-last
-layout (what measured fastest on CPU; see docs/benchmarks.md). An image of more than
-``max_whole_pixels`` pixels must be a TIFF: it is segmented window by window and its mask
-written as a tiled TIFF, in memory bounded by the window size (:mod:`pipelines.tiles`).
+DataLoader workers ahead of the net (prefetch) and handed over in shared memory, a chunk at a
+time (:mod:`pipelines.reader`); images of one size go through the net in batches of
+``batch_size``, under ``inference_mode`` in channels-last layout (what measured fastest on CPU;
+see docs/benchmarks.md). Each image's mask is labelled, written, measured and recorded in the
+ledger by one finisher thread, in order, while the net runs on the next images. An image of
+more than ``max_whole_pixels`` pixels must be a TIFF: it is segmented window by window and its
+mask written as a tiled TIFF, in memory bounded by the window size (:mod:`pipelines.tiles`).
 
 A pixel is foreground when the sigmoid probability exceeds ``threshold``; connected components
 (8-connected) smaller than ``min_object_area`` pixels are removed and not counted. Per image:
@@ -34,16 +36,14 @@ import io
 import math
 import resource
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 from scipy import ndimage
-from torch.utils.data import DataLoader
-from torch.utils.data import Dataset as TorchDataset
 
 from daemon.atomicfile import write_text
 from daemon.checksums import sha256_of_stream
@@ -52,16 +52,7 @@ from daemon.version import code_version
 from models import registry
 from models.registry import ModelError, ModelVersion
 from models.unet import UNet
-from pipelines.images import (
-    check_suffix,
-    checksum_problem,
-    held_still,
-    open_item,
-    peek_size,
-    read_image_hashed,
-    where,
-    write_mask,
-)
+from pipelines.images import checksum_problem, held_still, open_item, write_mask
 from pipelines.job import InputError, log, run_job
 from pipelines.layout import (
     LEDGER_DIR,
@@ -73,11 +64,13 @@ from pipelines.layout import (
     table_name,
 )
 from pipelines.ledger import Ledger
+from pipelines.reader import read_ahead
 from pipelines.tiles import TiledResult, segment_tiled
 
 _EIGHT_CONNECTED = np.ones((3, 3), dtype=bool)
 _PROGRESS_EVERY_S = 30.0
-TIFF_SUFFIXES = (".tif", ".tiff")
+_FINISHING_AHEAD = 4  # images whose masks wait for the finisher, at most …
+_FINISHING_PIXELS = 2048 * 2048  # … and pixels: one large image at a time
 
 
 def clean_mask(
@@ -124,78 +117,6 @@ def load_model(spec: JobSpec) -> tuple[UNet, ModelVersion]:
         ) from exc
     net.eval()
     return net.to(memory_format=torch.channels_last), version
-
-
-@dataclass(frozen=True)
-class Loaded:
-    """One input as read by a loader worker: pixels, or the problems that prevented it, or
-    ``tiled`` (too large to decode whole: the main process segments it window by window)."""
-
-    item: InputFile
-    pixels: np.ndarray | None
-    problems: tuple[Problem, ...]
-    sha256: str = ""
-    tiled: bool = False
-
-
-class ShardImages(TorchDataset[Loaded]):
-    """Reads and verifies the shard's images (in DataLoader workers, overlapping the net)."""
-
-    def __init__(self, batch_dir: Path, items: list[InputFile], max_pixels: int) -> None:
-        self.batch_dir, self.items, self.max_pixels = batch_dir, items, max_pixels
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, index: int) -> Loaded:
-        item = self.items[index]
-        problem = check_suffix(item)
-        if problem is not None:
-            return Loaded(item, None, (problem,))
-        size = peek_size(self.batch_dir, item)
-        if size is not None and size[0] * size[1] > self.max_pixels:
-            if Path(item.path).suffix.lower() in TIFF_SUFFIXES:
-                return Loaded(item, None, (), tiled=True)
-            message = f"is {size[1]}×{size[0]} pixels, too large to segment as a whole"
-            hint = "save it as a tiled TIFF: those are segmented window by window"
-            return Loaded(item, None, (Problem(where(item), message, hint),))
-        try:
-            pixels, digest = read_image_hashed(self.batch_dir, item)
-        except InputError as exc:
-            return Loaded(item, None, exc.problems)
-        return Loaded(item, pixels, (), digest)
-
-
-def _shared(loaded: Loaded) -> Loaded | tuple[Loaded, torch.Tensor]:
-    """In a worker: the pixels go back as a tensor, which the loader hands over in shared
-    memory. Pickled as an array, a float32 256² image goes through a pipe of 64 KiB in pieces:
-    the worker wakes several times per image while the net runs, taking a core from torch's
-    threads (measured: 0.80 of the bare net's rate end to end, against 0.90–1.00 this way)."""
-    if loaded.pixels is None:
-        return loaded
-    return replace(loaded, pixels=None), torch.from_numpy(loaded.pixels)
-
-
-def _received(sent: Loaded | tuple[Loaded, torch.Tensor]) -> Loaded:
-    if isinstance(sent, Loaded):
-        return sent
-    loaded, pixels = sent
-    return replace(loaded, pixels=pixels.numpy())
-
-
-def _loaded(spec: JobSpec, items: list[InputFile]) -> Iterator[Loaded]:
-    # One or two reader processes hide the share's latency; the rest of the cores run the net.
-    workers = min(2, max(0, spec.resources.cpus - 1))
-    max_pixels = int(spec.params.get("max_whole_pixels", 2048 * 2048))
-    loader = DataLoader(
-        ShardImages(Path(spec.batch_dir), items, max_pixels),
-        batch_size=None,
-        num_workers=workers,
-        collate_fn=_shared,
-        prefetch_factor=4 if workers else None,
-    )
-    for sent in loader:
-        yield _received(sent)
 
 
 @torch.inference_mode()
@@ -256,6 +177,11 @@ class Segmenter:
         self.masks_dir = Path(spec.run_dir) / MASKS_DIR
         self.rows: dict[str, dict[str, Any]] = {}
         self.pending: list[tuple[InputFile, str, np.ndarray]] = []
+        # The masks are labelled, written and recorded by one thread (in order) while the net
+        # runs on the next images: the main thread does not wait on the mask's fsync.
+        self.finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="finisher")
+        self.finishing: deque[tuple[Future[None], int]] = deque()  # and each image's pixels
+        self.finishing_pixels = 0
 
     def add(self, item: InputFile, digest: str, pixels: np.ndarray) -> None:
         """Queue a decoded image; a full batch, or an image of another size, flushes."""
@@ -266,18 +192,48 @@ class Segmenter:
             self.flush()
 
     def flush(self) -> None:
+        """Run the net on the queued images; their masks are finished by the finisher."""
         if not self.pending:
             return
         stack = np.stack([pixels for _, _, pixels in self.pending])
         for (item, digest, pixels), probabilities in zip(
             self.pending, predict(self.net, stack), strict=True
         ):
-            mask, objects = clean_mask(probabilities, self.threshold, self.min_area)
-            write_mask(output_path(self.masks_dir, item.path), mask)
-            confidence = float(np.abs(2 * probabilities - 1).mean())
-            row = {**measure(pixels, mask, objects), "confidence": round(confidence, 4)}
-            self._done(item, digest, {**row, "tiled": 0})
+            while self.finishing and (
+                len(self.finishing) >= _FINISHING_AHEAD
+                or self.finishing_pixels + pixels.size > _FINISHING_PIXELS
+            ):
+                self._wait_oldest()
+            future = self.finisher.submit(self._finish, item, digest, pixels, probabilities)
+            self.finishing.append((future, pixels.size))
+            self.finishing_pixels += pixels.size
         self.pending = []
+
+    def _finish(
+        self, item: InputFile, digest: str, pixels: np.ndarray, probabilities: np.ndarray
+    ) -> None:
+        """In the finisher thread: label, write the mask, measure, record in the ledger."""
+        mask, objects = clean_mask(probabilities, self.threshold, self.min_area)
+        write_mask(output_path(self.masks_dir, item.path), mask)
+        confidence = float(np.abs(2 * probabilities - 1).mean())
+        row = {**measure(pixels, mask, objects), "confidence": round(confidence, 4)}
+        self._done(item, digest, {**row, "tiled": 0})
+
+    def finish(self) -> None:
+        """Run the net on what is queued and wait until every mask is written; the first
+        error of the finisher (the share failing under a mask write) is raised here."""
+        self.flush()
+        while self.finishing:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        future, pixels = self.finishing.popleft()
+        self.finishing_pixels -= pixels
+        future.result()
+
+    def close(self) -> None:
+        """Stop the finisher, after the masks it has in hand (none is left half written)."""
+        self.finisher.shutdown(wait=True, cancel_futures=True)
 
     def tiled(self, item: InputFile) -> list[Problem]:
         """Segment one large TIFF window by window; its problems (checksum, changed) if any.
@@ -324,15 +280,17 @@ def segment(
     """Segment every item, writing its mask; return the table rows and the input problems."""
     problems: list[Problem] = []
     progress = Progress(len(items))
-    for loaded in _loaded(spec, items):
+    max_pixels = int(spec.params.get("max_whole_pixels", 2048 * 2048))
+    reader = read_ahead(Path(spec.batch_dir), items, max_pixels, spec.resources.cpus)
+    for loaded in reader:
         problems += loaded.problems
         if loaded.tiled:
-            segmenter.flush()
+            segmenter.finish()
             problems += segmenter.tiled(loaded.item)
         elif loaded.pixels is not None:
             segmenter.add(loaded.item, loaded.sha256, loaded.pixels)
         progress.tick()
-    segmenter.flush()
+    segmenter.finish()
     return segmenter.rows, problems
 
 
@@ -361,9 +319,11 @@ def infer(spec: JobSpec, job_dir: Path) -> dict[str, Any]:
         log.info("%d of %d images already done (ledger): skipped", len(resumed), len(items))
     started, cpu_started = time.monotonic(), _cpu_seconds()
     todo = [item for item in items if item.path not in resumed]
+    segmenter = Segmenter(spec, net, provenance, ledger)
     try:
-        rows, problems = segment(spec, Segmenter(spec, net, provenance, ledger), todo)
+        rows, problems = segment(spec, segmenter, todo)
     finally:
+        segmenter.close()
         ledger.close()
     if problems:
         raise InputError(f"{len(problems)} problem(s) with the images of this shard", problems)

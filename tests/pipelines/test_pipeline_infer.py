@@ -171,6 +171,43 @@ def test_bad_images_fail_the_shard_with_one_problem_each(
     assert not (batch_dir / "results" / "parts").exists()
 
 
+def test_a_mask_that_cannot_be_written_fails_the_job_after_the_masks_written_before_it(
+    inferred: InferredBatch,
+    tmp_path: Path,
+    job_spec: Callable[..., Any],
+    manifest_inputs: Callable[..., Any],
+    run: Callable[..., JobRun],
+    infer_params: dict[str, Any],
+) -> None:
+    """Masks are written by the finisher thread: its error still fails the job (retryable), the
+    ledger holds exactly the masks written before it, and a re-run does only the rest."""
+    batch_dir = tmp_path / "blocked"
+    for folder in ("images", "plate 2 ü"):
+        shutil.copytree(inferred.batch_dir / folder, batch_dir / folder)
+    files = sorted((batch_dir / "images").iterdir()) + sorted(
+        (batch_dir / "plate 2 ü").rglob("*.tif")
+    )
+    spec = _shard_spec(batch_dir, manifest_inputs(batch_dir, files), job_spec,
+                       inferred.model.registry, ModelRef(inferred.model.name, "latest"),
+                       infer_params)  # fmt: skip
+    blocker = batch_dir / "results" / "masks" / "plate 2 ü"
+    blocker.parent.mkdir(parents=True)
+    blocker.write_text("a file where the masks' folder goes\n")
+    job = run(spec)
+    assert job.returncode == 1, job.log
+    error = job.result.error  # type: ignore[union-attr]
+    assert error is not None and error.kind is ErrorKind.INTERNAL
+    assert "plate 2 ü" in error.message
+    ledger = batch_dir / "results" / "ledger" / "shard-0002.jsonl"
+    done = [json.loads(line)["path"] for line in ledger.read_text().splitlines()]
+    assert done == [f"images/{f.name}" for f in files[:3]]
+    assert not (batch_dir / "results" / "parts").exists()
+    blocker.unlink()
+    again = run(spec)
+    assert again.result is not None and again.result.summary["resumed"] == 3, again.log
+    assert again.result.summary["segmented"] == 2
+
+
 def test_an_unknown_model_is_a_model_error_listing_what_exists(
     inferred: InferredBatch,
     tmp_path: Path,
