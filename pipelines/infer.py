@@ -181,7 +181,6 @@ class Segmenter:
         # runs on the next images: the main thread does not wait on the mask's fsync.
         self.finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="finisher")
         self.finishing: deque[tuple[Future[None], int]] = deque()  # and each image's pixels
-        self.finishing_pixels = 0
 
     def add(self, item: InputFile, digest: str, pixels: np.ndarray) -> None:
         """Queue a decoded image; a full batch, or an image of another size, flushes."""
@@ -201,12 +200,11 @@ class Segmenter:
         ):
             while self.finishing and (
                 len(self.finishing) >= _FINISHING_AHEAD
-                or self.finishing_pixels + pixels.size > _FINISHING_PIXELS
+                or sum(size for _, size in self.finishing) + pixels.size > _FINISHING_PIXELS
             ):
-                self._wait_oldest()
+                self.finishing.popleft()[0].result()
             future = self.finisher.submit(self._finish, item, digest, pixels, probabilities)
             self.finishing.append((future, pixels.size))
-            self.finishing_pixels += pixels.size
         self.pending = []
 
     def _finish(
@@ -224,12 +222,7 @@ class Segmenter:
         error of the finisher (the share failing under a mask write) is raised here."""
         self.flush()
         while self.finishing:
-            self._wait_oldest()
-
-    def _wait_oldest(self) -> None:
-        future, pixels = self.finishing.popleft()
-        self.finishing_pixels -= pixels
-        future.result()
+            self.finishing.popleft()[0].result()
 
     def close(self) -> None:
         """Stop the finisher, after the masks it has in hand (none is left half written)."""
