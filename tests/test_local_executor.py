@@ -94,7 +94,9 @@ def test_a_log_planted_in_the_job_folder_refuses_the_job_and_nothing_is_written_
     executor = LocalExecutor(max_parallel=1, python="/bin/echo")
     sub = Submission(1, job_dir.name, "pipelines.infer", job_dir, batch_dir=batch)
     (answer,) = executor.submit([sub])
-    assert answer == Refused(f"cannot start b000001-infer-0000: 'log.txt' {what}")
+    assert answer == Refused(
+        f"cannot start b000001-infer-0000: 'log.txt' {what}: remove it, watchd makes it itself"
+    )
     assert weights.read_bytes() == b"model bytes"
     assert not (job_dir / LAUNCH_FILE).exists()
 

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from daemon.executors import Accepted, Check, Deferred, Handover, Phase, Refused, Status, Submission
-from daemon.heldfolder import HeldFolder
+from daemon.heldfolder import HeldFolder, UnsafeEntry
 from daemon.jobspec import LOG_FILE
 from daemon.subprocesses import (
     exited,
@@ -67,6 +67,8 @@ class LocalExecutor:
             with sub.held_job_dir() as held:
                 pid = _spawn_logged(held, command, env)
                 handle = self._started(held, pid, command)
+        except UnsafeEntry as exc:
+            return Refused(f"cannot start {sub.name}: {exc}: remove it, watchd makes it itself")
         except OSError as exc:
             reason = f"cannot start {sub.name}: {exc}"
             return Deferred(reason) if exc.errno in PASSING else Refused(reason)
