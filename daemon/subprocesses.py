@@ -116,19 +116,22 @@ def find_process(argv_tail: Sequence[str]) -> tuple[int, int] | None:
 
     For a job started just before its starter died, before the starter could write down the
     pid: the job's own command line (module and job folder) names it."""
-    wanted = [os.fsencode(a) for a in argv_tail]
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[:-1]
-        except OSError:
-            continue
-        if argv[-len(wanted) :] == wanted:
+        if entry.isdigit() and runs(int(entry), argv_tail):
             ticks = process_start_ticks(int(entry))
             if ticks is not None:
                 return int(entry), ticks
     return None
+
+
+def runs(pid: int, argv_tail: Sequence[str]) -> bool:
+    """Whether process ``pid``'s command line ends with ``argv_tail``."""
+    wanted = [os.fsencode(a) for a in argv_tail]
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
+    except OSError:
+        return False
+    return argv[-len(wanted) :] == wanted
 
 
 def reap(pid: int, grace: float) -> None:

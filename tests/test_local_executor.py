@@ -113,3 +113,22 @@ def test_a_job_folder_planted_as_a_link_out_of_the_batch_refuses_the_job(tmp_pat
     assert isinstance(answer, Refused)
     assert "'results/run/jobs/job' is a symbolic link, not a folder" in answer.reason
     assert list(elsewhere.iterdir()) == []
+
+
+def test_a_launch_record_naming_another_process_is_not_adopted(tmp_path: Path) -> None:
+    """``launch.json`` lies in the batch's owner's folder: one planted to name a process that
+    is not this job (which a cancel would then signal) is not believed; the job is started."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "quick.py").write_text("print('ran')\n")
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    me = os.getpid()
+    with open(f"/proc/{me}/stat") as stat_file:
+        ticks = stat_file.read().rsplit(")", 1)[1].split()[19]
+    (job_dir / LAUNCH_FILE).write_text(f'{{"handle": "local:{me}:{ticks}"}}')
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "lib")}
+    executor = LocalExecutor(max_parallel=1, env=env)
+    (accepted,) = executor.submit([Submission(1, "job", "quick", job_dir, env=env)])
+    assert isinstance(accepted, Accepted) and accepted.handle != f"local:{me}:{ticks}"
+    pid = int(accepted.handle.split(":")[1])
+    os.waitpid(pid, 0)

@@ -27,6 +27,7 @@ from daemon.subprocesses import (
     find_process,
     process_start_ticks,
     reap,
+    runs,
     signal_group,
     spawn,
 )
@@ -97,11 +98,12 @@ class LocalExecutor:
                 started = _exists(held, LOG_FILE)
         except OSError:
             return None  # no job folder to read (or a planted one): nothing started from it
-        if handle and _alive(handle):
-            return handle
+        argv_tail = ["-m", sub.module, str(sub.job_dir)]
+        if handle and _alive(handle) and runs(_pid(handle), argv_tail):
+            return handle  # (launch.json lies in the owner's folder: it must name this job)
         if not started:
             return None
-        found = find_process(["-m", sub.module, str(sub.job_dir)])
+        found = find_process(argv_tail)
         return f"local:{found[0]}:{found[1]}" if found else None
 
     def poll(self, handles: Sequence[str]) -> dict[str, Status]:
