@@ -3,11 +3,12 @@
 Under a batch folder, every write goes through :mod:`daemon.heldfolder` instead (a name there
 may be a planted link or FIFO): this module is for files outside batch folders.
 
-Every file the daemon or a pipeline hands over (job spec, result, mask, report, status) is
-written to a temporary name in the same directory, flushed, and renamed into place: a reader
-never sees half a file, and a crash leaves at most a stray ``.tmp-*`` file that nobody reads.
-:func:`remove_strays` clears those away once nobody writes in a folder any more (the report
-job, the last of a batch, does it for the run folder).
+A file written here goes to a temporary name in the same directory, is flushed, and renamed
+into place: a reader never sees half a file, and a crash leaves at most a stray ``.tmp-*`` file
+that nobody reads. The daemon's writes under batch folders (job specs, launch records,
+status files, Slurm launch files) go through :mod:`daemon.heldfolder` instead; this module
+serves ``watchctl manifest`` (a folder its caller names; the rename replaces a link at the
+name, never follows it) and the pipelines, until they are converted to the same rule.
 """
 
 from __future__ import annotations
