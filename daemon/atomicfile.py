@@ -1,16 +1,19 @@
-"""Write files that another party reads so that they appear whole or not at all.
+"""Write files that another party reads so that they appear whole or not at all, by path.
 
-Every file the daemon or a pipeline hands over (job spec, result, mask, report, status) is
-written to a temporary name in the same directory, flushed, and renamed into place: a reader
-never sees half a file, and a crash leaves at most a stray ``.tmp-*`` file that nobody reads.
-:func:`remove_strays` clears those away once nobody writes in a folder any more (the report
-job, the last of a batch, does it for the run folder).
+Under a batch folder, every write goes through :mod:`daemon.heldfolder` instead (a name there
+may be a planted link or FIFO): this module is for files outside batch folders.
+
+A file written here goes to a temporary name in the same directory, is flushed, and renamed
+into place: a reader never sees half a file, and a crash leaves at most a stray ``.tmp-*`` file
+that nobody reads. The daemon's writes under batch folders (job specs, launch records,
+status files, Slurm launch files) go through :mod:`daemon.heldfolder` instead; this module
+serves ``watchctl manifest`` (a folder its caller names; the rename replaces a link at the
+name, never follows it) and the pipelines, until they are converted to the same rule.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import stat
 import tempfile
@@ -18,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-TMP_PREFIX = ".tmp-"
+from daemon.heldfolder import TMP_PREFIX
 
 
 @contextlib.contextmanager
@@ -77,23 +80,3 @@ def write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> None:
 def write_text(path: Path, text: str, *, fsync: bool = True) -> None:
     """Replace ``path`` with UTF-8 ``text`` atomically."""
     write_bytes(path, text.encode("utf-8"), fsync=fsync)
-
-
-def makedirs_inside(base: Path, target: Path) -> None:
-    """Make ``target`` and the folders up to it below ``base``, following no link on the way:
-    a link planted in a batch folder (``results`` → elsewhere) must not lead a write outside.
-    Raises OSError (ELOOP) naming the link."""
-    relative = Path(target).relative_to(base)
-    current = Path(base)
-    for part in relative.parts:
-        current = current / part
-        try:
-            st = os.lstat(current)
-        except FileNotFoundError:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(current)
-            st = os.lstat(current)
-        if stat.S_ISLNK(st.st_mode):
-            raise OSError(errno.ELOOP, f"{current.relative_to(base)} is a symbolic link")
-        if not stat.S_ISDIR(st.st_mode):
-            raise OSError(errno.ENOTDIR, f"{current.relative_to(base)} is not a folder")

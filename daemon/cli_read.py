@@ -8,7 +8,6 @@ import re
 import sys
 import time
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Annotated, Any
 
 import click
@@ -18,6 +17,7 @@ from rich.table import Table
 from daemon import joblog, overview
 from daemon.cli_base import ConfigOption, JsonOption, console, find_root, open_store
 from daemon.errors import WatchdError
+from daemon.heldfolder import UnsafeEntry
 from daemon.records import Job
 from daemon.states import BatchState, JobState
 from daemon.store import Store
@@ -215,41 +215,51 @@ def logs_command(
         raise click.UsageError("--follow prints lines as they come: leave out --json")
     _, store = open_store(config)
     found = _job(store, job)
-    path = joblog.log_path(store.batch(found.batch_id), found)
+    log = joblog.log_file(store.batch(found.batch_id), found)
     if follow:
-        _follow(store, found, path, lines)
+        _follow(store, found, log, lines)
         return
     try:
-        last = joblog.tail(path, lines)
+        last = joblog.tail(log, lines)
     except FileNotFoundError:
         state = found.state.value
-        raise WatchdError(f"job {found.name} has no log yet (it is {state}): {path}") from None
+        raise WatchdError(f"job {found.name} has no log yet (it is {state}): {log.path}") from None
     except OSError as exc:
-        raise WatchdError(f"cannot read {path}: {exc.strerror}") from None
+        raise _unreadable(log, exc) from None
     text = [*last.lines, *([last.partial.decode("utf-8", "replace")] if last.partial else [])]
     if as_json:
-        data: dict[str, Any] = {"job": overview.job_summary(found), "path": str(path)}
+        data: dict[str, Any] = {"job": overview.job_summary(found), "path": str(log.path)}
         print(overview.to_json({**data, "lines": text}))
         return
     for line in text:
         print(line)
 
 
-def _follow(store: Store, job: Job, path: Path, lines: int) -> None:
+def _unreadable(log: joblog.LogFile, exc: OSError) -> WatchdError:
+    """The one-line error for a log that may not be read (a link or FIFO planted in the batch
+    folder is refused by name, never followed or waited on)."""
+    if isinstance(exc, UnsafeEntry):
+        return WatchdError(f"will not read {log.path}: {exc}")
+    return WatchdError(f"cannot read {log.path}: {exc.strerror or exc}")
+
+
+def _follow(store: Store, job: Job, log: joblog.LogFile, lines: int) -> None:
     try:
         try:
-            last = joblog.tail(path, lines)
+            last = joblog.tail(log, lines)
         except FileNotFoundError:
             note = f"(job {job.name} is {job.state.value}: its log begins when it runs)"
             print(note, file=sys.stderr, flush=True)
-            follower = joblog.Follower(path)
+            follower = joblog.Follower(log)
         else:
             for line in last.lines:
                 print(line, flush=True)
-            follower = joblog.Follower(path, last.end, last.partial)
+            follower = joblog.Follower(log, last.end, last.partial)
         joblog.follow(store, job.id, follower, lambda line: print(line, flush=True))
     except KeyboardInterrupt:
         return  # Ctrl-C ends following; nothing went wrong
+    except OSError as exc:
+        raise _unreadable(log, exc) from None
 
 
 def _said_all(key: str, rows: list[dict[str, Any]], as_json: bool) -> bool:

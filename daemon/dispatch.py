@@ -23,9 +23,10 @@ from pathlib import Path
 
 import structlog
 
-from daemon import atomicfile, jobspec, resources
+from daemon import jobspec, resources
 from daemon.errors import ExecutorUnavailable
 from daemon.executors import Accepted, Deferred, Executor, Handover, Phase, Refused, Submission
+from daemon.heldfolder import HeldFolder
 from daemon.jobplan import job_spec
 from daemon.jobspec import (
     LOG_FILE,
@@ -103,13 +104,14 @@ class Dispatcher:
             job = handles[handle]
             result, note = None, ""
             if status.phase in (Phase.ENDED, Phase.UNKNOWN):
-                result = read_result(self.job_dir(job))
+                batch_dir, job_dir = self._folders(job)
+                result = read_result(batch_dir, job_dir)
                 if result is None and self._result_may_come(job.id):
                     seen[job.id] = JobSeen(job.id, Phase.QUEUED)  # no news yet
                     continue
                 self._no_result_since.pop(job.id, None)
                 if result is None:
-                    note = end_note(status.reason, self.job_dir(job) / LOG_FILE)
+                    note = end_note(status.reason, batch_dir, job_dir)
             seen[job.id] = JobSeen(job.id, status.phase, status.exit_code, result, note)
         return seen
 
@@ -117,8 +119,10 @@ class Dispatcher:
         since = self._no_result_since.setdefault(job_id, self.clock())
         return self.clock() - since < self.result_grace
 
-    def job_dir(self, job: Job) -> Path:
-        return jobspec.job_dir(self.store.batch(job.batch_id).run_dir, job.name)
+    def _folders(self, job: Job) -> tuple[Path, Path]:
+        """The job's batch folder and its job folder below it."""
+        batch = self.store.batch(job.batch_id)
+        return batch.path, jobspec.job_dir(batch.run_dir, job.name)
 
     def submit(self, work: Sequence[tuple[Job, Batch, Manifest]], now: float) -> Outcome:
         """Write each job's spec and hand the jobs to the executor in one call."""
@@ -178,7 +182,7 @@ class Dispatcher:
             moved = self.store.transition_job(job.id, JobState.FAILED, reason, now, change)
             log.warning("job refused", batch_id=job.batch_id, job_id=job.id, job=sub.name,
                         reason=answer.reason)  # fmt: skip
-            _append_line(sub.job_dir / LOG_FILE, f"watchd: {reason}")  # where the owner is sent
+            _append_line(sub, f"watchd: {reason}")  # where the owner is sent
             return moved
         return None
 
@@ -227,16 +231,17 @@ def _submission(spec: JobSpec, manifest: Manifest) -> Submission:
     return Submission(
         spec.job_id, spec.job_name, spec.pipeline.module, spec.job_dir,
         spec.resources.cpus, spec.resources.gpus, group=group,
-        attempt=spec.attempt, resources=manifest.resources,
+        attempt=spec.attempt, resources=manifest.resources, batch_dir=Path(spec.batch_dir),
     )  # fmt: skip
 
 
-def end_note(reason: str, log_path: Path, lines: int = 3) -> str:
+def end_note(reason: str, batch_dir: Path, job_dir: Path, lines: int = 3) -> str:
     """What to say of a job that ended without a result: the executor's word (e.g. Slurm's
-    state and reason) and the last lines of the job's log, on one line."""
+    state and reason) and the last lines of the job's log, on one line. The log is read by
+    the rule of :mod:`daemon.heldfolder`: a link or FIFO planted there is not read."""
     parts = [reason] if reason else []
     try:
-        with open(log_path, "rb") as log_file:
+        with HeldFolder.inside(batch_dir, job_dir) as held, held.open_read(LOG_FILE) as log_file:
             log_file.seek(max(0, log_file.seek(0, 2) - 4096))
             tail = log_file.read().decode("utf-8", "replace").splitlines()
     except OSError:
@@ -247,17 +252,21 @@ def end_note(reason: str, log_path: Path, lines: int = 3) -> str:
     return "; ".join(parts)
 
 
-def _append_line(path: Path, line: str) -> None:
+def _append_line(sub: Submission, line: str) -> None:
     try:
-        with open(path, "a", encoding="utf-8") as file:
+        with sub.held_job_dir() as held:
+            fd = held.open_append(LOG_FILE)
+        with open(fd, "a", encoding="utf-8") as file:
             file.write(line + "\n")
     except OSError as exc:  # the store and the status file still say it
-        log.warning("cannot write to the job's log", path=str(path), error=str(exc))
+        log.warning("cannot write to the job's log", path=str(sub.job_dir / LOG_FILE),
+                    error=str(exc))  # fmt: skip
 
 
-def read_result(job_dir: Path) -> JobResult | None:
+def read_result(batch_dir: Path, job_dir: Path) -> JobResult | None:
     try:
-        return JobResult.from_json((job_dir / RESULT_FILE).read_text(encoding="utf-8"))
+        with HeldFolder.inside(batch_dir, job_dir) as held, held.open_read(RESULT_FILE) as file:
+            return JobResult.from_json(file.read().decode("utf-8"))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -267,21 +276,22 @@ def prepare_job_dir(spec: JobSpec) -> bool:
 
     A result newer than a spec of the same attempt means the job ran to its end and the daemon
     died before recording it. Otherwise a stale result of an earlier attempt is removed first,
-    so a result found later always belongs to the attempt that was submitted.
+    so a result found later always belongs to the attempt that was submitted. The job folder
+    is made and written by the rule of :mod:`daemon.heldfolder` (held from the batch folder:
+    a link or FIFO planted on the way or in it raises UnsafeEntry, an OSError).
     """
-    job_dir = spec.job_dir
-    atomicfile.makedirs_inside(Path(spec.batch_dir), job_dir)
-    spec_path, result_path = job_dir / SPEC_FILE, job_dir / RESULT_FILE
-    text, old_text = spec.to_json(), None
-    try:
-        old_text = spec_path.read_text(encoding="utf-8")
-        old = JobSpec.from_json(old_text)
-        newer = result_path.stat().st_mtime_ns >= spec_path.stat().st_mtime_ns
-        if old.attempt == spec.attempt and newer:
-            return True
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    result_path.unlink(missing_ok=True)
-    if text != old_text:  # a job offered again and again (held back) is not rewritten each time
-        atomicfile.write_text(spec_path, text)
+    with HeldFolder.inside(spec.batch_dir, spec.job_dir, create=True) as held:
+        text, old_text = spec.to_json(), None
+        try:
+            with held.open_read(SPEC_FILE) as file:
+                old_text = file.read().decode("utf-8")
+            old = JobSpec.from_json(old_text)
+            newer = held.lstat(RESULT_FILE).st_mtime_ns >= held.lstat(SPEC_FILE).st_mtime_ns
+            if old.attempt == spec.attempt and newer:
+                return True
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        held.unlink(RESULT_FILE)
+        if text != old_text:  # a job offered again and again (held back) is not rewritten
+            held.write_text(SPEC_FILE, text)
     return False

@@ -128,6 +128,20 @@ class HeldFolder:
             raise FolderReplaced(Path(root) / folder)
         return held
 
+    @classmethod
+    def inside(
+        cls, batch_dir: Path | str, target: Path | str, *, create: bool = False
+    ) -> HeldFolder:
+        """Hold ``target``, a folder at or below the batch folder ``batch_dir`` (made when
+        ``create``), reached from the drop root (``batch_dir``'s parent) by this rule."""
+        batch_dir = Path(batch_dir)
+        relative = Path(target).relative_to(batch_dir).as_posix()
+        held = cls.batch(batch_dir.parent, batch_dir.name)
+        if relative == ".":
+            return held
+        with held:
+            return held.folder(relative, create=create)
+
     def identity(self) -> Identity:
         return Identity.of(os.fstat(self.fd))
 
@@ -219,15 +233,21 @@ class HeldFolder:
             return False
         return True
 
-    def remove_strays(self) -> list[str]:
-        """Remove the temporaries interrupted writes left anywhere below (regular files named
-        like :func:`temporary_name`); the relative paths removed. Only when no one else writes
-        below: a write in progress has such a file too. Links are neither followed nor removed."""
+    def mkdir(self, name: str) -> None:
+        """Make a new folder ``name`` in this one; FileExistsError if anything has that name
+        (so a name planted in advance is never taken for ours)."""
+        os.mkdir(_one_name(name), 0o777, dir_fd=self.fd)
+
+    def remove_strays(self, *, below: bool = True) -> list[str]:
+        """Remove the temporaries interrupted writes left here, and anywhere below when
+        ``below`` (regular files named like :func:`temporary_name`); the relative paths
+        removed. Only where no one else writes: a write in progress has such a file too.
+        Links are neither followed nor removed."""
         removed: list[str] = []
         for entry in self.entries():
-            if entry.is_dir(follow_symlinks=False):
-                with contextlib.suppress(OSError), self.folder(entry.name) as below:
-                    removed += [f"{entry.name}/{r}" for r in below.remove_strays()]
+            if entry.is_dir(follow_symlinks=False) and below:
+                with contextlib.suppress(OSError), self.folder(entry.name) as inner:
+                    removed += [f"{entry.name}/{r}" for r in inner.remove_strays()]
             elif is_temporary(entry.name) and entry.is_file(follow_symlinks=False):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.name, dir_fd=self.fd)
@@ -265,6 +285,12 @@ def is_temporary(name: str) -> bool:
     return (
         name.startswith(prefix) and len(tail) == 16 and all(c in "0123456789abcdef" for c in tail)
     )
+
+
+def _one_name(name: str) -> str:
+    if parts_of(name) != (name,):
+        raise ValueError(f"not one name: {name!r}")
+    return name
 
 
 def _step(parent: int, name: str, shown: str, create: bool) -> int:

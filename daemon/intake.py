@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import os
+import secrets
 import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from pathlib import Path
 import structlog
 
 from daemon.errors import ManifestError
+from daemon.heldfolder import HeldFolder
 from daemon.jobspec import Problem
 from daemon.manifest import MANIFEST_NAME, RESULTS_DIR, Manifest, manifest_sha256, parse_manifest
 from daemon.records import Batch, NewBatch
@@ -30,6 +32,8 @@ from daemon.store import Store
 from daemon.watcher import FolderSeen, stat_signature
 
 log = structlog.get_logger("watchd.intake")
+
+RUN_NAME_TRIES = 3  # a random part that exists already: drawn again (32 bits: never in practice)
 
 
 @dataclass(frozen=True)
@@ -132,7 +136,7 @@ class Intake:
             title=manifest.title if manifest else "",
             owner=manifest.owner_name if manifest else "",
             contact=manifest.owner_email if manifest else None,
-            run_dir=str(root / folder / RESULTS_DIR / _run_name(now, sha)),
+            run_dir=_run_dir(root, folder, now, sha, made=manifest is not None),
         )
         with self.store.atomic():
             if manifest is not None:
@@ -203,9 +207,38 @@ def _read(path: Path, max_bytes: int) -> bytes:
         return handle.read(max_bytes + 1)
 
 
+def _run_dir(root: Path, folder: str, now: float, sha: str, *, made: bool) -> str:
+    """The run folder of a new batch: made now for an accepted manifest, named only for a
+    refused one (no job of it will run)."""
+    if made:
+        return make_run_dir(root, folder, now, sha)
+    return str(root / folder / RESULTS_DIR / _run_name(now, sha))
+
+
+def make_run_dir(root: Path, folder: str, now: float, sha: str) -> str:
+    """Make the batch's run folder ``results/<name>`` (by the rule of :mod:`daemon.heldfolder`)
+    and return its path. The name sorts by time but has a random part, so its owner cannot
+    plant it in advance; mkdir fails on a name that exists, and another is drawn. If it cannot
+    be made now (folder not writable, a link planted as ``results``), the path is returned all
+    the same: the first job's preparation meets the problem and fails the batch with it."""
+    name = _run_name(now, sha)
+    try:
+        with HeldFolder.batch(root, folder) as held, held.folder(RESULTS_DIR, create=True) as out:
+            for _ in range(RUN_NAME_TRIES):
+                try:
+                    out.mkdir(name)
+                    break
+                except FileExistsError:
+                    name = _run_name(now, sha)
+    except (OSError, ValueError) as exc:
+        log.warning("run folder not made", root=str(root), folder=folder, error=str(exc))
+    return str(root / folder / RESULTS_DIR / name)
+
+
 def _run_name(now: float, sha: str) -> str:
+    """UTC second, manifest prefix and 32 random bits: sorted by time, never guessed."""
     stamp = dt.datetime.fromtimestamp(now, dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    return f"{stamp}-{sha[:8]}"
+    return f"{stamp}-{sha[:8]}-{secrets.token_hex(4)}"
 
 
 def inside_root(root: Path, folder: str) -> bool:

@@ -1,13 +1,20 @@
 """A job's log, ``<run dir>/jobs/<job name>/log.txt`` (what the job printed, appended to by
-each attempt): its last lines, and the lines it gains until the job ends (``watchctl logs``)."""
+each attempt): its last lines, and the lines it gains until the job ends (``watchctl logs``).
+
+The log lies in its owner's batch folder, so it is read by the rule of :mod:`daemon.heldfolder`
+(held from the batch folder): a link planted there is never followed (as root, that would print
+any file), a FIFO never waited on; both raise :class:`~daemon.heldfolder.UnsafeEntry`."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
+from daemon.heldfolder import HeldFolder
 from daemon.jobspec import LOG_FILE, job_dir
 from daemon.records import Batch, Job
 from daemon.store import Store
@@ -15,8 +22,21 @@ from daemon.store import Store
 BLOCK = 8192
 
 
-def log_path(batch: Batch, job: Job) -> Path:
-    return job_dir(batch.run_dir, job.name) / LOG_FILE
+@dataclass(frozen=True)
+class LogFile:
+    """A file below a batch folder, to be read by the rule."""
+
+    batch_dir: Path
+    path: Path  # below batch_dir
+
+    def open(self) -> BinaryIO:
+        """Open it for reading (FileNotFoundError if missing, UnsafeEntry if not a file)."""
+        with HeldFolder.inside(self.batch_dir, self.path.parent) as held:
+            return held.open_read(self.path.name)
+
+
+def log_file(batch: Batch, job: Job) -> LogFile:
+    return LogFile(batch.path, job_dir(batch.run_dir, job.name) / LOG_FILE)
 
 
 def _decode(line: bytes) -> str:
@@ -30,9 +50,9 @@ class Tail:
     end: int  # the file's size when read
 
 
-def tail(path: Path, count: int) -> Tail:
+def tail(log: LogFile, count: int) -> Tail:
     """The last ``count`` lines of a file, read from its end (a training log may be large)."""
-    with open(path, "rb") as handle:
+    with log.open() as handle:
         end = position = handle.seek(0, 2)
         data = b""
         while position > 0 and data.count(b"\n") <= count:
@@ -50,17 +70,18 @@ def tail(path: Path, count: int) -> Tail:
 class Follower:
     """What a growing file gained since the last read, in whole lines."""
 
-    def __init__(self, path: Path, offset: int = 0, partial: bytes = b"") -> None:
-        self.path, self.offset, self.partial = path, offset, partial
+    def __init__(self, log: LogFile, offset: int = 0, partial: bytes = b"") -> None:
+        self.log, self.offset, self.partial = log, offset, partial
 
     def read(self) -> list[str]:
         try:
-            size = self.path.stat().st_size
+            handle = self.log.open()
         except FileNotFoundError:
             return []  # not written yet (the job has not started)
-        if size < self.offset:  # truncated or replaced: start from its beginning
-            self.offset, self.partial = 0, b""
-        with open(self.path, "rb") as handle:
+        with handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size < self.offset:  # truncated or replaced: start from its beginning
+                self.offset, self.partial = 0, b""
             handle.seek(self.offset)
             data = handle.read(size - self.offset)
         self.offset += len(data)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import structlog
 
-from daemon import atomicfile
+from daemon.heldfolder import HeldFolder
 from daemon.intake import inside_root
 from daemon.jobspec import Problem
 from daemon.manifest import MANIFEST_NAME, STATUS_NAME
@@ -148,28 +148,32 @@ def _time(at: float) -> str:
 def write(folder: Path, text: str) -> None:
     """Replace the folder's status file; raises OSError when the folder cannot be written.
 
-    The daemon is the only writer of this file, so a temporary one still lying next to it
-    after the rename was left by a daemon killed mid-write: it is removed.
+    The batch folder is held from its drop root and written by the rule of
+    :mod:`daemon.heldfolder` (a link or FIFO planted at the name is replaced, never followed).
+    The daemon is the only writer in the batch folder itself, so a temporary of the exact shape
+    the rule makes still lying there was left by a daemon killed mid-write: it is removed (an
+    input is never of that shape; nothing below the folder is touched).
     """
-    try:
-        atomicfile.write_text(folder / STATUS_NAME, text, fsync=False)
-    except OSError as exc:
-        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-        if not (full and _overwrite(folder / STATUS_NAME, text)):
-            raise
-    for stale in folder.glob(f"{atomicfile.TMP_PREFIX}{STATUS_NAME}.*"):
-        stale.unlink(missing_ok=True)
+    with HeldFolder.batch(folder.parent, folder.name) as held:
+        try:
+            held.write_text(STATUS_NAME, text, fsync=False)
+        except OSError as exc:
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            if not (full and _overwrite(held, text)):
+                raise
+        held.remove_strays(below=False)
 
 
-def _overwrite(path: Path, text: str) -> bool:
+def _overwrite(held: HeldFolder, text: str) -> bool:
     """With the share full, a new file cannot be made, but the old status file's blocks can be
     written again: overwrite it in place if the text fits in them (one write call; not atomic,
     the one exception, because a stale "RUNNING" would mislead the owner more)."""
     data = text.encode("utf-8")
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(STATUS_NAME, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=held.fd)
         with os.fdopen(fd, "r+b") as handle:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:  # never into a file elsewhere
                 return False
             if len(data) > os.fstat(handle.fileno()).st_blocks * 512:
                 return False

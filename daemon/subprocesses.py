@@ -54,16 +54,20 @@ def _text(data: bytes | str | None) -> str:
     return data if isinstance(data, str) else data.decode("utf-8", "replace")
 
 
-def spawn(command: Sequence[str], *, log_path: Path, env: Mapping[str, str]) -> int:
+def spawn(command: Sequence[str], *, log_fd: int, env: Mapping[str, str]) -> int:
     """Start ``command`` in a session of its own (it outlives the daemon and gets no signal
-    meant for it), stdin from /dev/null, stdout and stderr appended to ``log_path``: its pid.
+    meant for it), stdin from /dev/null, stdout and stderr to the open file ``log_fd`` (the
+    caller opened it, by the rule of :mod:`daemon.heldfolder`, and closes it): its pid.
+
+    Nothing is opened by path for the child but /dev/null: a link or FIFO planted at a log's
+    name can neither redirect its output nor block this call.
 
     The caller reaps it with ``exited`` while it lives; if the caller dies first, the process
     goes on and init reaps it."""
     actions = [
         (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-        (os.POSIX_SPAWN_OPEN, 1, str(log_path), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644),
-        (os.POSIX_SPAWN_DUP2, 1, 2),
+        (os.POSIX_SPAWN_DUP2, log_fd, 1),
+        (os.POSIX_SPAWN_DUP2, log_fd, 2),
     ]
     executable = shutil.which(command[0], path=env.get("PATH")) or command[0]
     return os.posix_spawn(executable, list(command), dict(env), file_actions=actions, setsid=True)
@@ -112,19 +116,22 @@ def find_process(argv_tail: Sequence[str]) -> tuple[int, int] | None:
 
     For a job started just before its starter died, before the starter could write down the
     pid: the job's own command line (module and job folder) names it."""
-    wanted = [os.fsencode(a) for a in argv_tail]
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[:-1]
-        except OSError:
-            continue
-        if argv[-len(wanted) :] == wanted:
+        if entry.isdigit() and runs(int(entry), argv_tail):
             ticks = process_start_ticks(int(entry))
             if ticks is not None:
                 return int(entry), ticks
     return None
+
+
+def runs(pid: int, argv_tail: Sequence[str]) -> bool:
+    """Whether process ``pid``'s command line ends with ``argv_tail``."""
+    wanted = [os.fsencode(a) for a in argv_tail]
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
+    except OSError:
+        return False
+    return argv[-len(wanted) :] == wanted
 
 
 def reap(pid: int, grace: float) -> None:

@@ -119,3 +119,37 @@ def test_strays_are_only_the_daemons_own_temporaries(batch: Path) -> None:
         assert held.remove_strays() == [f"sub/{stray}"]
     assert all((batch / name).exists() for name in inputs)
     assert is_temporary(stray) and not is_temporary(".tmp-watchd-status.txt.png")
+
+
+def test_strays_only_here_leave_the_folders_below_alone(batch: Path) -> None:
+    """The status writer cleans the batch folder itself while jobs write below it."""
+    here, below = temporary_name(), temporary_name()
+    (batch / here).write_text("half a status")
+    (batch / "results").mkdir()
+    (batch / "results" / below).write_text("a job's write in progress")
+    with HeldFolder.open(batch) as held:
+        assert held.remove_strays(below=False) == [here]
+    assert (batch / "results" / below).exists()
+
+
+def test_a_folder_inside_a_batch_is_held_from_the_drop_root_down(batch: Path) -> None:
+    job = batch / "results" / "run" / "jobs" / "j"
+    with HeldFolder.inside(batch, job, create=True) as held:
+        held.write_text("spec.json", "{}")
+    assert (job / "spec.json").read_text() == "{}"
+    with HeldFolder.inside(batch, batch) as held, HeldFolder.open(batch) as same:
+        assert held.identity() == same.identity()
+    (batch / "results" / "run" / "jobs" / "k").symlink_to(batch.parent.parent / "outside")
+    with pytest.raises(UnsafeEntry, match="'results/run/jobs/k' is a symbolic link"):
+        HeldFolder.inside(batch, batch / "results" / "run" / "jobs" / "k")
+
+
+def test_a_new_folder_is_never_one_that_exists(batch: Path) -> None:
+    (batch / "planted").mkdir()
+    with HeldFolder.open(batch) as held:
+        held.mkdir("made")
+        with pytest.raises(FileExistsError):
+            held.mkdir("planted")
+        with pytest.raises(ValueError, match="not one name"):
+            held.mkdir("a/b")
+    assert (batch / "made").is_dir()

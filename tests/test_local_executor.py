@@ -8,7 +8,9 @@ import signal
 import time
 from pathlib import Path
 
-from daemon.executors import Accepted, Phase, Submission
+import pytest
+
+from daemon.executors import Accepted, Phase, Refused, Submission
 from daemon.executors.local import LAUNCH_FILE, LocalExecutor
 
 
@@ -55,3 +57,78 @@ def test_a_first_submission_starts_the_job(tmp_path: Path) -> None:
         time.sleep(0.05)
     assert status.phase is Phase.ENDED and status.exit_code == 0
     assert (job_dir / "log.txt").read_text().strip() == "ran"
+
+
+def planted(job_dir: Path, kind: str, target: Path) -> None:
+    log = job_dir / "log.txt"
+    if kind == "link":
+        log.symlink_to(target)
+    elif kind == "hard link":
+        os.link(target, log)
+    else:
+        os.mkfifo(log)
+
+
+@pytest.mark.parametrize(
+    ("kind", "what"),
+    [
+        ("link", "is a symbolic link, not a regular file"),
+        ("hard link", "has other hard links: it may be a file outside the folder"),
+        ("fifo", "is a FIFO, not a regular file"),
+    ],
+)
+def test_a_log_planted_in_the_job_folder_refuses_the_job_and_nothing_is_written_through_it(
+    tmp_path: Path, kind: str, what: str
+) -> None:
+    """The batch folder's owner plants ``log.txt`` before the job starts: pointing at a file
+    the daemon's user may write (the registry's weights), or a FIFO that would block the
+    daemon in posix_spawn for ever. The job is refused with that reason, at once; the file
+    elsewhere is unchanged and no process was started."""
+    weights = tmp_path / "registry" / "weights.pt"
+    weights.parent.mkdir()
+    weights.write_bytes(b"model bytes")
+    batch = tmp_path / "batch"
+    job_dir = batch / "results" / "run" / "jobs" / "b000001-infer-0000"
+    job_dir.mkdir(parents=True)
+    planted(job_dir, kind, weights)
+    executor = LocalExecutor(max_parallel=1, python="/bin/echo")
+    sub = Submission(1, job_dir.name, "pipelines.infer", job_dir, batch_dir=batch)
+    (answer,) = executor.submit([sub])
+    assert answer == Refused(
+        f"cannot start b000001-infer-0000: 'log.txt' {what}: remove it, watchd makes it itself"
+    )
+    assert weights.read_bytes() == b"model bytes"
+    assert not (job_dir / LAUNCH_FILE).exists()
+
+
+def test_a_job_folder_planted_as_a_link_out_of_the_batch_refuses_the_job(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    batch = tmp_path / "batch"
+    jobs = batch / "results" / "run" / "jobs"
+    jobs.mkdir(parents=True)
+    (jobs / "job").symlink_to(elsewhere)
+    executor = LocalExecutor(max_parallel=1, python="/bin/echo")
+    (answer,) = executor.submit([Submission(1, "job", "m", jobs / "job", batch_dir=batch)])
+    assert isinstance(answer, Refused)
+    assert "'results/run/jobs/job' is a symbolic link, not a folder" in answer.reason
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_a_launch_record_naming_another_process_is_not_adopted(tmp_path: Path) -> None:
+    """``launch.json`` lies in the batch's owner's folder: one planted to name a process that
+    is not this job (which a cancel would then signal) is not believed; the job is started."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "quick.py").write_text("print('ran')\n")
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    me = os.getpid()
+    with open(f"/proc/{me}/stat") as stat_file:
+        ticks = stat_file.read().rsplit(")", 1)[1].split()[19]
+    (job_dir / LAUNCH_FILE).write_text(f'{{"handle": "local:{me}:{ticks}"}}')
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "lib")}
+    executor = LocalExecutor(max_parallel=1, env=env)
+    (accepted,) = executor.submit([Submission(1, "job", "quick", job_dir, env=env)])
+    assert isinstance(accepted, Accepted) and accepted.handle != f"local:{me}:{ticks}"
+    pid = int(accepted.handle.split(":")[1])
+    os.waitpid(pid, 0)

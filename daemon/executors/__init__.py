@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from daemon.heldfolder import HeldFolder
 from daemon.manifest import ResourceRequest
 
 if TYPE_CHECKING:
@@ -45,6 +46,14 @@ class Submission:
     group: str = ""
     attempt: int = 0  # with the job directory, names this submission for good
     resources: ResourceRequest = field(default_factory=ResourceRequest)  # [resources]
+    batch_dir: Path | None = None  # the batch folder of job_dir (None: job_dir is trusted)
+
+    def held_job_dir(self) -> HeldFolder:
+        """The job's folder held by the rule of :mod:`daemon.heldfolder`, from its batch folder
+        (a planted link or FIFO on the way raises UnsafeEntry, an OSError)."""
+        if self.batch_dir is None:
+            return HeldFolder.open(self.job_dir)
+        return HeldFolder.inside(self.batch_dir, self.job_dir)
 
 
 @dataclass(frozen=True)

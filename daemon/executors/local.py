@@ -3,26 +3,31 @@
 Each job runs in its own session, so it outlives a daemon that is stopped or killed; a handle
 ``local:PID:START`` names the process for good (the start time tells a reused pid apart), and
 ``launch.json`` in the job directory lets a restarted daemon find a job it started before.
+
+The job's folder is in its owner's batch folder: its log is opened by the daemon, by the rule
+of :mod:`daemon.heldfolder`, and handed to the child; a link, FIFO or hard link planted as
+``log.txt`` refuses the job (with that reason), never redirects or blocks it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import signal
 import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
-from daemon import atomicfile
 from daemon.executors import Accepted, Check, Deferred, Handover, Phase, Refused, Status, Submission
+from daemon.heldfolder import HeldFolder, UnsafeEntry
 from daemon.jobspec import LOG_FILE
 from daemon.subprocesses import (
     exited,
     find_process,
     process_start_ticks,
     reap,
+    runs,
     signal_group,
     spawn,
 )
@@ -60,16 +65,26 @@ class LocalExecutor:
         command = [self.python, "-m", sub.module, str(sub.job_dir)]
         env = {**self.env, **sub.env, "OMP_NUM_THREADS": str(sub.cpus)}
         try:
-            pid = spawn(command, log_path=sub.job_dir / LOG_FILE, env=env)
+            with sub.held_job_dir() as held:
+                pid = _spawn_logged(held, command, env)
+                handle = self._started(held, pid, command)
+        except UnsafeEntry as exc:
+            return Refused(f"cannot start {sub.name}: {exc}: remove it, watchd makes it itself")
         except OSError as exc:
             reason = f"cannot start {sub.name}: {exc}"
             return Deferred(reason) if exc.errno in PASSING else Refused(reason)
+        return Accepted(handle)
+
+    def _started(self, held: HeldFolder, pid: int, command: list[str]) -> str:
+        """Keep the started child and write its ``launch.json`` (if that cannot be written,
+        a restarted daemon finds the job by its command line instead): its handle."""
         ticks = process_start_ticks(pid)
         handle = f"local:{pid}:{ticks if ticks is not None else 0}"
         self._children[handle] = pid
         record = {"handle": handle, "pid": pid, "command": command}
-        atomicfile.write_text(sub.job_dir / LAUNCH_FILE, json.dumps(record))
-        return Accepted(handle)
+        with contextlib.suppress(OSError):
+            held.write_text(LAUNCH_FILE, json.dumps(record))
+        return handle
 
     def _adopt(self, sub: Submission) -> str | None:
         """The handle of this job's process if an earlier daemon started it and it still runs.
@@ -78,14 +93,17 @@ class LocalExecutor:
         writing that down (the log file, opened first, is there), the job's own command line
         finds it."""
         try:
-            handle = str(json.loads((sub.job_dir / LAUNCH_FILE).read_text())["handle"])
-        except (OSError, ValueError, KeyError):
-            handle = ""
-        if handle and _alive(handle):
-            return handle
-        if not (sub.job_dir / LOG_FILE).exists():
+            with sub.held_job_dir() as held:
+                handle = _recorded(held)
+                started = _exists(held, LOG_FILE)
+        except OSError:
+            return None  # no job folder to read (or a planted one): nothing started from it
+        argv_tail = ["-m", sub.module, str(sub.job_dir)]
+        if handle and _alive(handle) and runs(_pid(handle), argv_tail):
+            return handle  # (launch.json lies in the owner's folder: it must name this job)
+        if not started:
             return None
-        found = find_process(["-m", sub.module, str(sub.job_dir)])
+        found = find_process(argv_tail)
         return f"local:{found[0]}:{found[1]}" if found else None
 
     def poll(self, handles: Sequence[str]) -> dict[str, Status]:
@@ -126,6 +144,32 @@ class LocalExecutor:
         return [Check("local executor", True, detail)]
 
 
+def _spawn_logged(held: HeldFolder, command: list[str], env: Mapping[str, str]) -> int:
+    """Start the job with its output appended to ``log.txt``, opened here by the rule."""
+    log_fd = held.open_append(LOG_FILE)
+    try:
+        return spawn(command, log_fd=log_fd, env=env)
+    finally:
+        os.close(log_fd)
+
+
+def _recorded(held: HeldFolder) -> str:
+    """The handle ``launch.json`` records in a held job folder, or ''."""
+    try:
+        with held.open_read(LAUNCH_FILE) as file:
+            return str(json.loads(file.read())["handle"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+def _exists(held: HeldFolder, name: str) -> bool:
+    try:
+        held.lstat(name)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def _pid(handle: str) -> int:
     return int(handle.split(":")[1])
 
@@ -136,11 +180,3 @@ def _alive(handle: str) -> bool:
     except ValueError:
         return False
     return process_start_ticks(int(pid)) == int(ticks)
-
-
-def from_path(path: Path) -> str | None:
-    """The handle recorded in a job directory, if any (for watchctl)."""
-    try:
-        return str(json.loads((path / LAUNCH_FILE).read_text())["handle"])
-    except (OSError, ValueError, KeyError):
-        return None

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import structlog
 
-from daemon import atomicfile
 from daemon.config import SlurmExecutorSection
 from daemon.errors import ExecutorUnavailable, SubmissionError, WatchdError
 from daemon.executors import (
@@ -46,6 +45,7 @@ from daemon.executors.gate import Gate
 from daemon.executors.slurm_api import JobRecord, SlurmClient, describe, phase_of, release
 from daemon.executors.slurm_cli import CliClient
 from daemon.executors.slurm_launch import HANDLE_PREFIX, Launch
+from daemon.heldfolder import HeldFolder
 
 log = structlog.get_logger("watchd.slurm")
 
@@ -183,11 +183,12 @@ class SlurmExecutor:
         return job_id
 
     def _write_files(self, launch: Launch) -> Path:
-        launch.files.mkdir(parents=True, exist_ok=True)
-        atomicfile.write_text(launch.files / f"{launch.key}.tasks", launching.tasks_text(launch))
-        script = launch.files / f"{launch.key}.sh"
-        atomicfile.write_text(script, launching.job_script(launch, self.python))
-        return script
+        """Write the tasks file and the script under the batch folder, by the rule of
+        :mod:`daemon.heldfolder` (a link planted on the way or at a name raises UnsafeEntry)."""
+        with HeldFolder.inside(launch.batch_dir, launch.files, create=True) as held:
+            held.write_text(f"{launch.key}.tasks", launching.tasks_text(launch))
+            held.write_text(f"{launch.key}.sh", launching.job_script(launch, self.python))
+        return launch.files / f"{launch.key}.sh"
 
     def _adoptable(self, launches: Sequence[Launch]) -> Adopted:
         """Jobs of these launches' folders that Slurm has and that have not ended, found by
@@ -202,15 +203,11 @@ class SlurmExecutor:
                 if phase_of(record.state) is not Phase.ENDED:
                     live.add(record.id)
         adopted: Adopted = {}
-        for jobs_dir in {launch.jobs_dir for launch in launches}:
+        for launch in {launch.jobs_dir: launch for launch in launches}.values():
             for key, array_ids in arrays.items():
-                try:
-                    text = (jobs_dir / launching.LAUNCH_DIR / f"{key}.tasks").read_text()
-                except OSError:
-                    continue
-                tasks = launching.parse_tasks(text)
+                tasks = launching.parse_tasks(_tasks_file(launch, key))
                 for task, handle in launching.live_tasks(tasks, array_ids, live).items():
-                    adopted.setdefault((jobs_dir, *task), handle)
+                    adopted.setdefault((launch.jobs_dir, *task), handle)
         return adopted
 
     # -- tracking ----------------------------------------------------------------------------
@@ -269,6 +266,19 @@ def _found(launch: Launch, adopted: Adopted) -> dict[int, str]:
     """The handles of the launch's jobs that Slurm already has, by job id."""
     keys = {s.job_id: (launch.jobs_dir, s.job_dir.name, s.attempt) for s in launch.submissions}
     return {job_id: adopted[key] for job_id, key in keys.items() if key in adopted}
+
+
+def _tasks_file(launch: Launch, key: str) -> str:
+    """The text of launch ``key``'s tasks file beside ``launch``'s (read by the rule of
+    :mod:`daemon.heldfolder`), or '' if there is none to read."""
+    try:
+        with (
+            HeldFolder.inside(launch.batch_dir, launch.files) as held,
+            held.open_read(f"{key}.tasks") as file,
+        ):
+            return file.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
 
 
 def _status(record: JobRecord | None) -> Status:

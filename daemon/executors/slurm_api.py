@@ -29,7 +29,7 @@ class JobRequest:
     comment: str  # watchd's key: how a restarted daemon finds what it submitted
     script: Path  # a fixed template with quoted paths only (slurm_launch.job_script)
     work_dir: Path
-    output: str  # log of the job script, relative to work_dir, with Slurm's %A/%a/%j
+    output: str  # Slurm's output file for the job script (/dev/null: see slurm_launch)
     time_minutes: int
     memory_mb: int
     cpus_per_task: int = 1

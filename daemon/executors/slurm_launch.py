@@ -6,8 +6,12 @@ compute nodes see:
 
 - ``KEY.tasks``: one line per array task, ``<job name>\\t<attempt>``; task *i* runs line *i+1*;
 - ``KEY.sh``: the job script, a fixed template whose only values are quoted paths and a module
-  name; every Slurm option is an sbatch argument or a pyslurm field, never script text;
-- ``KEY-<job id>.out``: what the script printed before it switched to the job's ``log.txt``.
+  name; every Slurm option is an sbatch argument or a pyslurm field, never script text.
+
+Slurm's own output file goes to /dev/null: slurmstepd opens it by path and would follow a link
+that the batch folder's owner planted under ``results/``. The script hands over at once to
+:mod:`daemon.executors.slurm_job`, which opens the job's ``log.txt`` by the rule of
+:mod:`daemon.heldfolder` and runs the job with its output there.
 
 KEY is a digest of the job directories and attempts, and the job's comment is
 ``watchd:<name>:<KEY>``: a restarted daemon, or one whose submit timed out after Slurm accepted
@@ -18,6 +22,7 @@ again.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shlex
 from collections.abc import Mapping, Sequence, Set
@@ -41,6 +46,7 @@ SCRIPT = """\
 # watchd job script: a fixed template (daemon/executors/slurm_launch.py). The values put in
 # are quoted paths and a module name; every Slurm option was given to sbatch as an argument.
 set -euo pipefail
+batch_dir=@BATCH_DIR@
 jobs_dir=@JOBS_DIR@
 tasks=@TASKS@
 python=@PYTHON@
@@ -49,12 +55,10 @@ task=${SLURM_ARRAY_TASK_ID:-0}
 name=$(sed -n "$((task + 1))p" "$tasks" | cut -f1)
 if [ -z "$name" ]; then echo "watchd: no job for task $task in $tasks" >&2; exit 3; fi
 job_dir=$jobs_dir/$name
-cd "$job_dir"
-exec >>log.txt 2>&1
-echo "watchd: Slurm job ${SLURM_JOB_ID:-?} task $task on $(hostname)," \
-  "GPUs ${CUDA_VISIBLE_DEVICES:-none}, at $(date -u +%FT%TZ)"
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
-exec @LAUNCHER@"$python" -m "$module" "$job_dir"
+# log.txt is opened by watchd's rule (never a link, FIFO or hard link), not by the shell
+exec "$python" -m daemon.executors.slurm_job "$batch_dir" "$job_dir" -- \\
+  @LAUNCHER@"$python" -m "$module" "$job_dir"
 """
 
 # Training runs under srun: one process per task (DDP), with the job's CPUs per task.
@@ -83,6 +87,11 @@ class Launch:
     @property
     def is_array(self) -> bool:
         return len(self.submissions) > 1
+
+    @property
+    def batch_dir(self) -> Path:
+        """The batch folder the job folders are held from (the jobs folder if not known)."""
+        return self.submissions[0].batch_dir or self.jobs_dir
 
     @property
     def files(self) -> Path:
@@ -149,6 +158,7 @@ def live_tasks(
 
 def job_script(launch: Launch, python: str) -> str:
     filled = {
+        "@BATCH_DIR@": shlex.quote(str(launch.batch_dir)),
         "@JOBS_DIR@": shlex.quote(str(launch.jobs_dir)),
         "@TASKS@": shlex.quote(str(launch.files / f"{launch.key}.tasks")),
         "@PYTHON@": shlex.quote(python),
@@ -170,13 +180,12 @@ def request(
         last = len(launch.submissions) - 1
         throttle = f"%{site.array_throttle}" if site.array_throttle else ""
         array = f"0-{last}{throttle}"
-    pattern = "%A_%a" if launch.is_array else "%j"
     return JobRequest(
         name=launch.name,
         comment=launch.comment,
         script=script,
         work_dir=launch.jobs_dir,
-        output=f"{LAUNCH_DIR}/{launch.key}-{pattern}.out",
+        output=os.devnull,
         time_minutes=launch.allocation.time_minutes,
         memory_mb=launch.allocation.memory_mb,
         cpus_per_task=site.cpus_per_task,

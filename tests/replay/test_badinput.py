@@ -275,7 +275,138 @@ def test_a_results_folder_that_is_a_link_out_of_the_batch_is_refused_and_nothing
     batch = only(config, folder.name)
     assert batch.state is BatchState.FAILED and batch.reason == "results folder not writable"
     assert batch.problems[0].render() == (
-        "results folder: cannot be written: results is a symbolic link — "
+        "results folder: cannot be written: 'results' is a symbolic link, not a folder — "
         "remove it: watchd writes its results only inside the batch folder"
     )
     assert list(elsewhere.iterdir()) == []
+
+
+# -- links and FIFOs planted under results/ (one rule for every write under a batch folder) ---
+
+
+def watchctl(config: Config, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [str(BIN / "watchctl"), *args, "--config", str(config.source)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=30)
+
+
+def planted_mid_run(
+    config: Config, source: Path, folder: Path, plant: Callable[[Path], None]
+) -> Batch:
+    """Drop ``source`` as ``folder`` with one input held back (the batch waits, its run folder
+    made), let ``plant`` put something in the first job's folder as its owner could, then give
+    the last input: the batch's end, as the daemon recorded it."""
+    shutil.copytree(source, folder)
+    last = sorted(folder.rglob("*.png"))[-1]
+    held_back = last.read_bytes()
+    last.unlink()
+    with Replay(config) as replay:
+        replay.run(until=lambda _service: newest(config, folder.name) is not None)
+        batch = only(config, folder.name)
+        assert Path(batch.run_dir).is_dir()  # made by the daemon at intake
+        job_dir = Path(batch.run_dir) / "jobs" / f"b{batch.id:06d}-infer-0000"
+        plant(job_dir)
+        last.write_bytes(held_back)
+        replay.run()
+    return only(config, folder.name)
+
+
+@pytest.mark.parametrize("target", ["a file outside", "the registry's weights"])
+def test_a_log_planted_as_a_link_fails_the_job_and_the_file_it_points_to_is_unchanged(
+    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path,
+    tmp_path: Path, target: str,
+) -> None:  # fmt: skip
+    """Also through `watchctl retry`, which the status file suggests; `watchctl logs` refuses
+    the link instead of printing the file it points to."""
+    config = config_for()
+    outside = tmp_path / "outside.txt"
+    outside.write_text("another user's file\n")
+    weights = next(config.registry.path.rglob("*.pt"))
+    victim = outside if target == "a file outside" else weights
+    was = victim.read_bytes()
+
+    def plant(job_dir: Path) -> None:
+        job_dir.mkdir(parents=True)
+        (job_dir / "log.txt").symlink_to(victim)
+
+    folder = drop_root / "planted log link"
+    batch = planted_mid_run(config, staged(count=1), folder, plant)
+    said = "'log.txt' is a symbolic link, not a regular file: remove it, watchd makes it itself"
+    assert batch.state is BatchState.FAILED and said in batch.reason
+    assert said in (folder / STATUS_NAME).read_text()
+    assert victim.read_bytes() == was
+    assert watchctl(config, "retry", str(batch.id)).returncode == 0
+    with Replay(config) as replay:
+        replay.run()
+    again = only(config, folder.name)
+    assert again.state is BatchState.FAILED and said in again.reason
+    assert victim.read_bytes() == was
+    logs = watchctl(config, "logs", f"b{batch.id:06d}-infer-0000")
+    assert logs.returncode == 1 and logs.stdout == ""
+    assert logs.stderr.startswith("Error: will not read ") and logs.stderr.endswith(
+        "log.txt: 'log.txt' is a symbolic link, not a regular file\n"
+    )
+
+
+def test_a_log_planted_as_a_fifo_fails_the_job_at_once_and_other_batches_go_on(
+    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path
+) -> None:
+    """Before, the daemon's main thread blocked in posix_spawn for ever (and `watchctl logs`
+    hung on it too)."""
+    config = config_for()
+    shutil.copytree(staged("other", count=1), drop_root / "other batch")
+    folder = drop_root / "planted log fifo"
+    batch = planted_mid_run(
+        config, staged(count=1), folder, lambda job_dir: _fifo(job_dir / "log.txt")
+    )
+    said = "'log.txt' is a FIFO, not a regular file: remove it, watchd makes it itself"
+    assert batch.state is BatchState.FAILED and said in batch.reason
+    assert said in (folder / STATUS_NAME).read_text()
+    assert only(config, "other batch").state is BatchState.DONE
+    logs = watchctl(config, "logs", f"b{batch.id:06d}-infer-0000")
+    assert logs.returncode == 1 and "'log.txt' is a FIFO, not a regular file" in logs.stderr
+
+
+def _fifo(path: Path) -> None:
+    path.parent.mkdir(parents=True)
+    os.mkfifo(path)
+
+
+def test_a_job_folder_planted_as_a_link_fails_the_batch_and_nothing_is_written_there(
+    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    config = config_for()
+    elsewhere = tmp_path / "another lab's folder"
+    elsewhere.mkdir()
+
+    def plant(job_dir: Path) -> None:
+        job_dir.parent.mkdir()
+        job_dir.symlink_to(elsewhere)
+
+    folder = drop_root / "planted job folder"
+    batch = planted_mid_run(config, staged(count=1), folder, plant)
+    assert batch.state is BatchState.FAILED and batch.reason == "results folder not writable"
+    run = Path(batch.run_dir).name
+    assert batch.problems[0].render() == (
+        f"results folder: cannot be written: 'results/{run}/jobs/b{batch.id:06d}-infer-0000' "
+        "is a symbolic link, not a folder — "
+        "remove it: watchd writes its results only inside the batch folder"
+    )
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_an_input_named_like_a_status_temporary_is_never_deleted(
+    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path
+) -> None:
+    """The status writer's clean-up once removed `.tmp-watchd-status.txt.*`: now only the exact
+    temporaries it makes itself."""
+    config = config_for()
+    folder = drop_root / "odd input name"
+    shutil.copytree(staged(count=1), folder)
+    odd = folder / ".tmp-watchd-status.txt.png"
+    shutil.copy(next(folder.rglob("*.png")), odd)
+    was = odd.read_bytes()
+    with Replay(config) as replay:
+        replay.run()
+    assert only(config, folder.name).state is BatchState.DONE
+    assert odd.read_bytes() == was

@@ -28,7 +28,10 @@ def executor(slurm: MemorySlurm, clock: Clock) -> SlurmExecutor:
 
 
 def shards(tmp_path: Path, count: int, batch: int = 1) -> list[Submission]:
-    jobs = tmp_path / f"b{batch}" / "results" / "r" / "jobs"
+    """Shards of a batch folder that exists (the launch files are written below it)."""
+    folder = tmp_path / f"b{batch}"
+    folder.mkdir(exist_ok=True)
+    jobs = folder / "results" / "r" / "jobs"
     names = [f"b{batch:06d}-infer-{i:04d}" for i in range(count)]
     return [
         Submission(
@@ -38,6 +41,7 @@ def shards(tmp_path: Path, count: int, batch: int = 1) -> list[Submission]:
             jobs / name,
             group=f"b{batch:06d}-infer",
             attempt=1,
+            batch_dir=folder,
         )
         for i, name in enumerate(names)
     ]

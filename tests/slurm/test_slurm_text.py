@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -158,7 +160,8 @@ def test_the_shards_of_a_stage_go_out_as_arrays_in_chunks_of_the_largest_allowed
     assert [launch.is_array for launch in launches] == [True, True, False]
     assert launches[0].name == "b000001-infer" and launches[2].name == "b000001-train"
     req = launching.request(launches[0], SITE, Path("/s.sh"), {})
-    assert req.array == "0-2%50" and req.output == "slurm/" + launches[0].key + "-%A_%a.out"
+    assert req.array == "0-2%50"
+    assert req.output == "/dev/null"  # slurmstepd opens it by path: never in the batch folder
     assert (req.partition, req.account, req.constraint) == ("gpu", "lab", "v100&ib")
     assert launches[0].handle("77", 2) == "slurm:77_2" and launches[2].handle("78", 0) == "slurm:78"
 
@@ -216,20 +219,42 @@ def test_a_job_name_that_could_not_name_a_task_is_refused() -> None:
         launching.plan([Submission(1, "x", "pipelines.infer", Path("/j/a b"))], SITE)
 
 
-def test_the_job_script_maps_each_array_task_to_its_job_folder_whatever_the_path(
-    drop_root: Path,
-) -> None:
-    """The generated script run by bash as Slurm would run it (task id in the environment),
-    with /bin/echo standing in for the interpreter: it cds into the task's own job folder,
-    logs there, and passes the folder as one argument however awkward its path."""
-    jobs = drop_root / "plate $(touch x) 'q'" / "results" / "r" / "jobs"
-    launch = launching.plan([sub(i, jobs) for i in range(3)], SITE)[0]
+def stand_in_python(folder: Path) -> str:
+    """An interpreter for the job script: the real one for watchd's log opener, ``echo`` for
+    the job itself (so the test runs no pipeline)."""
+    path = folder / "python"
+    path.write_text(
+        "#!/bin/bash\n"
+        f'if [ "$1 $2" = "-m daemon.executors.slurm_job" ]; then exec {sys.executable} "$@"; fi\n'
+        'echo "$@"\n'
+    )
+    path.chmod(0o755)
+    return str(path)
+
+
+def array_on_disk(drop_root: Path) -> tuple[launching.Launch, Path]:
+    """A launch of three tasks, its files written, under a batch folder with an awkward name."""
+    batch = drop_root / "plate $(touch x) 'q'"
+    jobs = batch / "results" / "r" / "jobs"
+    subs = [replace(sub(i, jobs), batch_dir=batch) for i in range(3)]
+    launch = launching.plan(subs, SITE)[0]
     launch.files.mkdir(parents=True)
     for s in launch.submissions:
         s.job_dir.mkdir()
     (launch.files / f"{launch.key}.tasks").write_text(launching.tasks_text(launch))
     script = launch.files / f"{launch.key}.sh"
-    script.write_text(launching.job_script(launch, "/bin/echo"))
+    script.write_text(launching.job_script(launch, stand_in_python(drop_root.parent)))
+    return launch, script
+
+
+def test_the_job_script_maps_each_array_task_to_its_job_folder_whatever_the_path(
+    drop_root: Path,
+) -> None:
+    """The generated script run by bash as Slurm would run it (task id in the environment),
+    with ``echo`` standing in for the job: the task runs in its own job folder, logs there,
+    and gets the folder as one argument however awkward its path."""
+    launch, script = array_on_disk(drop_root)
+    jobs = launch.jobs_dir
     env = {"PATH": os.environ["PATH"], "SLURM_ARRAY_TASK_ID": "2", "SLURM_JOB_ID": "77"}
     subprocess.run(["bash", str(script)], env=env, check=True, cwd=drop_root)
     log = (jobs / "b000001-infer-0002" / "log.txt").read_text()
@@ -241,12 +266,39 @@ def test_the_job_script_maps_each_array_task_to_its_job_folder_whatever_the_path
     assert missing.returncode == 3 and "no job for task 5" in missing.stderr
 
 
+@pytest.mark.parametrize("planted", ["link", "fifo"])
+def test_the_job_script_refuses_a_log_planted_as_a_link_or_fifo_and_writes_nothing_there(
+    drop_root: Path, tmp_path: Path, planted: str
+) -> None:
+    """The owner of the batch folder plants ``log.txt``: a link to a file the daemon's user may
+    write (the registry's weights) is not appended to, a FIFO does not block the task; the task
+    ends at once with exit status 3, before the job runs."""
+    launch, script = array_on_disk(drop_root)
+    log = launch.jobs_dir / "b000001-infer-0001" / "log.txt"
+    weights = tmp_path / "weights.pt"
+    weights.write_bytes(b"model bytes")
+    if planted == "link":
+        log.symlink_to(weights)
+    else:
+        os.mkfifo(log)
+    env = {"PATH": os.environ["PATH"], "SLURM_ARRAY_TASK_ID": "1", "SLURM_JOB_ID": "78"}
+    done = subprocess.run(
+        ["bash", str(script)], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 3, done.stderr
+    what = "a symbolic link" if planted == "link" else "a FIFO"
+    assert f"the job's log cannot be opened: 'log.txt' is {what}, not a regular file" in (
+        done.stderr
+    )
+    assert weights.read_bytes() == b"model bytes" and "pipelines.infer" not in done.stdout
+
+
 def test_training_runs_under_srun_and_other_jobs_do_not() -> None:
     jobs = Path("/j")
     train = launching.plan([sub(1, jobs, group="b1-train", module="pipelines.train")], SITE)[0]
     infer = launching.plan([sub(2, jobs)], SITE)[0]
     assert (
-        'exec srun --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" "$python"'
+        '-- \\\n  srun --kill-on-bad-exit=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" "$python"'
         in launching.job_script(train, "/p")
     )
-    assert 'exec "$python" -m "$module" "$job_dir"' in launching.job_script(infer, "/p")
+    assert '-- \\\n  "$python" -m "$module" "$job_dir"' in launching.job_script(infer, "/p")
