@@ -61,7 +61,9 @@ def test_a_training_batch_is_one_job_under_srun_with_the_gpu_its_manifest_asked_
         assert "GPUs none," in log
     launches = slurm_training.run_dir / "jobs" / "slurm"
     (tasks,) = [t for t in launches.glob("*.tasks") if t.read_text() == "b000001-train\t1\n"]
-    assert "exec srun --kill-on-bad-exit=1" in tasks.with_suffix(".sh").read_text()
+    script = tasks.with_suffix(".sh").read_text()
+    assert "-m daemon.executors.slurm_job" in script  # the log is opened by the rule first
+    assert "srun --kill-on-bad-exit=1" in script
 
 
 def test_an_inference_batch_goes_out_as_one_throttled_array_and_ends_done(
