@@ -31,8 +31,6 @@ collected, and the job fails with all of them at the end without writing the sha
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 import resource
 import time
@@ -58,9 +56,9 @@ from pipelines.layout import (
     LEDGER_DIR,
     MASKS_DIR,
     PARTS_DIR,
-    TABLE_COLUMNS,
     ledger_name,
     output_path,
+    table_csv,
     table_name,
 )
 from pipelines.ledger import Ledger
@@ -125,14 +123,6 @@ def predict(net: UNet, images: np.ndarray) -> np.ndarray:
     tensor = torch.from_numpy(np.ascontiguousarray(images))[:, None]
     logits = net(tensor.contiguous(memory_format=torch.channels_last))
     return torch.sigmoid(logits)[:, 0].numpy()
-
-
-def _table_csv(rows: list[dict[str, Any]]) -> str:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, TABLE_COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    return buffer.getvalue()
 
 
 class Progress:
@@ -323,7 +313,7 @@ def infer(spec: JobSpec, job_dir: Path) -> dict[str, Any]:
     table_rows = [resumed.get(item.path) or rows[item.path] for item in items]
     table = run_dir / PARTS_DIR / table_name(spec.shard.index)
     table.parent.mkdir(parents=True, exist_ok=True)
-    write_text(table, _table_csv(table_rows))
+    write_text(table, table_csv(table_rows))
     return {
         "images": len(table_rows),
         "segmented": len(rows),

@@ -341,3 +341,37 @@ def test_a_large_rgb_16_bit_tiff_is_segmented_window_by_window_like_the_whole_im
         "input 'images/huge.png': is 320×320 pixels, too large to segment as a whole — "
         "save it as a tiled TIFF: those are segmented window by window"
     )
+
+
+ODD_NAMES = ("a\rb.png", "c\nd.png", 'e "quoted", f.png', "g\r\n,h'.png", "ü ñ 名.png")
+
+
+def test_any_legal_file_name_round_trips_through_the_shard_table_and_the_report(
+    inferred: InferredBatch,
+    tmp_path: Path,
+    job_spec: Callable[..., Any],
+    manifest_inputs: Callable[..., Any],
+    run: Callable[..., JobRun],
+    infer_params: dict[str, Any],
+) -> None:
+    """Carriage returns, line feeds, quotes, commas and non-ASCII in names: every mask made,
+    the shard table and the report's table.csv list each name exactly."""
+    batch_dir = tmp_path / "batch"
+    (batch_dir / "images").mkdir(parents=True)
+    source = sorted((inferred.batch_dir / "images").iterdir())[0]
+    files = [batch_dir / "images" / name for name in ODD_NAMES]
+    for path in files:
+        shutil.copyfile(source, path)
+    inputs = manifest_inputs(batch_dir, files, checksums=True)
+    model = ModelRef(inferred.model.name, "1")
+    shard = run(_shard_spec(batch_dir, inputs, job_spec, inferred.model.registry, model,
+                            infer_params))  # fmt: skip
+    assert shard.returncode == 0, shard.log
+    report = run(job_spec(batch_dir, Pipeline.REPORT, inputs, registry=inferred.model.registry,
+                          model=model, params=infer_params, job_name="report"))  # fmt: skip
+    assert report.returncode == 0, report.log
+    expected = sorted(f"images/{name}" for name in ODD_NAMES)
+    for table in ("parts/table-0002.csv", "table.csv"):
+        with open(batch_dir / "results" / table, newline="", encoding="utf-8") as handle:
+            assert sorted(row["path"] for row in csv.DictReader(handle)) == expected, table
+    assert all((batch_dir / "results" / "masks" / "images" / name).is_file() for name in ODD_NAMES)
