@@ -50,7 +50,14 @@ from daemon.version import code_version
 from models import registry
 from models.registry import ModelError, ModelVersion
 from models.unet import UNet
-from pipelines.images import checksum_problem, held_still, open_item, write_mask
+from pipelines.bounds import stored
+from pipelines.images import (
+    checksum_problem,
+    held_still,
+    open_item,
+    reading,
+    write_mask,
+)
 from pipelines.job import InputError, log, run_job
 from pipelines.layout import (
     LEDGER_DIR,
@@ -228,7 +235,9 @@ class Segmenter:
         target = output_path(self.masks_dir, item.path)
         try:
             with open_item(Path(self.spec.batch_dir), item) as handle, held_still(handle, item):
-                digest = sha256_of_stream(handle)
+                with reading(item):
+                    stored(handle, item)
+                    digest = sha256_of_stream(handle)
                 problem = checksum_problem(item, digest)
                 if problem is not None:
                     return [problem]
