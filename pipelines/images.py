@@ -6,8 +6,10 @@ format is recognised from the file's content, not its name. Each file is read on
 sha256 named in the manifest is checked on those same bytes. Files are opened only by the rule
 of :mod:`daemon.safeopen`: an input swapped for a link out of the batch folder, or for a FIFO,
 after the batch was accepted is refused, never read. Whatever is wrong with a file becomes an
-:class:`InputError` with one :class:`Problem` naming it, never a traceback; only an I/O error
-other than "file not found" (the share failing) escapes, so the job is retried.
+:class:`InputError` with one :class:`Problem` naming it, never a traceback, including an error
+reading it (permission denied, an I/O error on that file); only an error that says the share
+itself is gone escapes, so the job is retried (:func:`reading`). What is read is bounded by the
+image's header and by the file (:func:`read_bounded`): a sparse file is refused unread.
 
 Masks are written in the format of the input's file name (PNG or TIFF), uint8 0/255,
 atomically.
@@ -16,10 +18,10 @@ atomically.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import os
-import struct
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,23 +34,22 @@ from PIL import Image
 from daemon.atomicfile import write_bytes
 from daemon.jobspec import InputFile, Problem
 from daemon.safeopen import Presence, RefusedInput, open_input
+from pipelines.bounds import (
+    PNG_MAGIC,
+    TIFF_ERRORS,
+    TIFF_MAGICS,
+    check_windowable,
+    declared_size,
+    oversized,
+    stored,
+    where,
+)
 from pipelines.job import InputError
 
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-TIFF_MAGICS = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")
 MASK_FORMATS = {".png": "PNG", ".tif": "TIFF", ".tiff": "TIFF"}
+_UNRECOGNISED_BYTES = 64 * 2**10  # read of a file that is no PNG or TIFF, to say what it is
 _LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
 _PNG_ERRORS = (OSError, SyntaxError, ValueError, EOFError, zlib.error, Image.DecompressionBombError)
-_TIFF_ERRORS = (
-    tifffile.TiffFileError,
-    ValueError,
-    KeyError,
-    IndexError,
-    OSError,
-    EOFError,
-    struct.error,
-    zlib.error,
-)
 
 
 class UnreadableImage(Exception):
@@ -58,11 +59,6 @@ class UnreadableImage(Exception):
         super().__init__(message)
         self.message = message
         self.hint = hint
-
-
-def where(item: InputFile) -> str:
-    """How a problem names an input: its path in the batch folder."""
-    return f"input '{item.path}'"
 
 
 def _short(digest: str) -> str:
@@ -76,11 +72,40 @@ _REFUSED_HINTS = {
 }
 
 
+# The share itself failing, not one file: the job is worth running again later.
+_SHARE_ERRNOS = frozenset(
+    {errno.ESTALE, errno.ENOTCONN, errno.ETIMEDOUT, errno.EHOSTDOWN, errno.EHOSTUNREACH,
+     errno.ENETDOWN, errno.ENETUNREACH, errno.ECONNRESET, errno.ECONNABORTED, errno.ENOMEDIUM}
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def reading(item: InputFile) -> Iterator[None]:
+    """Turn an error reading ``item`` (permission denied, an I/O error on this one file) into
+    an :class:`InputError` naming it; an error that says the share is gone escapes (the job is
+    then retried), and so does any error of a write inside the block."""
+    try:
+        yield
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError) or exc.errno in _SHARE_ERRNOS:
+            raise
+        reason = exc.strerror or type(exc).__name__
+        hint = (
+            "make it readable for the account watchd runs as (e.g. chmod a+r)"
+            if exc.errno in (errno.EACCES, errno.EPERM)
+            else "the storage could not deliver this file; copy it again"
+        )
+        problem = Problem(where(item), f"cannot be read ({reason})", hint)
+        raise InputError("input unreadable", [problem]) from None
+
+
 def open_item(batch_dir: Path, item: InputFile) -> BinaryIO:
     """Open ``item`` by the batch folder's rule (:mod:`daemon.safeopen`): a regular file inside
-    the folder, checked as it is opened. A missing or refused input is an :class:`InputError`."""
+    the folder, checked as it is opened. A missing, refused or unreadable input is an
+    :class:`InputError` (see :func:`reading`)."""
     try:
-        return open_input(batch_dir, item.path)
+        with reading(item):
+            return open_input(batch_dir, item.path)
     except FileNotFoundError:
         hint = "it was moved or deleted after the batch was accepted; put it back"
         raise InputError(
@@ -116,16 +141,6 @@ def checksum_problem(item: InputFile, actual: str) -> Problem | None:
     return Problem(where(item), message, hint)
 
 
-def read_input(batch_dir: Path, item: InputFile) -> bytes:
-    """The bytes of ``item``, checked against its sha256 when the manifest gives one."""
-    with open_item(batch_dir, item) as handle:
-        data = handle.read()
-    problem = checksum_problem(item, hashlib.sha256(data).hexdigest()) if item.sha256 else None
-    if problem is not None:
-        raise InputError("checksum mismatch", [problem])
-    return data
-
-
 def read_image(batch_dir: Path, item: InputFile) -> np.ndarray:
     """Read, verify and decode ``item`` to a float32 (H, W) array in [0, 1]."""
     return read_image_hashed(batch_dir, item)[0]
@@ -133,32 +148,55 @@ def read_image(batch_dir: Path, item: InputFile) -> np.ndarray:
 
 def read_image_hashed(batch_dir: Path, item: InputFile) -> tuple[np.ndarray, str]:
     """:func:`read_image`, and the sha256 of the bytes it decoded (from one read)."""
-    data = read_input(batch_dir, item)
+    found = read_bounded(batch_dir, item, max_pixels=None)
+    assert found is not None  # only an image over max_pixels is left to the windowed path
+    return found
+
+
+def read_bounded(
+    batch_dir: Path, item: InputFile, max_pixels: int | None
+) -> tuple[np.ndarray, str] | None:
+    """The pixels of ``item`` and the sha256 of its bytes, read in memory bounded by what its
+    header declares and by what the file really holds; None for a TIFF of more than
+    ``max_pixels`` pixels that the window-by-window reader can take (segment it so).
+
+    Refused, each as an :class:`InputError` naming the file: a sparse file (:func:`stored`),
+    a file far larger than its declared image, an image over ``max_pixels`` that cannot be
+    read window by window, a checksum mismatch, bytes that are not an image we decode.
+    """
+    with open_item(batch_dir, item) as handle, reading(item):
+        size = stored(handle, item)
+        declared = declared_size(handle, item)
+        if declared is not None and max_pixels is not None and declared.pixels > max_pixels:
+            check_windowable(item, declared, max_pixels)
+            return None
+        limit = _UNRECOGNISED_BYTES if declared is None else declared.max_file_bytes
+        if declared is not None and size > limit:
+            raise InputError("input too large", [oversized(item, declared, size)])
+        handle.seek(0)
+        data = handle.read(limit + 1)
+    if declared is None:  # not an image: decoding its first bytes says why
+        raise _unreadable(item, data)
+    if len(data) != size:
+        hint = "it was written to while being read; let the copy finish, then retry the batch"
+        raise InputError("input changed", [Problem(where(item), "changed while read", hint)])
+    digest = hashlib.sha256(data).hexdigest()
+    problem = checksum_problem(item, digest)
+    if problem is not None:
+        raise InputError("checksum mismatch", [problem])
     try:
-        pixels = decode(data)
+        return decode(data), digest
     except UnreadableImage as exc:
         raise InputError("unreadable image", [Problem(where(item), exc.message, exc.hint)]) from exc
-    return pixels, item.sha256.lower() if item.sha256 else hashlib.sha256(data).hexdigest()
 
 
-def peek_size(batch_dir: Path, item: InputFile) -> tuple[int, int] | None:
-    """(height, width) from a PNG's or TIFF's header without decoding pixels; None if unknown
-    (also when the file cannot be opened: reading it whole then says why)."""
+def _unreadable(item: InputFile, head: bytes) -> InputError:
     try:
-        with open_input(batch_dir, item.path) as handle:
-            head = handle.read(32)
-            if head.startswith(PNG_MAGIC) and len(head) >= 24:
-                width, height = struct.unpack(">II", head[16:24])
-                return height, width
-            if head[:4] in TIFF_MAGICS:
-                handle.seek(0)
-                with tifffile.TiffFile(handle, name=Path(item.path).name) as tif:
-                    page = tif.pages[0]
-                    if isinstance(page, tifffile.TiffPage):
-                        return page.imagelength, page.imagewidth
-    except (OSError, RefusedInput, *_TIFF_ERRORS):
-        return None
-    return None
+        decode(head)
+    except UnreadableImage as exc:
+        return InputError("unreadable image", [Problem(where(item), exc.message, exc.hint)])
+    hint = "the file is damaged or incomplete; copy or export it again"
+    return InputError("unreadable image", [Problem(where(item), "has no readable header", hint)])
 
 
 def decode(data: bytes) -> np.ndarray:
@@ -219,7 +257,7 @@ def _decode_tiff(data: bytes) -> np.ndarray:
             if page.planarconfig == tifffile.PLANARCONFIG.SEPARATE and pixels.ndim == 3:
                 pixels = np.moveaxis(pixels, 0, -1)
             inverted = page.photometric == tifffile.PHOTOMETRIC.MINISWHITE
-    except _TIFF_ERRORS as exc:
+    except TIFF_ERRORS as exc:
         raise UnreadableImage(
             f"cannot be decoded as TIFF ({type(exc).__name__}: {exc})",
             "the file is damaged, incomplete or uses an unsupported compression; "

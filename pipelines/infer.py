@@ -31,8 +31,6 @@ collected, and the job fails with all of them at the end without writing the sha
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 import resource
 import time
@@ -52,15 +50,22 @@ from daemon.version import code_version
 from models import registry
 from models.registry import ModelError, ModelVersion
 from models.unet import UNet
-from pipelines.images import checksum_problem, held_still, open_item, write_mask
+from pipelines.bounds import stored
+from pipelines.images import (
+    checksum_problem,
+    held_still,
+    open_item,
+    reading,
+    write_mask,
+)
 from pipelines.job import InputError, log, run_job
 from pipelines.layout import (
     LEDGER_DIR,
     MASKS_DIR,
     PARTS_DIR,
-    TABLE_COLUMNS,
     ledger_name,
     output_path,
+    table_csv,
     table_name,
 )
 from pipelines.ledger import Ledger
@@ -125,14 +130,6 @@ def predict(net: UNet, images: np.ndarray) -> np.ndarray:
     tensor = torch.from_numpy(np.ascontiguousarray(images))[:, None]
     logits = net(tensor.contiguous(memory_format=torch.channels_last))
     return torch.sigmoid(logits)[:, 0].numpy()
-
-
-def _table_csv(rows: list[dict[str, Any]]) -> str:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, TABLE_COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    return buffer.getvalue()
 
 
 class Progress:
@@ -238,7 +235,9 @@ class Segmenter:
         target = output_path(self.masks_dir, item.path)
         try:
             with open_item(Path(self.spec.batch_dir), item) as handle, held_still(handle, item):
-                digest = sha256_of_stream(handle)
+                with reading(item):
+                    stored(handle, item)
+                    digest = sha256_of_stream(handle)
                 problem = checksum_problem(item, digest)
                 if problem is not None:
                     return [problem]
@@ -323,7 +322,7 @@ def infer(spec: JobSpec, job_dir: Path) -> dict[str, Any]:
     table_rows = [resumed.get(item.path) or rows[item.path] for item in items]
     table = run_dir / PARTS_DIR / table_name(spec.shard.index)
     table.parent.mkdir(parents=True, exist_ok=True)
-    write_text(table, _table_csv(table_rows))
+    write_text(table, table_csv(table_rows))
     return {
         "images": len(table_rows),
         "segmented": len(rows),

@@ -18,7 +18,11 @@
 
 from __future__ import annotations
 
+import csv
+import io
+from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 MASKS_DIR = "masks"
 PARTS_DIR = "parts"
@@ -71,3 +75,14 @@ def output_path(root: Path, relative: str) -> Path:
     if not parts or PurePosixPath(relative).is_absolute() or ".." in parts:
         raise ValueError(f"input path {relative!r} is not a relative path inside the batch")
     return root.joinpath(*parts)
+
+
+def table_csv(rows: Iterable[Mapping[str, Any]]) -> str:
+    """The per-image table (:data:`TABLE_COLUMNS`) as CSV text. Every cell is quoted: a file
+    name may hold a comma, a quote, a line feed or a carriage return, and ``csv`` leaves a
+    carriage return unquoted when the line ends are plain line feeds."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, TABLE_COLUMNS, lineterminator="\n", quoting=csv.QUOTE_ALL)
+    writer.writeheader()
+    writer.writerows(rows)
+    return buffer.getvalue()

@@ -11,7 +11,8 @@ in docs/benchmarks.md, "Inference efficiency"). Pickled as arrays through the pi
 
 An input that cannot be read comes back with its problems instead of pixels; one too large to
 decode whole comes back marked ``tiled`` (the main process segments it window by window) or,
-when it is not a TIFF, with the problem that says so.
+when the windowed reader cannot take it, with the problem that says so
+(:func:`pipelines.images.read_bounded`: one open, one read per image, bounded in memory).
 """
 
 from __future__ import annotations
@@ -26,11 +27,10 @@ from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
 from daemon.jobspec import InputFile, Problem
-from pipelines.images import check_suffix, peek_size, read_image_hashed, where
+from pipelines.images import check_suffix, read_bounded
 from pipelines.job import InputError
 
 CHUNK = 4
-TIFF_SUFFIXES = (".tif", ".tiff")
 
 
 @dataclass(frozen=True)
@@ -59,17 +59,13 @@ class ShardImages(TorchDataset[Loaded]):
         problem = check_suffix(item)
         if problem is not None:
             return Loaded(item, None, (problem,))
-        size = peek_size(self.batch_dir, item)
-        if size is not None and size[0] * size[1] > self.max_pixels:
-            if Path(item.path).suffix.lower() in TIFF_SUFFIXES:
-                return Loaded(item, None, (), tiled=True)
-            message = f"is {size[1]}×{size[0]} pixels, too large to segment as a whole"
-            hint = "save it as a tiled TIFF: those are segmented window by window"
-            return Loaded(item, None, (Problem(where(item), message, hint),))
         try:
-            pixels, digest = read_image_hashed(self.batch_dir, item)
+            found = read_bounded(self.batch_dir, item, self.max_pixels)
         except InputError as exc:
             return Loaded(item, None, exc.problems)
+        if found is None:
+            return Loaded(item, None, (), tiled=True)
+        pixels, digest = found
         return Loaded(item, pixels, (), digest)
 
 

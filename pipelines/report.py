@@ -19,7 +19,6 @@ best, the worst and a random validation image by Dice.
 from __future__ import annotations
 
 import csv
-import io
 import json
 import statistics
 from datetime import UTC, datetime
@@ -52,6 +51,7 @@ from pipelines.layout import (
     TRAINING_DIR,
     TRIALS_DIR,
     TRIALS_TABLE,
+    table_csv,
 )
 from pipelines.page import render
 
@@ -81,14 +81,6 @@ def check_complete(spec: JobSpec, rows: list[dict[str, str]]) -> None:
     if missing:
         examples = ", ".join(repr(path) for path in missing[:5])
         raise RuntimeError(f"no table row for {len(missing)} of {len(expected)} images: {examples}")
-
-
-def table_csv(rows: list[dict[str, str]]) -> str:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, TABLE_COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    return buffer.getvalue()
 
 
 def job_timings(run_dir: Path, own: str) -> list[dict[str, Any]]:

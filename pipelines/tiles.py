@@ -54,8 +54,13 @@ class RegionReader:
             raise ValueError("planar (separate) RGB TIFFs cannot be read by tiles")
         self.page = page
         self.height, self.width = page.imagelength, page.imagewidth
-        self.seg_h = page.tilelength if page.is_tiled else page.rowsperstrip
+        self.seg_h = page.tilelength if page.is_tiled else min(page.rowsperstrip, self.height)
         self.seg_w = page.tilewidth if page.is_tiled else page.imagewidth
+        # Uncompressed strips (a single one, as ImageJ writes them) are read a band of rows
+        # at a time from where they lie: never a whole strip of a huge image in memory.
+        self.by_rows = not page.is_tiled and page.compression == 1 and page.predictor == 1
+        if self.by_rows:
+            self.seg_h = min(self.seg_h, TILE)
         self.across = math.ceil(self.width / self.seg_w)
         self.scale = np.float32(np.iinfo(page.dtype).max) if page.dtype.kind == "u" else None
         self.cache: OrderedDict[int, np.ndarray] = OrderedDict()
@@ -69,14 +74,37 @@ class RegionReader:
         if index in self.cache:
             self.cache.move_to_end(index)
             return self.cache[index]
-        handle = self.tif.filehandle
-        handle.seek(self.page.dataoffsets[index])
-        data = handle.read(self.page.databytecounts[index])
-        decoded, _, _ = self.page.decode(data, index, jpegtables=self.page.jpegtables)
-        self.cache[index] = segment = self._grey(np.asarray(decoded)[0])
+        if self.by_rows:
+            top = index * self.seg_h
+            decoded = self._rows(top, min(top + self.seg_h, self.height))
+        else:
+            handle = self.tif.filehandle
+            handle.seek(self.page.dataoffsets[index])
+            data = handle.read(self.page.databytecounts[index])
+            decoded, _, _ = self.page.decode(data, index, jpegtables=self.page.jpegtables)
+            decoded = np.asarray(decoded)[0]
+        self.cache[index] = segment = self._grey(decoded)
         if len(self.cache) > self.cache_size:
             self.cache.popitem(last=False)
         return segment
+
+    def _rows(self, top: int, bottom: int) -> np.ndarray:
+        """Rows ``top:bottom`` of an uncompressed stripped page, (rows, width, samples)."""
+        page, handle = self.page, self.tif.filehandle
+        dtype = np.dtype(page.dtype).newbyteorder(self.tif.byteorder)
+        row_bytes = self.width * page.samplesperpixel * dtype.itemsize
+        rows_per_strip = min(page.rowsperstrip, self.height)
+        parts, row = [], top
+        while row < bottom:
+            strip, first = divmod(row, rows_per_strip)
+            count = min(bottom - row, rows_per_strip - first)
+            handle.seek(page.dataoffsets[strip] + first * row_bytes)
+            parts.append(handle.read(count * row_bytes))
+            row += count
+        data = b"".join(parts)
+        if len(data) != (bottom - top) * row_bytes:
+            raise ValueError(f"the strips end before row {bottom} (the file is cut short)")
+        return np.frombuffer(data, dtype).reshape(bottom - top, self.width, -1)
 
     def _grey(self, pixels: np.ndarray) -> np.ndarray:
         if self.scale is None:

@@ -11,7 +11,7 @@ import importlib.util
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -132,13 +132,14 @@ def write_spec(
     return spec
 
 
-def run_job(spec: JobSpec) -> JobRun:
-    """Run the job as an executor would and read back what it left."""
+def run_job(spec: JobSpec, wrapper: Sequence[str] = ()) -> JobRun:
+    """Run the job as an executor would and read back what it left; ``wrapper`` is a command
+    that runs it (e.g. setpriv, to run it without some privilege)."""
     job_dir = spec.job_dir
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONWARNINGS": ""}
     with open(job_dir / LOG_FILE, "wb") as log:
         completed = subprocess.run(
-            [sys.executable, "-m", spec.pipeline.module, str(job_dir)],
+            [*wrapper, sys.executable, "-m", spec.pipeline.module, str(job_dir)],
             cwd=job_dir,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -152,7 +153,7 @@ def run_job(spec: JobSpec) -> JobRun:
 
 
 @pytest.fixture(scope="session")
-def run() -> Callable[[JobSpec], JobRun]:
+def run() -> Callable[..., JobRun]:
     return run_job
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +21,7 @@ from pipelines.images import (
     encode_mask,
     held_still,
     open_item,
+    read_bounded,
     read_image,
     write_mask,
 )
@@ -184,3 +188,88 @@ def test_masks_are_written_atomically_as_uint8_0_255_in_the_input_format(
 def test_unknown_mask_format_is_refused() -> None:
     with pytest.raises(KeyError):
         encode_mask(np.zeros((2, 2), bool), ".jpg")
+
+
+GIB = 2**30
+
+
+def _peak_rss_mb(batch_dir: Path, relative: str, max_pixels: int) -> tuple[float, str]:
+    """Peak RSS (MB) of a fresh process that reads ``relative`` as a job does, and what the
+    read said (the problem, or "read")."""
+    code = (
+        "import resource, sys\n"
+        "from daemon.jobspec import InputFile\n"
+        "from pipelines.images import read_bounded\n"
+        "from pipelines.job import InputError\n"
+        "try:\n"
+        f"    read_bounded(sys.argv[1], InputFile(sys.argv[2]), {max_pixels})\n"
+        "    said = 'read'\n"
+        "except InputError as exc:\n"
+        "    said = exc.problems[0].render()\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)\n"
+        "print(said)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(batch_dir), relative],
+        capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    peak, said = done.stdout.split("\n", 1)
+    return float(peak), said.strip()
+
+
+def test_a_sparse_file_passed_as_an_image_is_refused_for_what_it_is_without_reading_it(
+    tmp_path: Path,
+) -> None:
+    """4 GiB of holes behind a valid PNG header: refused as sparse, in a few dozen MB."""
+    with open(tmp_path / "sparse.png", "wb") as handle:
+        handle.write(png(RAMP8))
+        handle.truncate(4 * GIB)
+    peak, said = _peak_rss_mb(tmp_path, "sparse.png", 2048 * 2048)
+    assert said.startswith("input 'sparse.png': is a sparse file: 4 294 ") and "holes" in said
+    assert "copy the image again" in said
+    assert peak < 400, f"peak RSS {peak:.0f} MB"
+
+
+def test_a_file_far_larger_than_its_declared_image_is_refused_unread(tmp_path: Path) -> None:
+    with open(tmp_path / "padded.png", "wb") as handle:
+        handle.write(png(RAMP8))
+        handle.write(os.urandom(17 * 2**20))  # written, not sparse
+    with pytest.raises(InputError) as caught:
+        read_bounded(tmp_path, InputFile("padded.png"), None)
+    (problem,) = caught.value.problems
+    assert (
+        problem.message.startswith("is 17 ") and "more than a 48×32 PNG can hold" in problem.message
+    )
+
+
+def test_an_image_over_max_whole_pixels_names_the_parameter_and_its_value(tmp_path: Path) -> None:
+    (tmp_path / "a.png").write_bytes(png(RAMP8))
+    with pytest.raises(InputError) as caught:
+        read_bounded(tmp_path, InputFile("a.png"), 1)
+    (problem,) = caught.value.problems
+    assert problem.message == (
+        "is 48×32 pixels (1 536), more than params.max_whole_pixels = 1 allows to segment as a whole"
+    )
+    assert "raise params.max_whole_pixels in the manifest" in problem.hint
+
+
+def test_a_compressed_tiff_in_strips_larger_than_max_whole_pixels_is_refused_naming_it(
+    tmp_path: Path,
+) -> None:
+    """A single deflate strip must be decoded whole: refused before any pixel is decoded,
+    while the same pixels uncompressed (read by rows) or tiled go window by window."""
+    pixels = np.zeros((1000, 800), np.uint8)
+    tifffile.imwrite(tmp_path / "strip.tif", pixels, compression="zlib", rowsperstrip=1000)
+    tifffile.imwrite(tmp_path / "plain.tif", pixels, rowsperstrip=1000)
+    tifffile.imwrite(tmp_path / "tiled.tif", pixels, compression="zlib", tile=(256, 256))
+    with pytest.raises(InputError) as caught:
+        read_bounded(tmp_path, InputFile("strip.tif"), 100_000)
+    (problem,) = caught.value.problems
+    assert problem.message == (
+        "is 800×1000 pixels (800 000), more than params.max_whole_pixels = 100 000 allows to "
+        "segment as a whole, and stores them in compressed strips of 800×1000 pixels, each of "
+        "which must be decoded at once"
+    )
+    assert "tiled TIFF" in problem.hint and "params.max_whole_pixels" in problem.hint
+    assert read_bounded(tmp_path, InputFile("plain.tif"), 100_000) is None
+    assert read_bounded(tmp_path, InputFile("tiled.tif"), 100_000) is None

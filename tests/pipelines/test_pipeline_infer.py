@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
 from pathlib import Path
 from types import ModuleType
@@ -338,6 +339,82 @@ def test_a_large_rgb_16_bit_tiff_is_segmented_window_by_window_like_the_whole_im
     assert refused.returncode == 2 and refused.result is not None
     (problem,) = refused.result.error.problems  # type: ignore[union-attr]
     assert problem.render() == (
-        "input 'images/huge.png': is 320×320 pixels, too large to segment as a whole — "
-        "save it as a tiled TIFF: those are segmented window by window"
+        "input 'images/huge.png': is 320×320 pixels (102 400), more than "
+        "params.max_whole_pixels = 100 000 allows to segment as a whole — raise "
+        "params.max_whole_pixels in the manifest (a 2048×2048 image needs about 2 GB), or save "
+        "it as a TIFF: those are segmented window by window"
     )
+
+
+# Root reads any file whatever its mode: the job runs without the capabilities that allow it.
+UNPRIVILEGED = (
+    ("setpriv", "--inh-caps=-dac_override,-dac_read_search",
+     "--bounding-set=-dac_override,-dac_read_search")
+    if os.geteuid() == 0 else ()
+)  # fmt: skip
+
+
+def test_an_unreadable_image_is_a_problem_of_that_image_and_the_others_are_segmented(
+    inferred: InferredBatch,
+    tmp_path: Path,
+    job_spec: Callable[..., Any],
+    manifest_inputs: Callable[..., Any],
+    run: Callable[..., JobRun],
+    infer_params: dict[str, Any],
+) -> None:
+    """Permission denied on one input: kind INPUT (not retried), that file named with what to
+    do, every other image's mask written as for any bad image."""
+    batch_dir = tmp_path / "batch"
+    shutil.copytree(inferred.batch_dir / "images", batch_dir / "images")
+    files = sorted((batch_dir / "images").iterdir())
+    inputs = manifest_inputs(batch_dir, files, checksums=True)
+    files[1].chmod(0)
+    spec = _shard_spec(batch_dir, inputs, job_spec, inferred.model.registry,
+                       ModelRef(inferred.model.name, "1"), infer_params)  # fmt: skip
+    job = run(spec, UNPRIVILEGED)
+    assert job.returncode == 2, job.log
+    error = job.result.error  # type: ignore[union-attr]
+    assert error is not None and error.kind is ErrorKind.INPUT and not error.kind.retryable
+    (problem,) = error.problems
+    assert problem.render() == (
+        f"input '{inputs[1].path}': cannot be read (Permission denied) — make it readable for "
+        "the account watchd runs as (e.g. chmod a+r)"
+    )
+    masks = batch_dir / "results" / "masks"
+    assert sorted(p.name for p in (masks / "images").iterdir()) == sorted(
+        f.name for f in files if f != files[1]
+    )
+
+
+ODD_NAMES = ("a\rb.png", "c\nd.png", 'e "quoted", f.png', "g\r\n,h'.png", "ü ñ 名.png")
+
+
+def test_any_legal_file_name_round_trips_through_the_shard_table_and_the_report(
+    inferred: InferredBatch,
+    tmp_path: Path,
+    job_spec: Callable[..., Any],
+    manifest_inputs: Callable[..., Any],
+    run: Callable[..., JobRun],
+    infer_params: dict[str, Any],
+) -> None:
+    """Carriage returns, line feeds, quotes, commas and non-ASCII in names: every mask made,
+    the shard table and the report's table.csv list each name exactly."""
+    batch_dir = tmp_path / "batch"
+    (batch_dir / "images").mkdir(parents=True)
+    source = sorted((inferred.batch_dir / "images").iterdir())[0]
+    files = [batch_dir / "images" / name for name in ODD_NAMES]
+    for path in files:
+        shutil.copyfile(source, path)
+    inputs = manifest_inputs(batch_dir, files, checksums=True)
+    model = ModelRef(inferred.model.name, "1")
+    shard = run(_shard_spec(batch_dir, inputs, job_spec, inferred.model.registry, model,
+                            infer_params))  # fmt: skip
+    assert shard.returncode == 0, shard.log
+    report = run(job_spec(batch_dir, Pipeline.REPORT, inputs, registry=inferred.model.registry,
+                          model=model, params=infer_params, job_name="report"))  # fmt: skip
+    assert report.returncode == 0, report.log
+    expected = sorted(f"images/{name}" for name in ODD_NAMES)
+    for table in ("parts/table-0002.csv", "table.csv"):
+        with open(batch_dir / "results" / table, newline="", encoding="utf-8") as handle:
+            assert sorted(row["path"] for row in csv.DictReader(handle)) == expected, table
+    assert all((batch_dir / "results" / "masks" / "images" / name).is_file() for name in ODD_NAMES)

@@ -34,6 +34,7 @@ class Case:
     says: str  # what the owner reads in the status file (a fragment)
     stage: str  # where it is caught: manifest | inputs | job
     root_only: bool = False
+    unprivileged_only: bool = False  # root reads a file whatever its mode
 
 
 def images(folder: Path, count: int = 2, **options: object) -> None:
@@ -126,6 +127,21 @@ def tiff(pixels: np.ndarray) -> Callable[[Path], None]:
         (folder / "manifest.toml").write_text(good_manifest(folder), encoding="utf-8")
 
     return write
+
+
+def sparse_after_header(path: Path) -> None:
+    """A real PNG's bytes, then holes up to 4 GiB (``truncate``): nothing stored past them."""
+    with open(path, "wb") as handle:
+        handle.write(image_file(path.parent.parent, 0).read_bytes())
+        handle.truncate(4 * 2**30)
+
+
+def one_compressed_strip(folder: Path) -> None:
+    """A 3000×3000 TIFF in a single deflate strip (a few KB): more than max_whole_pixels."""
+    images(folder, 1)
+    tifffile.imwrite(folder / "images" / "plate.tif", np.zeros((3000, 3000), np.uint8),
+                     compression="zlib", rowsperstrip=3000)  # fmt: skip
+    (folder / "manifest.toml").write_text(good_manifest(folder), encoding="utf-8")
 
 
 def png_bit_depth_1(folder: Path) -> None:
@@ -520,6 +536,35 @@ CASES: tuple[Case, ...] = (
         tiff(np.zeros((32, 32, 2), np.uint8)),
         "'images/odd.tif'",
         "job",
+    ),
+    Case(
+        "sparse-image",
+        "a sparse file passed as an image (4 GiB of holes behind a PNG header)",
+        listed_then(sparse_after_header),
+        "'images/extra.png': is a sparse file: ",
+        "job",
+    ),
+    Case(
+        "compressed-strip",
+        "a large TIFF compressed in one strip (it would be decoded whole)",
+        one_compressed_strip,
+        "stores them in compressed strips of 3000×3000 pixels",
+        "job",
+    ),
+    Case(
+        "whole-pixels",
+        "an image over max_whole_pixels that is not a TIFF",
+        with_manifest(replace("[params]", "[params]\nmax_whole_pixels = 1")),
+        "more than params.max_whole_pixels = 1 allows to segment as a whole",
+        "job",
+    ),
+    Case(
+        "unreadable-image",
+        "an image the daemon's account may not read (chmod 000)",
+        then_damage(lambda f: image_file(f).chmod(0)),
+        "'images/img_0001.png': cannot be read (Permission denied)",
+        "job",
+        unprivileged_only=True,
     ),
     Case(
         "unknown-model",
