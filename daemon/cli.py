@@ -109,7 +109,7 @@ def _root_intent(action: str, named: str, config: Path | None) -> None:
     root = str(find_root(cfg, named).path)
     intent = store.add_root_intent(action, root, time.time(), getpass.getuser())
     console.print(
-        f"{action} of drop root {root} recorded (intent {intent.id}); "
+        f"{action} of drop root {shown(root)} recorded (intent {intent.id}); "
         "the daemon applies it at its next tick"
     )
 
