@@ -37,6 +37,7 @@ from daemon.cli_base import (
     find_root,
     open_store,
     progress_console,
+    shown,
 )
 from daemon.config import Config, load_config
 from daemon.errors import ChecksFailed, CommandFailed, WatchdError
@@ -44,6 +45,7 @@ from daemon.executors import make_executor
 from daemon.manifest import MAX_MANIFEST_BYTES
 from daemon.manifest_schema import Kind, ManifestModel
 from daemon.subprocesses import run as run_command_line
+from daemon.visible import visible
 
 watchd_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The watchd daemon.")
 watchctl_app = typer.Typer(
@@ -107,7 +109,7 @@ def _root_intent(action: str, named: str, config: Path | None) -> None:
     root = str(find_root(cfg, named).path)
     intent = store.add_root_intent(action, root, time.time(), getpass.getuser())
     console.print(
-        f"{action} of drop root {root} recorded (intent {intent.id}); "
+        f"{action} of drop root {shown(root)} recorded (intent {intent.id}); "
         "the daemon applies it at its next tick"
     )
 
@@ -171,9 +173,9 @@ def doctor_command(config: ConfigOption = None, as_json: JsonOption = False) -> 
         for check in found:
             mark = "[green]ok[/green]  " if check.ok else "[red]FAIL[/red]"
             first, *more = check.detail.splitlines()
-            console.print(f"{mark} {check.name}: {first}", *more, sep="\n")
+            console.print(f"{mark} {check.name}: {shown(first)}", *map(shown, more), sep="\n")
             if check.hint:
-                console.print(f"     hint: {check.hint}")
+                console.print(f"     hint: {shown(check.hint)}")
     if failed:
         raise ChecksFailed(f"{len(failed)} check(s) failed: {', '.join(failed)}")
 
@@ -226,7 +228,7 @@ def manifest_command(
         written = manifest_writer.write(request, overwrite=force, progress=progress)
     if written.note:
         print(written.note, file=sys.stderr)
-    console.print(f"wrote {written.path}")
+    console.print(f"wrote {shown(written.path)}")
     if cfg is not None and not kind.trains:
         _say_if_unregistered(cfg, model)
 
@@ -311,7 +313,7 @@ def models_list_command(
         print(overview.to_json(data))
         return
     if not data["models"]:
-        console.print(f"no models in {data['registry']}")
+        console.print(f"no models in {shown(data['registry'])}")
     for model in data["models"]:
         table = Table(title=model["name"], title_justify="left")
         for column in ("version", "aliases", "val_dice", "val_iou", "created_at", "sha256"):
@@ -356,7 +358,8 @@ def _entry(app: typer.Typer) -> None:
     try:
         command.main(standalone_mode=False)
     except WatchdError as exc:
-        print(f"Error: {exc}", file=sys.stderr)
+        # Line by line: a message may list problems, one a line; each line shown literally.
+        print("Error: " + "\n".join(map(visible, str(exc).split("\n"))), file=sys.stderr)
         sys.exit(exc.exit_code)
     except USAGE_ERRORS as exc:
         if hasattr(exc, "show"):

@@ -10,18 +10,23 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from daemon.config import Config, RootSection, load_config
 from daemon.errors import WatchdError
 from daemon.store import Store
+from daemon.visible import visible
 
 ConfigOption = Annotated[
     Path | None, typer.Option("--config", "-c", help="config.toml to use", show_default=False)
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
 
-# Tables piped into a file or grep are not cut to a terminal's 80 columns.
-console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 240)
+# Tables piped into a file or grep are not cut to a terminal's 80 columns. No emoji codes: an
+# owner's ":warning:" is shown as written.
+console = Console(
+    highlight=False, soft_wrap=True, emoji=False, width=None if sys.stdout.isatty() else 240
+)
 # Progress bars go to stderr, and only to a terminal: stdout stays what a script reads.
 progress_console = Console(stderr=True, highlight=False)
 
@@ -35,6 +40,12 @@ EXIT_CODES = "\n\n".join(
         "--json. Times are UTC.",
     )
 )
+
+
+def shown(value: object) -> str:
+    """A value from the database (an owner's name, a title, a path, a reason) as console markup
+    that shows it literally: rich's markup escaped, control characters made visible."""
+    return escape(visible("" if value is None else str(value)))
 
 
 def find_config(explicit: Path | None) -> Path:

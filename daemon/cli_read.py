@@ -15,13 +15,15 @@ import typer
 from rich.table import Table
 
 from daemon import joblog, overview
-from daemon.cli_base import ConfigOption, JsonOption, console, find_root, open_store
+from daemon.cli_base import ConfigOption, JsonOption, console, find_root, open_store, shown
 from daemon.errors import WatchdError
 from daemon.heldfolder import UnsafeEntry
 from daemon.records import Job
 from daemon.states import BatchState, JobState
 from daemon.store import Store
+from daemon.visible import visible
 
+MAX_LIMIT = 1_000_000  # --limit: more rows than anyone reads, and within SQLite's integers
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
@@ -59,8 +61,10 @@ def _print_status(data: dict[str, Any]) -> None:
         if root["lost"]:
             note += " [red]UNAVAILABLE[/red]"
         if root["paused"]:
-            note += f" [yellow]PAUSED[/yellow] by {root['paused_by']} since {root['paused_at']}"
-        console.print(f"root {root['index']}: {root['path']}{note}", markup=True)
+            note += (
+                f" [yellow]PAUSED[/yellow] by {shown(root['paused_by'])} since {root['paused_at']}"
+            )
+        console.print(f"root {root['index']}: {shown(root['path'])}{note}")
     if data["active"]:
         rows = [
             {**r, "progress": f"{r['jobs_done']}/{r['jobs_total']} jobs"} for r in data["active"]
@@ -73,12 +77,12 @@ def _print_status(data: dict[str, Any]) -> None:
 
 
 def _grid(title: str, columns: Sequence[str], rows: Iterable[Sequence[object]]) -> Table:
-    """A table of plain cells (None shows as nothing)."""
+    """A table of cells shown literally (None shows as nothing)."""
     table = Table(title=title, title_justify="left")
     for column in columns:
         table.add_column(column)
     for row in rows:
-        table.add_row(*("" if cell is None else str(cell) for cell in row))
+        table.add_row(*(shown(cell) for cell in row))
     return table
 
 
@@ -101,13 +105,15 @@ def show_command(
     if as_json:
         print(overview.to_json(data))
         return
-    console.print(f"[bold]batch {data['id']}[/bold] {data['path']} (revision {data['revision']})")
+    console.print(
+        f"[bold]batch {data['id']}[/bold] {shown(data['path'])} (revision {data['revision']})"
+    )
     for key in ("kind", "state", "reason", "owner", "contact", "run_dir", "manifest_sha256"):
-        console.print(f"  {key + ':':<17}{data[key]}")
+        console.print(f"  {key + ':':<17}{shown(data[key])}")
     if batch.problems:
         console.print("  problems:")
         for p in batch.problems:
-            console.print(f"    - {p.render()}")
+            console.print(f"    - {shown(p.render())}")
     columns = ("id", "name", "state", "attempts", "handle", "exit_code", "reason")
     console.print(_records("Jobs", columns, data["jobs"]))
     history = (
@@ -144,7 +150,9 @@ def batches_command(
     since: Annotated[
         str | None, typer.Option(help="created within this age: 30m, 2h, 1d", show_default=False)
     ] = None,
-    limit: Annotated[int, typer.Option(min=1, help="at most this many, newest first")] = 50,
+    limit: Annotated[
+        int, typer.Option(min=1, max=MAX_LIMIT, help="at most this many, newest first")
+    ] = 50,
     config: ConfigOption = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -178,7 +186,9 @@ def jobs_command(
     state: Annotated[
         list[JobState] | None, typer.Option("--state", help="only these states (repeatable)")
     ] = None,
-    limit: Annotated[int, typer.Option(min=1, help="at most this many, the newest")] = 200,
+    limit: Annotated[
+        int, typer.Option(min=1, max=MAX_LIMIT, help="at most this many, the newest")
+    ] = 200,
     config: ConfigOption = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -232,7 +242,7 @@ def logs_command(
         print(overview.to_json({**data, "lines": text}))
         return
     for line in text:
-        print(line)
+        print(visible(line))
 
 
 def _unreadable(log: joblog.LogFile, exc: OSError) -> WatchdError:
@@ -253,9 +263,9 @@ def _follow(store: Store, job: Job, log: joblog.LogFile, lines: int) -> None:
             follower = joblog.Follower(log)
         else:
             for line in last.lines:
-                print(line, flush=True)
+                print(visible(line), flush=True)
             follower = joblog.Follower(log, last.end, last.partial)
-        joblog.follow(store, job.id, follower, lambda line: print(line, flush=True))
+        joblog.follow(store, job.id, follower, lambda line: print(visible(line), flush=True))
     except KeyboardInterrupt:
         return  # Ctrl-C ends following; nothing went wrong
     except OSError as exc:

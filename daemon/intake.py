@@ -86,7 +86,13 @@ class Intake:
             return None
         try:
             data = _read(path / MANIFEST_NAME, self.max_bytes)
-        except OSError as exc:
+        except PermissionError as exc:
+            # The owner must act: say so in the folder and in watchctl. Recorded under a
+            # signature no stat gives, so the manifest is read again at each rescan and is
+            # taken in as soon as it is readable (a chmod changes no size nor mtime).
+            self._record_refusal(root, folder, f"{signature}:unreadable", _unreadable(exc), now)
+            return None
+        except OSError as exc:  # the share failing: try again at the next look
             log.warning("manifest unreadable", root=str(root), folder=folder, error=str(exc))
             return None
         return self._take(root, folder, signature, data, st.st_mtime, now)
@@ -192,6 +198,15 @@ def _refusal(root: Path, folder: str, st: os.stat_result) -> Problem | None:
     if not stat.S_ISREG(st.st_mode):
         return Problem(MANIFEST_NAME, "is not a regular file")
     return None
+
+
+def _unreadable(exc: OSError) -> Problem:
+    return Problem(
+        MANIFEST_NAME,
+        f"cannot be read by the watchd service: {exc.strerror}",
+        "make it readable for the service (e.g. chmod a+r manifest.toml); it is read again "
+        "at the next rescan",
+    )
 
 
 def _read(path: Path, max_bytes: int) -> bytes:

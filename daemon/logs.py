@@ -12,6 +12,8 @@ from typing import TextIO
 
 import structlog
 
+from daemon import visible
+
 LEVELS = {
     "debug": logging.DEBUG,
     "info": logging.INFO,
@@ -24,8 +26,10 @@ def configure(fmt: str = "auto", level: str = "info", stream: TextIO | None = No
     """Configure structlog once, at the edge (the CLI)."""
     stream = stream or sys.stdout
     use_json = fmt == "json" or (fmt == "auto" and not stream.isatty())
+    # Values from batch folders (titles, names, paths) may hold control characters: shown as
+    # escapes, never raw (a JSON line stays faithful; see daemon.visible).
     renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer(ensure_ascii=False)
+        structlog.processors.JSONRenderer(serializer=visible.to_json)
         if use_json
         else structlog.dev.ConsoleRenderer(colors=stream.isatty())
     )
@@ -35,7 +39,7 @@ def configure(fmt: str = "auto", level: str = "info", stream: TextIO | None = No
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.StackInfoRenderer(),
-            structlog.processors.format_exc_info if use_json else _passthrough,
+            structlog.processors.format_exc_info if use_json else _visible_values,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
@@ -44,7 +48,9 @@ def configure(fmt: str = "auto", level: str = "info", stream: TextIO | None = No
     )
 
 
-def _passthrough(
+def _visible_values(
     logger: object, name: str, event: structlog.typing.EventDict
 ) -> structlog.typing.EventDict:
-    return event
+    """For the console: text values with their control characters escaped (other values are
+    shown by their repr, which escapes them already; a traceback is rendered after this)."""
+    return {k: visible.visible(v) if isinstance(v, str) else v for k, v in event.items()}

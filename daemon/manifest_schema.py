@@ -17,6 +17,7 @@ import pydantic
 from pydantic import AfterValidator, Field
 
 from daemon.sweep import SweepModel
+from daemon.visible import hidden_characters
 
 FORMAT_VERSION = 1
 MAX_INPUTS = 1_000_000
@@ -91,8 +92,23 @@ PARAMS_BY_KIND: Mapping[Kind, type[_Strict]] = {
 }
 
 
+def _one_plain_line(value: str) -> str:
+    """Text shown in the status file, ``watchctl`` and the log: one line, no control codes (a
+    newline would forge a line of the status file, an escape code act on a terminal)."""
+    found = hidden_characters(value)
+    if found:
+        raise ValueError(
+            "must be one line of plain text, without control or formatting characters "
+            f"(it contains {', '.join(found)})"
+        )
+    return value
+
+
+PlainLine = Annotated[str, AfterValidator(_one_plain_line)]
+
+
 class OwnerModel(_Strict):
-    name: Annotated[str, Field(min_length=1, max_length=200)]
+    name: Annotated[PlainLine, Field(min_length=1, max_length=200)]
     email: Annotated[str, Field(pattern=r"^[^@\s]+@[^@\s]+$", max_length=200)] | None = None
 
 
@@ -143,7 +159,7 @@ class ManifestModel(_Strict):
 
     watchd: Literal[1]
     kind: Kind
-    title: Annotated[str, Field(max_length=500)] = ""
+    title: Annotated[PlainLine, Field(max_length=500)] = ""
     owner: OwnerModel
     model: ModelSection
     params: dict[str, Any] = {}

@@ -6,12 +6,12 @@ it as tables or as JSON.
 from __future__ import annotations
 
 import datetime as dt
-import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from daemon import visible
 from daemon.records import Batch, Event, Heartbeat, Intent, Job, RootRecord
 from daemon.states import BatchState, JobState
 
@@ -166,4 +166,5 @@ def iso(at: float | None) -> str | None:
 
 
 def to_json(data: Any) -> str:
-    return json.dumps(data, indent=2, ensure_ascii=False)
+    """What ``--json`` prints: faithful, and safe on a terminal (see :mod:`daemon.visible`)."""
+    return visible.to_json(data, indent=2)

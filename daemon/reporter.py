@@ -16,16 +16,20 @@ from pathlib import Path
 
 import structlog
 
+from daemon.errors import ManifestError
 from daemon.heldfolder import HeldFolder
 from daemon.intake import inside_root
 from daemon.jobspec import Problem
-from daemon.manifest import MANIFEST_NAME, STATUS_NAME
+from daemon.manifest import MANIFEST_NAME, STATUS_NAME, parse_manifest
 from daemon.readiness import Timing
 from daemon.records import Batch, Event, Job, RootRecord
 from daemon.states import BatchState, JobState
 from daemon.store import Store
+from daemon.visible import visible
 
 log = structlog.get_logger("watchd.reporter")
+
+UNWRITTEN = f"{STATUS_NAME} not written: "  # a note in the batch's history
 
 HEADLINES = {
     BatchState.WAITING: "WAITING for the inputs to be complete",
@@ -46,6 +50,7 @@ class StatusInput:
     settle_seconds: float
     timeout_seconds: float
     pause: RootRecord | None = None  # the batch's drop root, when an operator paused it
+    retry_taken: bool = True  # whether the daemon would take `watchctl retry` (manifest valid)
 
 
 def render(status: StatusInput, now: float) -> str:
@@ -68,7 +73,8 @@ def render(status: StatusInput, now: float) -> str:
         lines.append(f"Results:   {_relative(b.run_dir, b.path)}{os.sep}")
     lines += ["", *_body(status)]
     lines += ["", "History (UTC):", *(_event_line(e) for e in status.events)]
-    return "\n".join(lines) + "\n"
+    # Each value (a title, a file name, a reason) stays on its line: none can forge another.
+    return "\n".join(map(visible, lines)) + "\n"
 
 
 def _body(status: StatusInput) -> list[str]:
@@ -98,12 +104,32 @@ def _body(status: StatusInput) -> list[str]:
         return [
             f"Why: {b.reason}",
             *_problem_lines("What went wrong", b.problems),
-            f"Next step: fix what is listed, then save {MANIFEST_NAME} again (a changed manifest "
-            f"starts a new revision), or ask an operator to run `watchctl retry {b.id}`.",
+            f"Next step: {_after_failure(status)}",
         ]
     if b.state is BatchState.CANCELLED:
         return [f"Why: {b.reason}"]
     return [f"Latest: {b.reason}"]
+
+
+def _after_failure(status: StatusInput) -> str:
+    """What the owner can do about a failed batch: only steps that watchd then takes."""
+    b = status.batch
+    if not status.retry_taken:  # the planner refuses a retry of a refused manifest
+        return (
+            f"fix what is listed and save {MANIFEST_NAME} again: watchd takes a changed "
+            "manifest in as a new revision (a retry cannot help: the manifest itself was refused)."
+        )
+    if b.watch_inputs:  # incomplete at the timeout: watched for changes for one more timeout
+        until = _time(b.updated_at + status.timeout_seconds)
+        return (
+            f"copy what is missing: until {until} watchd checks the inputs again as soon as "
+            f"they change; after that, ask an operator to run `watchctl retry {b.id}`."
+        )
+    return (
+        f"fix what is listed, then ask an operator to run `watchctl retry {b.id}` (the inputs "
+        f"are checked anew and the failed jobs run again), or save a changed {MANIFEST_NAME} "
+        "(it starts a new revision)."
+    )
 
 
 def _paused(pause: RootRecord) -> str:
@@ -190,8 +216,22 @@ def gather(store: Store, batch: Batch, waiting: tuple[Problem, ...], timing: Tim
     pause = next((r for r in store.roots() if r.path == batch.root and r.paused), None)
     return StatusInput(
         batch, tuple(store.jobs([batch.id])), waiting, history,
-        timing.settle_seconds, timing.timeout_seconds, pause,
+        timing.settle_seconds, timing.timeout_seconds, pause, _retry_taken(store, batch),
     )  # fmt: skip
+
+
+def _retry_taken(store: Store, batch: Batch) -> bool:
+    """Whether the daemon would take a retry of this batch: not when it has no valid manifest
+    (refused, or no longer valid under this watchd's rules; see ``planner._apply_intent``)."""
+    if batch.kind is None:
+        return False
+    if batch.state is not BatchState.FAILED:
+        return True
+    try:
+        parse_manifest(store.manifest_text(batch.id).encode())
+    except ManifestError:
+        return False
+    return True
 
 
 def publish(
@@ -206,4 +246,14 @@ def publish(
     try:
         write(batch.path, render(gather(store, batch, waiting, timing), now))
     except OSError as exc:
-        log.warning("cannot write status file", batch_id=batch.id, error=str(exc))
+        _unwritten(store, batch, exc, now)
+
+
+def _unwritten(store: Store, batch: Batch, exc: OSError, now: float) -> None:
+    """The owner cannot read what happened (the file there is stale, or missing): the operator
+    must, in the log and in the batch's history (``watchctl show``), once until it changes."""
+    log.warning("cannot write status file", batch_id=batch.id, error=str(exc))
+    note = f"{UNWRITTEN}{exc.strerror or exc}; its owner does not see this batch's state"
+    last = store.events(batch.id, limit=1, jobs=False)
+    if not last or last[-1].reason != note:
+        store.note(batch.id, note, now)

@@ -365,3 +365,40 @@ def test_a_sweep_needs_its_section_and_other_kinds_refuse_one() -> None:
 def test_a_glob_that_pathlib_cannot_use_is_refused_at_once(glob: str) -> None:
     found = problems_of(doc(files=[], patterns=[{"glob": glob}]))
     assert found[0].startswith(f"manifest.toml, patterns[0] '{glob}': glob ")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            {"title": "Plate 7\nState:     DONE"},
+            "manifest.toml, title: must be one line of plain text, without control or formatting "
+            "characters (it contains \\n) (got 'Plate 7\\nState:     DONE')",
+        ),
+        (
+            {"owner": {"name": "\x1b[2J\x1b]0;owned\x07Eve\u202e"}},
+            "manifest.toml, owner.name: must be one line of plain text, without control or "
+            "formatting characters (it contains \\x1b, \\x07, \\u202e) "
+            "(got '\\x1b[2J\\x1b]0;owned\\x07Eve\\u202e')",
+        ),
+        (
+            {"title": "a\ttab"},
+            "manifest.toml, title: must be one line of plain text, without control or formatting "
+            "characters (it contains \\t) (got 'a\\ttab')",
+        ),
+    ],
+)
+def test_a_title_or_owner_name_with_control_characters_is_refused_naming_them(
+    overrides: dict[str, object], expected: str
+) -> None:
+    assert problems_of(doc(**overrides)) == [expected]
+
+
+def test_a_title_and_owner_name_may_hold_spaces_brackets_and_any_script() -> None:
+    manifest = parse_manifest(
+        doc(title="Zellkern [bold] Übersicht  ✓", owner={"name": "[/] 山田 ‘Ann’"})
+    )
+    assert (manifest.title, manifest.owner_name) == (
+        "Zellkern [bold] Übersicht  ✓",
+        "[/] 山田 ‘Ann’",
+    )

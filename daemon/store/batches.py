@@ -10,7 +10,7 @@ from daemon.jobspec import Problem
 from daemon.records import Batch, NewBatch
 from daemon.states import TERMINAL_BATCH_STATES, BatchState, batch_can_move
 from daemon.store.base import StoreBase
-from daemon.store.rows import _BATCH_COLUMNS, _batch, _casefold, _dump_problems
+from daemon.store.rows import _BATCH_COLUMNS, _batch, _casefold, _dump_problems, _storable
 
 # A row of ``batches b`` that is its folder's newest revision.
 _NEWEST_REVISION = (
@@ -55,6 +55,8 @@ class BatchStore(StoreBase):
         return int(row[0] or 0) + 1
 
     def batch(self, batch_id: int) -> Batch:
+        if not _storable(batch_id):
+            raise NotFound(f"no batch {batch_id}")
         rows = list(self.db.query(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE id = ?", [batch_id]))
         if not rows:
             raise NotFound(f"no batch {batch_id}")

@@ -12,7 +12,7 @@ from daemon.jobspec import InputFile
 from daemon.records import Job, JobChange, NewJob
 from daemon.states import JobState, job_can_move
 from daemon.store.base import StoreBase
-from daemon.store.rows import _JOB_COLUMNS, _job
+from daemon.store.rows import _JOB_COLUMNS, _job, _storable
 
 
 class JobStore(StoreBase):
@@ -58,6 +58,8 @@ class JobStore(StoreBase):
         return str(row[0])
 
     def job(self, job_id: int) -> Job:
+        if not _storable(job_id):
+            raise NotFound(f"no job {job_id}")
         rows = list(self.db.query(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", [job_id]))
         if not rows:
             raise NotFound(f"no job {job_id}")

@@ -19,6 +19,12 @@ _JOB_COLUMNS = ", ".join(
 )
 
 
+def _storable(row_id: int) -> bool:
+    """Whether an id can name a row at all: SQLite's integers are 64 bits, and a larger one
+    (``watchctl show 1000000000000000000000000000000``) names no batch rather than overflowing."""
+    return -(2**63) <= row_id < 2**63
+
+
 def _casefold(text: str | None) -> str:
     return (text or "").casefold()
 

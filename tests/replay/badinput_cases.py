@@ -302,6 +302,24 @@ CASES: tuple[Case, ...] = (
         "manifest",
     ),
     Case(
+        "title-newline",
+        "a title with a line break (it would forge a line of the status file)",
+        with_manifest(replace('title = ""', 'title = "Plate 7\\nState: DONE"')),
+        "manifest.toml, title: must be one line of plain text, without control or formatting "
+        "characters (it contains \\n) (got 'Plate 7\\nState: DONE')",
+        "manifest",
+    ),
+    Case(
+        "owner-escape",
+        "terminal escape codes in the owner's name",
+        with_manifest(
+            replace('name = "Replay Tester"', 'name = "\\u001b[2J\\u001b]0;owned\\u0007Eve"')
+        ),
+        "manifest.toml, owner.name: must be one line of plain text, without control or "
+        "formatting characters (it contains \\x1b, \\x07)",
+        "manifest",
+    ),
+    Case(
         "missing-owner",
         "no owner",
         with_manifest(replace("[owner]", "[ownr]")),

@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,7 @@ from badinput_cases import CASES, Case, images, make_all
 # e.g. tests/slurm/, takes the name over).
 from conftest import MODEL, write_config
 from replay import Replay, copy_slowly, write_atomically
+from test_crash import wait_for
 
 from daemon.config import Config
 from daemon.manifest import STATUS_NAME
@@ -106,6 +109,8 @@ def test_the_owner_and_the_operator_read_a_clear_reason(case: Case, outcome: Out
     assert "State:     FAILED" in status
     assert case.says in status, f"{case.id}: the status file does not say {case.says!r}:\n{status}"
     assert "Next step:" in status
+    if case.stage == "manifest":  # the daemon refuses a retry of a refused manifest
+        assert "watchctl retry" not in status and "save manifest.toml again" in status
     shown = subprocess.run(
         [str(BIN / "watchctl"), "show", str(batch.id), "--json", "--config", str(outcome.config.source)],
         capture_output=True, text=True, check=True,
@@ -219,6 +224,79 @@ def test_a_results_folder_that_cannot_be_written_fails_the_batch_with_a_reason(
     assert batch.state is BatchState.FAILED and batch.reason == "results folder not writable"
     status = (folder / STATUS_NAME).read_text()
     assert "results folder: cannot be written: Operation not permitted" in status
+
+
+@pytest.mark.skipif(not IS_ROOT or shutil.which("chattr") is None, reason="needs root and chattr")
+def test_a_status_file_that_cannot_be_written_is_said_in_watchctl_and_the_log(
+    tmp_path: Path, staged: Callable[..., Path], drop_root: Path
+) -> None:
+    """Its owner reads a stale state (or none): the operator is told, once per change."""
+    config = write_config(tmp_path, drop_root, tmp_path / "registry")
+    folder = drop_root / "immutable"
+    shutil.copytree(staged(count=1), folder)
+    subprocess.run(["chattr", "+i", str(folder)], check=True)  # even root cannot write there
+    try:
+        with structlog.testing.capture_logs() as logged, Replay(config) as replay:
+            replay.run()
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)], check=True)
+    batch = only(config, folder.name)
+    assert batch.state is BatchState.FAILED and not (folder / STATUS_NAME).exists()
+    shown = subprocess.run(
+        [str(BIN / "watchctl"), "show", str(batch.id), "--config", str(config.source)],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    note = f"{STATUS_NAME} not written: Operation not permitted; its owner does not see this"
+    assert note in " ".join(shown.replace("│", " ").split())
+    assert any(
+        e["event"] == "cannot write status file" and e.get("batch_id") == batch.id for e in logged
+    )
+
+
+@pytest.mark.skipif(not IS_ROOT or shutil.which("setpriv") is None, reason="needs root, setpriv")
+def test_a_manifest_the_service_cannot_read_fails_visibly_and_is_taken_in_once_readable(
+    staged: Callable[..., Path],
+) -> None:
+    """The daemon runs as an unprivileged user (nobody), the folder belongs to another."""
+    with tempfile.TemporaryDirectory(dir="/tmp") as where:
+        base = Path(where)
+        root, state = base / "drop", base / "state"
+        for made in (root, state):
+            made.mkdir()
+            made.chmod(0o777)
+        base.chmod(0o755)
+        config = write_config(base, root, base / "registry")
+        folder = root / "locked manifest"
+        shutil.copytree(staged(count=1), folder)
+        folder.chmod(0o777)
+        (folder / "manifest.toml").chmod(0o600)
+        log = base / "daemon.log"
+        as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        with open(log, "wb") as out:
+            daemon = subprocess.Popen(
+                [*as_nobody, str(BIN / "watchd"), "run", "--config", str(config.source)],
+                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HOME": str(base)},
+            )  # fmt: skip
+        try:
+            written = folder / STATUS_NAME
+            wait_for(lambda _: written.exists() and "FAILED" in written.read_text(), config, 60)
+            status = written.read_text(encoding="utf-8")
+            (folder / "manifest.toml").chmod(0o644)
+            wait_for(lambda store: len(store.batches()) == 2, config, 60)
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(60)
+        store = Store(config.daemon.database)
+        first, second = store.batches()
+        store.close()
+    assert "State:     FAILED" in status and "watchctl retry" not in status
+    assert (
+        "manifest.toml: cannot be read by the watchd service: Permission denied — make it "
+        "readable for the service (e.g. chmod a+r manifest.toml); it is read again at the next "
+        "rescan"
+    ) in status
+    assert (first.state, first.reason) == (BatchState.FAILED, "manifest refused")
+    assert second.kind == "inference" and second.revision == 2
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="mounting a small filesystem needs root")

@@ -15,11 +15,13 @@ import pytest
 import synth
 
 # At import, while "conftest" is this folder's (see test_badinput.py).
-from conftest import MODEL
+from conftest import MODEL, write_config
 from replay import Replay
 
 from daemon.config import Config
+from daemon.jobspec import Pipeline, Problem
 from daemon.manifest import parse_manifest
+from daemon.records import NewBatch, NewJob
 from daemon.states import BatchState
 from daemon.store import Store
 
@@ -97,17 +99,27 @@ def test_show_gives_one_batch_with_jobs_problems_and_history(finished: Config) -
     ]
 
 
+HUGE = str(10**30)  # beyond SQLite's integers: no batch, not an OverflowError
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (("show", "999"), "Error: no batch 999"),
         (("retry", "999"), "Error: no batch 999"),
+        (("show", HUGE), f"Error: no batch {HUGE}"),
+        (("retry", HUGE), f"Error: no batch {HUGE}"),
+        (("cancel", HUGE), f"Error: no batch {HUGE}"),
+        (("requeue", HUGE), f"Error: no batch {HUGE}"),
+        (("jobs", HUGE), f"Error: no batch {HUGE}"),
+        (("logs", HUGE), f"Error: no job {HUGE}"),
     ],
+    ids=lambda v: "-".join(v)[:20] if isinstance(v, tuple) else "",
 )
 def test_expected_errors_are_one_line_and_exit_1(
-    finished: Config, args: tuple[str, ...], message: str
+    hostile: Config, args: tuple[str, ...], message: str
 ) -> None:
-    done = cli("watchctl", *args, "--config", str(finished.source), check=False)
+    done = cli("watchctl", *args, "--config", str(hostile.source), check=False)
     assert (done.returncode, done.stderr.strip(), done.stdout) == (1, message, "")
 
 
@@ -247,3 +259,69 @@ def test_manifest_notes_an_inference_model_the_registry_does_not_hold(
     )
     known = cli(*ask, "--model", MODEL, "--force")
     assert known.stderr == ""
+
+
+# -- owner-controlled text on the operator's screen ---------------------------------------------
+
+# What an owner can put in a folder name or (before the manifest refused control characters) in
+# a title or owner name: rich markup, emoji codes, terminal escapes, a forged line.
+HOSTILE = "[/] [bold]x :warning: \x1b]0;owned\x07\x1b[2J\nState: DONE\u202e"
+
+
+@pytest.fixture
+def hostile(tmp_path: Path, drop_root: Path) -> Config:
+    """A database holding one failed batch whose every owner-controlled value is hostile, with
+    one job; written through the store as an older watchd could have."""
+    config = write_config(tmp_path, drop_root, tmp_path / "registry")
+    store = Store.open(config.daemon.database)
+    new = NewBatch(
+        root=str(config.roots[0].path), folder=f"plate {HOSTILE}", manifest_sha256="0" * 64,
+        manifest_text="", manifest_stat="", kind="inference", title=HOSTILE, owner=HOSTILE,
+        contact=None, run_dir=str(config.roots[0].path / "x" / "results" / "r"),
+    )  # fmt: skip
+    batch = store.create_batch(new, BatchState.WAITING, f"accepted {HOSTILE}", 1.0e9)
+    job = NewJob("infer-0", Pipeline.INFER, 0, 0, 1, (), "local")
+    store.create_jobs(batch.id, [job], 1.0e9)
+    problem = Problem(f"files[0] '{HOSTILE}'", f"is missing {HOSTILE}", "copy it")
+    store.transition_batch(batch.id, BatchState.FAILED, HOSTILE, 1.0e9 + 1, problems=[problem])
+    store.close()
+    return config
+
+
+@pytest.mark.parametrize(
+    "args", [("batches",), ("show", "1"), ("status",), ("jobs",), ("jobs", "1")], ids=" ".join
+)
+def test_owner_text_is_shown_literally_with_control_characters_escaped(
+    hostile: Config, args: tuple[str, ...]
+) -> None:
+    done = cli("watchctl", *args, "--config", str(hostile.source))
+    shown = done.stdout
+    assert "\x1b" not in shown and "\x07" not in shown and "\u202e" not in shown
+    assert "Traceback" not in done.stderr and "State: DONE" not in shown.splitlines()
+    if args[0] != "jobs":
+        assert "[/] [bold]x :warning: \\x1b]0;owned\\x07" in shown
+        assert "\\nState: DONE\\u202e" in shown
+
+
+@pytest.mark.parametrize("args", [("batches",), ("show", "1"), ("status",)], ids=" ".join)
+def test_json_keeps_owner_text_exactly_and_escapes_it_as_json(
+    hostile: Config, args: tuple[str, ...]
+) -> None:
+    out = cli("watchctl", *args, "--json", "--config", str(hostile.source)).stdout
+    assert "\x1b" not in out and "\u202e" not in out
+    data = json.loads(out)
+    batch = {"batches": lambda d: d["batches"][0], "show": lambda d: d,
+             "status": lambda d: d["recent_failures"][0]}[args[0]](data)  # fmt: skip
+    assert (batch["owner"], batch["reason"], batch["folder"]) == (
+        HOSTILE,
+        HOSTILE,
+        f"plate {HOSTILE}",
+    )
+
+
+def test_a_limit_beyond_any_count_is_a_usage_error(hostile: Config) -> None:
+    done = cli("watchctl", "batches", "--limit", HUGE, "--config", str(hostile.source), check=False)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.splitlines()[-1] == (
+        "Error: Invalid value for '--limit': Input should be less than or equal to 1000000"
+    )
