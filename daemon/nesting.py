@@ -16,31 +16,34 @@ from typing import Any
 MAX_NESTING = 32  # a real manifest nests 4 deep at most: [sweep.space] name = { values = [...] }
 
 # What may hide a bracket: strings of the four kinds, and comments. A string that does not end
-# is left to the parser (it refuses the text before it could recurse past that point).
+# is left to the parser (it refuses the text before it could recurse past that point). A table
+# header of bare keys is one token: it nests no value (and a long list of [[files]] is mostly
+# headers: so the scan costs less than a tenth of what the parse does).
 _TOKENS = re.compile(
-    r'"""(?:\\.|[^\\])*?"{3,5}'
+    r"^[ \t]*\[\[?[A-Za-z0-9_.\- \t]*\]\]?"
+    r'|"""(?:\\.|[^\\])*?"{3,5}'
     r"|'''[\s\S]*?'{3,5}"
     r'|"(?:\\.|[^"\\\n])*"'
     r"|'[^'\n]*'"
     r"|#[^\n]*"
-    r"|[\[{]+|[\]}]+"
+    r"|(?P<open>[\[{]+)|(?P<close>[\]}]+)",
+    re.MULTILINE,
 )
 
 
 def text_nests_deeper(text: str, limit: int = MAX_NESTING) -> bool:
-    """Whether more than ``limit`` arrays, inline tables and table headers are open at once
-    somewhere in ``text``, outside strings and comments."""
+    """Whether more than ``limit`` arrays and inline tables are open at once somewhere in
+    ``text``, outside strings and comments."""
     if text.count("[") + text.count("{") <= limit:
         return False  # not enough brackets to nest that deep: not worth the scan
     depth = 0
     for match in _TOKENS.finditer(text):
-        token = match.group()
-        if token[0] in "[{":
-            depth += len(token)
+        if match.lastgroup == "open":
+            depth += len(match.group())
             if depth > limit:
                 return True
-        elif token[0] in "]}":
-            depth = max(0, depth - len(token))
+        elif match.lastgroup == "close":
+            depth = max(0, depth - len(match.group()))
     return False
 
 
