@@ -466,3 +466,23 @@ def test_an_accepted_email_is_one_address_to_the_mail_library(text: str) -> None
         message = EmailMessage()
         message["To"] = text
         assert len(message["To"].addresses) == 1 and "\n" not in str(message["To"])
+
+
+def nested_lists(depth: int, leaf: str) -> object:
+    value: object = [leaf]
+    for _ in range(depth - 1):
+        value = [value, leaf]
+    return value
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 9), st.text(alphabet="[]{}\"'#\\\n ab", max_size=12))
+def test_the_text_scan_sees_the_nesting_the_parser_builds_whatever_the_strings_hold(
+    depth: int, leaf: str
+) -> None:
+    from daemon.nesting import document_nests_deeper, text_nests_deeper
+
+    document = {"x": nested_lists(depth, leaf), "y": {"z": leaf}}
+    text = tomli_w.dumps(document)
+    assert text_nests_deeper(text, limit=5) == (depth > 5)
+    assert document_nests_deeper(document, limit=5) == (depth > 5)
