@@ -58,6 +58,9 @@ class IntakeSection(_Section):
     timeout_seconds: Seconds = 24 * 3600.0
     check_seconds: Seconds = 2.0
     max_manifest_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 16 << 20
+    # The most entries of a batch folder its patterns may look at in one check, all together;
+    # a pattern that needs more fails its batch, naming this bound.
+    max_pattern_entries: Annotated[int, Field(ge=100, le=100_000_000)] = 200_000
     # How long the folder of an ended batch stays watched for a changed manifest; after that
     # the catch-up scan (daemon.rescan_seconds) finds one.
     watch_ended_seconds: Annotated[float, Field(ge=0, le=30 * 86400)] = 900.0

@@ -20,6 +20,7 @@ import structlog
 
 from daemon import reporter
 from daemon.mailer import Mailer, compose
+from daemon.manifest_schema import is_one_address
 from daemon.metrics import Metrics
 from daemon.readiness import Timing
 from daemon.records import Batch, Event
@@ -85,6 +86,9 @@ class Endings:
             return
         if self.store.noted_after(batch.id, event.id, NOTE):
             return  # mailed before a restart
+        if not is_one_address(batch.contact):  # taken in by a watchd that let lists through
+            self._note(batch.id, f"{NOTE}{batch.contact!r} not sent: not one address", now)
+            return
         status = reporter.render(reporter.gather(self.store, batch, (), self.timing), now)
         letter = compose(batch, state, status, self.sender, now)
         self.store.note(batch.id, f"{NOTE}{letter.to}", now)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from daemon.jobspec import Problem
+from daemon.jobspec import Problem, summarised
 
 
 class WatchdError(Exception):
@@ -25,10 +25,12 @@ class ConfigError(WatchdError):
 
 
 class ManifestError(WatchdError):
-    """A manifest is invalid; carries every problem found, each with its location and a hint."""
+    """A manifest is invalid; carries the problems found, each with its location and a hint
+    (the first few, then how many more: a manifest of 400 000 wrong entries must not make a
+    status file, a log line and a database row of tens of megabytes)."""
 
     def __init__(self, problems: Sequence[Problem]) -> None:
-        self.problems = tuple(problems)
+        self.problems = summarised(problems)
         super().__init__("; ".join(p.render() for p in self.problems))
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,6 +159,18 @@ class Problem:
     def render(self) -> str:
         text = f"{self.where}: {self.message}" if self.where else self.message
         return f"{text} — {self.hint}" if self.hint else text
+
+
+MAX_PROBLEMS = 20  # listed for one batch; the rest are counted (status file, log, database)
+
+
+def summarised(problems: Sequence[Problem], limit: int = MAX_PROBLEMS) -> tuple[Problem, ...]:
+    """The first ``limit`` problems, then one saying how many more there were: what a data
+    owner reads (and the log and the database keep) stays small whatever the input."""
+    if len(problems) <= limit:
+        return tuple(problems)
+    more = f"{len(problems) - limit:,}".replace(",", " ")
+    return (*problems[:limit], Problem("", f"… and {more} more like these"))
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import hashlib
 import posixpath
 import re
 import tomllib
+import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,7 @@ import pydantic
 from daemon.errors import ManifestError
 from daemon.jobspec import InputFile, ModelRef, Problem
 from daemon.manifest_schema import PARAMS_BY_KIND, Kind, ManifestModel, Role, TrainingParams
+from daemon.nesting import MAX_NESTING, document_nests_deeper, text_nests_deeper
 from daemon.sweep import SweepPlan, check_space, expand
 from daemon.validation import problems
 
@@ -75,16 +77,13 @@ def manifest_sha256(data: bytes) -> str:
 
 
 def parse_manifest(data: bytes, *, max_bytes: int = MAX_MANIFEST_BYTES) -> Manifest:
-    """Parse and validate a manifest; raise ManifestError carrying every problem found."""
+    """Parse and validate a manifest; raise ManifestError carrying every problem found (the
+    first few listed, the rest counted)."""
     text = _decode(data, max_bytes)
     try:
-        document = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ManifestError(
-            [Problem(MANIFEST_NAME, f"not valid TOML: {exc}", "fix the syntax at that line")]
-        ) from None
-    if not document:
-        raise ManifestError([Problem(MANIFEST_NAME, "is empty", _HINT_DOCS)])
+        document = _load(text)
+    except RecursionError:  # deeper than the stack, in a way the nesting checks did not see
+        raise ManifestError([_TOO_DEEP]) from None
     found = _path_problems(document)
     try:
         model = ManifestModel.model_validate(document)
@@ -101,6 +100,28 @@ def parse_manifest(data: bytes, *, max_bytes: int = MAX_MANIFEST_BYTES) -> Manif
 
 
 _HINT_DOCS = "see docs/manifest.md, or let `watchctl manifest FOLDER` write one"
+_TOO_DEEP = Problem(
+    MANIFEST_NAME,
+    f"is nested more than {MAX_NESTING} levels deep",
+    "a manifest's tables and lists nest a few levels at most; see docs/manifest.md",
+)
+
+
+def _load(text: str) -> dict[str, Any]:
+    """The TOML document, its nesting bounded before the parser and the validation recurse."""
+    if text_nests_deeper(text):
+        raise ManifestError([_TOO_DEEP])
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ManifestError(
+            [Problem(MANIFEST_NAME, f"not valid TOML: {exc}", "fix the syntax at that line")]
+        ) from None
+    if not document:
+        raise ManifestError([Problem(MANIFEST_NAME, "is empty", _HINT_DOCS)])
+    if document_nests_deeper(document):
+        raise ManifestError([_TOO_DEEP])
+    return document
 
 
 def _decode(data: bytes, max_bytes: int) -> str:
@@ -117,7 +138,7 @@ def _decode(data: bytes, max_bytes: int) -> str:
     if not data.strip():
         raise ManifestError([Problem(MANIFEST_NAME, "is empty", _HINT_DOCS)])
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix(_BOM)
     except UnicodeDecodeError as exc:
         raise ManifestError(
             [
@@ -128,6 +149,9 @@ def _decode(data: bytes, max_bytes: int) -> str:
                 )
             ]
         ) from None
+
+
+_BOM = "\ufeff"  # Windows editors start UTF-8 files with one; TOML does not allow it
 
 
 def _spaced(n: int) -> str:
@@ -185,6 +209,8 @@ def check_glob(glob: str) -> str | None:
             return "uses '**' inside a name; '**' may only stand alone between slashes"
         if part == "":
             return "has an empty folder name ('//')"
+    if glob.split("/")[-1] == "**":
+        return "ends with '**', which matches folders only; end it with '**/*' for every file"
     return None
 
 
@@ -210,7 +236,7 @@ def _path_problems(document: Mapping[str, Any]) -> list[Problem]:
         if reason:
             found.append(Problem(where, f"path {reason}"))
             continue
-        normal = posixpath.normpath(path)
+        normal = unicodedata.normalize("NFC", posixpath.normpath(path))  # as readiness finds it
         if normal in seen:
             found.append(Problem(where, f"is listed twice (also files[{seen[normal]}])"))
         seen.setdefault(normal, i)
@@ -280,7 +306,7 @@ def pairing_problems(inputs: Sequence[InputFile]) -> list[Problem]:
     ]
     if not images:
         found.append(Problem(MANIFEST_NAME, "lists no images", 'add files with role = "image"'))
-    return found[:50]
+    return found
 
 
 def _stem(path: str) -> str:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Mapping
+from email.errors import HeaderParseError
+from email.headerregistry import Address
 from typing import Annotated, Any, Literal
 
 import pydantic
@@ -107,9 +109,34 @@ def _one_plain_line(value: str) -> str:
 PlainLine = Annotated[str, AfterValidator(_one_plain_line)]
 
 
+def is_one_address(value: str) -> bool:
+    """Whether ``value`` is exactly one e-mail address (``a@example.org,root`` is two: a mail
+    to it would go to root too), with no space or control character (a line break would start
+    another header)."""
+    if not re.fullmatch(r"[^@\s]+@[^@\s]+", value) or not value.isprintable():
+        return False
+    try:
+        return Address(addr_spec=value).addr_spec == value
+    except (ValueError, IndexError, HeaderParseError):  # IndexError: the parser's own slip
+        return False
+
+
+def _email(value: str) -> str:
+    if not is_one_address(value):
+        raise ValueError("must be one e-mail address, such as name@example.org")
+    return value
+
+
 class OwnerModel(_Strict):
     name: Annotated[PlainLine, Field(min_length=1, max_length=200)]
-    email: Annotated[str, Field(pattern=r"^[^@\s]+@[^@\s]+$", max_length=200)] | None = None
+    email: (
+        Annotated[
+            str,
+            Field(max_length=200, description="One e-mail address, such as name@example.org"),
+            AfterValidator(_email),
+        ]
+        | None
+    ) = None
 
 
 def _model_name(value: str) -> str:

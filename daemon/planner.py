@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from daemon.executors import Phase
 from daemon.jobplan import compute_jobs, next_stage_job
-from daemon.jobspec import ErrorKind, JobResult, Pipeline, Problem
+from daemon.jobspec import ErrorKind, JobResult, Pipeline, Problem, summarised
 from daemon.manifest import Manifest
 from daemon.readiness import NotReady, Ready, Verdict
 from daemon.records import Batch, Intent, Job, NewJob
@@ -324,7 +324,7 @@ def _failure_of(seen: JobSeen) -> tuple[str, str, str]:
         return ErrorKind.LOST.value, f"ended without a result (exit code {code}){note}", ""
     error = result.error
     detail = json.dumps(
-        {"problems": [asdict(p) for p in error.problems], "traceback": error.traceback},
+        {"problems": [asdict(p) for p in summarised(error.problems)], "traceback": error.traceback},
         ensure_ascii=False,
     )
     return error.kind.value, error.message, detail
@@ -356,7 +356,7 @@ def _failure(jobs: Sequence[Job], seen: Mapping[int, JobSeen], policy: Policy) -
         result = observed.result if observed else None
         error = result.error if result else None
         attempts = f" after {job.tries} attempt(s)" if _retryable(job.error_kind) else ""
-        problems: tuple[Problem, ...] = error.problems if error else ()
+        problems = summarised(error.problems) if error else ()  # a shard may report thousands
         message = error.message if error else (job.reason or "it ended without a result")
         if not problems:
             problems = (

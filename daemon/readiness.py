@@ -4,30 +4,32 @@ a verdict out.
 A batch is ready when every listed input is a regular file inside the folder at its listed size
 (patterns: at least ``count`` matches, or one), and nothing has changed for the settle period.
 Missing and short files wait, up to the timeout; then the batch fails naming each of them.
-An input that resolves outside the folder or is not a regular file fails the batch at once;
-one that is bigger than listed fails it once the folder has settled.
+Inputs that are all there but keep changing wait up to the same timeout; then it fails naming
+the ones still being written. An input that resolves outside the folder or is not a regular
+file fails the batch at once, as does a pattern whose walk reached a bound; an input bigger
+than listed fails it once the folder has settled.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from daemon.inputs import FileSeen, InputsSeen, PatternSeen, Presence
-from daemon.jobspec import InputFile, Problem
+from daemon.jobspec import InputFile, Problem, summarised
 from daemon.manifest import MANIFEST_NAME, Manifest, pairing_problems
 from daemon.safeopen import describe
-
-MAX_LISTED = 20
 
 
 @dataclass(frozen=True)
 class Settle:
-    """The fingerprint of what was last seen and since when it has been unchanged."""
+    """The fingerprint of what was last seen and since when it has been unchanged; ``changed``
+    when that moment is a change seen (not the first look, e.g. after a restart)."""
 
     fingerprint: str
     since: float
+    changed: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,9 +82,9 @@ def assess(
     pattern_soft = [p for ps in seen.patterns if (p := _pattern_problem(ps)) is not None]
     hard += [p for ps in seen.patterns for p in _pattern_hard(ps)]
     if hard:
-        return NotReady(_capped(hard), "inputs refused")
+        return NotReady(summarised(hard), "inputs refused")
     settle = _settle(seen, previous, now)
-    waiting = _capped(soft + pattern_soft)
+    waiting = summarised(soft + pattern_soft)
     settled = now - settle.since >= timing.settle_seconds
     if waiting:
         if now - waiting_since >= timing.timeout_seconds:
@@ -90,8 +92,39 @@ def assess(
             return NotReady(waiting, reason, watch=settle.fingerprint)
         return Waiting(waiting, settle)
     if not settled:
+        if settle.changed and now - waiting_since >= timing.timeout_seconds:
+            reason = f"inputs still changing after {_duration(timing.timeout_seconds)}"
+            return NotReady(_still_changing(seen, settle, timing), reason)
         return Waiting((), settle)
     return _ready_or_wrong(manifest, seen)
+
+
+def _still_changing(seen: InputsSeen, settle: Settle, timing: Timing) -> tuple[Problem, ...]:
+    """The inputs written to around the last change seen (by their time stamps, so a file
+    copied with its original time is not named; then the folder is)."""
+    recent = (settle.since - timing.settle_seconds - 1.0) * 1e9
+    after = _duration(timing.timeout_seconds)
+    hint = "is something still writing it?"
+    named = [
+        (f"{MANIFEST_NAME}, files[{i}]", f) for i, f in enumerate(seen.files) if f.mtime_ns > recent
+    ] + [
+        (f"{MANIFEST_NAME}, patterns '{ps.pattern.glob}'", f)
+        for ps in seen.patterns
+        for f in ps.matches
+        if f.mtime_ns > recent
+    ]
+    found = [
+        Problem(where, f"'{f.path}' was still changing after {after}", hint) for where, f in named
+    ]
+    if not found:
+        found = [
+            Problem(
+                "batch folder",
+                f"its inputs were still changing after {after} (files appearing or going)",
+                "is something still writing into the folder?",
+            )
+        ]
+    return summarised(found)
 
 
 def _ready_or_wrong(manifest: Manifest, seen: InputsSeen) -> Verdict:
@@ -105,12 +138,12 @@ def _ready_or_wrong(manifest: Manifest, seen: InputsSeen) -> Verdict:
         if f.size is not None and got.size > f.size
     ]
     if wrong:
-        return NotReady(_capped(wrong), "inputs differ from the manifest")
+        return NotReady(summarised(wrong), "inputs differ from the manifest")
     inputs = _resolved(manifest, seen)
     if manifest.kind.trains and manifest.patterns:
         unpaired = pairing_problems(inputs)
         if unpaired:
-            return NotReady(tuple(unpaired), "training images and masks do not pair up")
+            return NotReady(summarised(unpaired), "training images and masks do not pair up")
     return Ready(inputs)
 
 
@@ -153,6 +186,9 @@ def _refused(where: str, got: FileSeen) -> Problem | None:
 
 def _pattern_hard(seen: PatternSeen) -> list[Problem]:
     where = f"{MANIFEST_NAME}, patterns '{seen.pattern.glob}'"
+    if seen.stopped:
+        hint = "name the folder the inputs are in (e.g. 'images/*.png') instead of '**'"
+        return [Problem(where, seen.stopped, hint)]
     return [p for f in seen.matches if (p := _refused(where, f)) is not None]
 
 
@@ -181,29 +217,20 @@ def _settle(seen: InputsSeen, previous: Settle | None, now: float) -> Settle:
     current = fingerprint(seen)
     if previous is not None and previous.fingerprint == current:
         return previous
-    return Settle(current, now)
+    return Settle(current, now, changed=previous is not None)
 
 
 def _resolved(manifest: Manifest, seen: InputsSeen) -> tuple[InputFile, ...]:
-    """The concrete input list: listed files, then pattern matches not already listed."""
-    listed = {f.path for f in manifest.files}
-    extra = []
+    """The concrete input list: listed files (by their name on disk, which may differ from the
+    manifest's in its Unicode normalisation), then pattern matches not already listed."""
+    files = [replace(f, path=got.path) for f, got in zip(manifest.files, seen.files, strict=True)]
+    listed = {f.path for f in files}
     for ps in seen.patterns:
         for f in ps.matches:
             if f.path not in listed:
                 listed.add(f.path)
-                extra.append(InputFile(f.path, f.size, None, ps.pattern.role))
-    return tuple(manifest.files) + tuple(extra)
-
-
-def _capped(problems: Sequence[Problem]) -> tuple[Problem, ...]:
-    if len(problems) <= MAX_LISTED:
-        return tuple(problems)
-    more = len(problems) - MAX_LISTED
-    return (
-        *problems[:MAX_LISTED],
-        Problem("", f"… and {more:,} more like these".replace(",", " ")),
-    )
+                files.append(InputFile(f.path, f.size, None, ps.pattern.role))
+    return tuple(files)
 
 
 def _bytes(n: int | None) -> str:

@@ -85,7 +85,11 @@ class Service:
         self.timing = readiness.Timing(config.intake.settle_seconds, config.intake.timeout_seconds)
         self.waitroom = WaitRoom(
             self.timing,
-            Schedule(config.intake.check_seconds, min(config.daemon.rescan_seconds, 60.0)),
+            Schedule(
+                config.intake.check_seconds,
+                min(config.daemon.rescan_seconds, 60.0),
+                config.intake.max_pattern_entries,
+            ),
             self.store.manifest_text,
         )
         self.metrics = Metrics()

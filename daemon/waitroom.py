@@ -24,6 +24,7 @@ from daemon.states import BatchState
 class Schedule:
     check_seconds: float  # a waiting batch's inputs are looked at this often
     revive_seconds: float  # a batch failed for incomplete inputs, this often
+    max_pattern_entries: int = inputs.MAX_PATTERN_ENTRIES  # looked at by one check's patterns
 
 
 class WaitRoom:
@@ -67,7 +68,7 @@ class WaitRoom:
         if now < self._next_check.get(batch.id, 0.0):
             return None, False
         self._next_check[batch.id] = now + self.schedule.check_seconds
-        seen = inputs.observe(batch.path, manifest)
+        seen = inputs.observe(batch.path, manifest, self.schedule.max_pattern_entries)
         verdict = readiness.assess(
             manifest, seen, self._settle.get(batch.id), batch.updated_at, now, self.timing
         )
@@ -84,7 +85,7 @@ class WaitRoom:
         if manifest is None or now < self._next_check.get(batch.id, 0.0):
             return False
         self._next_check[batch.id] = now + self.schedule.revive_seconds
-        seen = inputs.observe(batch.path, manifest)
+        seen = inputs.observe(batch.path, manifest, self.schedule.max_pattern_entries)
         return seen.folder_ok and readiness.fingerprint(seen) != batch.watch_inputs
 
     def waits_for(self, batch_id: int) -> tuple[Problem, ...]:

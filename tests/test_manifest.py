@@ -361,7 +361,7 @@ def test_a_sweep_needs_its_section_and_other_kinds_refuse_one() -> None:
     assert found == ["manifest.toml, sweep: is for kind = \"sweep\", not 'inference'"]
 
 
-@pytest.mark.parametrize("glob", ["img**.png", "images/**x/*.png", "images//*.png"])
+@pytest.mark.parametrize("glob", ["img**.png", "images/**x/*.png", "images//*.png", "images/**"])
 def test_a_glob_that_pathlib_cannot_use_is_refused_at_once(glob: str) -> None:
     found = problems_of(doc(files=[], patterns=[{"glob": glob}]))
     assert found[0].startswith(f"manifest.toml, patterns[0] '{glob}': glob ")
@@ -402,3 +402,124 @@ def test_a_title_and_owner_name_may_hold_spaces_brackets_and_any_script() -> Non
         "Zellkern [bold] Übersicht  ✓",
         "[/] 山田 ‘Ann’",
     )
+
+
+def test_a_utf8_byte_order_mark_is_accepted() -> None:
+    """Windows editors start a UTF-8 file with one; TOML itself would refuse it at line 1."""
+    manifest = parse_manifest(b"\xef\xbb\xbf" + doc())
+    assert manifest.kind is Kind.INFERENCE
+    assert manifest.raw == doc().decode()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "x = " + "[" * 5000 + "]" * 5000,  # the parser itself would recurse 5 000 deep
+        "x = " + "{a = " * 40 + "1" + "}" * 40,
+        "[params]\n" + "a." * 5000 + "b = 1",  # dotted keys: parsed flat, nested in the document
+        "title." + "a." * 40 + "b = 1",
+    ],
+    ids=["arrays", "inline-tables", "dotted-keys", "dotted-title"],
+)
+def test_a_manifest_nested_too_deep_is_one_clear_problem(text: str) -> None:
+    assert problems_of(text.encode()) == [
+        "manifest.toml: is nested more than 32 levels deep — a manifest's tables and lists nest"
+        " a few levels at most; see docs/manifest.md"
+    ]
+
+
+def test_brackets_in_strings_and_comments_do_not_count_as_nesting() -> None:
+    deep = "[" * 40
+    text = doc(title=deep).decode() + f"# {deep}\n" + f"[params]\nthreshold = 0.4 # {deep}\n"
+    text += f"[[patterns]]\nglob = '{deep}*.png'\n" + f'x = """\n{deep}\n"""\n'
+    found = problems_of(text.encode())
+    assert not any("nested" in p for p in found)
+    assert any("unknown key 'x'" in p for p in found)  # parsed: the rest was judged
+
+
+def test_a_parser_that_runs_out_of_stack_anyway_gives_the_same_problem() -> None:
+    """Below the bound, but on a stack made too small for it: RecursionError becomes the
+    problem, never an exception out of the parser."""
+    import sys
+
+    text = ("x = " + "[" * 30 + "]" * 30).encode()
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(60)
+    try:
+        with pytest.raises(ManifestError) as info:
+            parse_manifest(text)
+    finally:
+        sys.setrecursionlimit(limit)
+    assert info.value.problems[0].message == "is nested more than 32 levels deep"
+
+
+def test_thousands_of_duplicate_entries_give_twenty_problems_and_a_count() -> None:
+    head = doc(files=None).decode()
+    text = head + '[[files]]\npath = "images/img_0001.png"\n' * 5000
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(text.encode())
+    found = info.value.problems
+    assert len(found) == 21 and len(str(info.value)) < 3000
+    assert found[0].render() == (
+        "manifest.toml, files[1] 'images/img_0001.png': is listed twice (also files[0])"
+    )
+    assert found[-1].render() == "… and 4 979 more like these"
+
+
+def test_the_same_name_in_two_unicode_normalisations_is_listed_twice() -> None:
+    nfc, nfd = "images/K\u00e4fer.png", "images/Ka\u0308fer.png"
+    found = problems_of(doc(files=[{"path": nfc}, {"path": nfd}]))
+    assert found == [f"manifest.toml, files[1] '{nfd}': is listed twice (also files[0])"]
+
+
+@pytest.mark.parametrize(
+    "email",
+    ["a@example.org,root", "a@example.org, root@example.org", "a@example.org;b@example.org",
+     "Anna <a@example.org>", "a@example.org\r\nBcc: root@example.org", "a@example.org\n", "a@",
+     "@example.org", "a@b..org"],
+)  # fmt: skip
+def test_an_email_must_be_exactly_one_address_and_is_refused_in_plain_words(email: str) -> None:
+    found = problems_of(doc(owner={"name": "A", "email": email}))
+    assert len(found) == 1
+    assert found[0].startswith(
+        "manifest.toml, owner.email: must be one e-mail address, such as name@example.org (got "
+    )
+    assert "^" not in found[0] and "pattern" not in found[0]
+
+
+@pytest.mark.parametrize("email", ["anna@example.org", "a.b+lab@sub.example.org", "x@例え.jp"])
+def test_ordinary_email_addresses_are_accepted(email: str) -> None:
+    assert parse_manifest(doc(owner={"name": "A", "email": email})).owner_email == email
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=60))
+def test_an_accepted_email_is_one_address_to_the_mail_library(text: str) -> None:
+    from email.message import EmailMessage
+
+    from daemon.manifest_schema import is_one_address
+
+    if is_one_address(text):
+        message = EmailMessage()
+        message["To"] = text
+        assert len(message["To"].addresses) == 1 and "\n" not in str(message["To"])
+
+
+def nested_lists(depth: int, leaf: str) -> object:
+    value: object = [leaf]
+    for _ in range(depth - 1):
+        value = [value, leaf]
+    return value
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 9), st.text(alphabet="[]{}\"'#\\\n ab", max_size=12))
+def test_the_text_scan_sees_the_nesting_the_parser_builds_whatever_the_strings_hold(
+    depth: int, leaf: str
+) -> None:
+    from daemon.nesting import document_nests_deeper, text_nests_deeper
+
+    document = {"x": nested_lists(depth, leaf), "y": {"z": leaf}}
+    text = tomli_w.dumps(document)
+    assert text_nests_deeper(text, limit=5) == (depth > 5)
+    assert document_nests_deeper(document, limit=5) == (depth > 5)

@@ -241,6 +241,15 @@ def test_an_input_error_is_not_retried_and_its_problems_reach_the_batch() -> Non
     )
 
 
+def test_a_job_reporting_thousands_of_problems_fails_its_batch_with_twenty_and_a_count() -> None:
+    problems = tuple(Problem(f"input 'i/{n}.png'", "is not an image") for n in range(5000))
+    bad = JobResult(False, "infer", "now", error=JobError(ErrorKind.INPUT, "refused", problems))
+    view = BatchView(batch(1, BatchState.RUNNING), manifest(), (job(1, JobState.RUNNING),))
+    actions = plan(snap(view, seen=[JobSeen(1, Phase.ENDED, 2, bad)]))
+    assert actions[-1].problems == (*problems[:20], Problem("", "… and 4 980 more like these"))
+    assert len(actions[0].detail) < 5000  # the job's record keeps the same few
+
+
 def test_a_cancel_intent_stops_live_and_pending_jobs() -> None:
     view = BatchView(
         batch(1, BatchState.RUNNING),

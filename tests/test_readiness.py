@@ -138,3 +138,54 @@ def test_many_missing_files_are_summarised(drop_root: Path) -> None:
     waiting = judge(drop_root, m)
     assert len(waiting.problems) == 21
     assert waiting.problems[-1].message == "… and 30 more like these"
+
+
+def test_an_input_that_keeps_changing_fails_at_the_timeout_naming_it(drop_root: Path) -> None:
+    growing, still = drop_root / "x.png", drop_root / "y.png"
+    still.write_bytes(b"y" * 10)
+    os.utime(still, (1.0, 1.0))  # written long ago
+    m = manifest([{"path": "y.png"}, {"path": "x.png"}])
+    settle = None
+    for now in (0.0, 30.0, 60.0, 90.0):
+        growing.write_bytes(b"x" * int(now + 1))
+        verdict = judge(drop_root, m, settle, since=0.0, now=now)
+        assert isinstance(verdict, Waiting) and verdict.problems == ()
+        settle = verdict.settle
+    growing.write_bytes(b"x" * 200)
+    failed = judge(drop_root, m, settle, since=0.0, now=100.0)
+    assert isinstance(failed, NotReady) and failed.reason == "inputs still changing after 100 s"
+    assert [p.render() for p in failed.problems] == [
+        "manifest.toml, files[1]: 'x.png' was still changing after 100 s — "
+        "is something still writing it?"
+    ]
+    assert failed.watch == ""  # not revived by the next change: it keeps changing
+
+
+def test_the_first_look_after_a_restart_does_not_count_as_a_change(drop_root: Path) -> None:
+    """After a restart the settle record starts again: inputs long complete are not failed
+    as 'still changing' because the batch has waited past the timeout meanwhile."""
+    (drop_root / "a.png").write_bytes(b"x" * 10)
+    m = manifest([{"path": "a.png"}])
+    first = judge(drop_root, m, None, since=0.0, now=500.0)
+    assert isinstance(first, Waiting)
+    assert isinstance(judge(drop_root, m, first.settle, since=0.0, now=502.0), Waiting)
+    assert isinstance(judge(drop_root, m, first.settle, since=0.0, now=505.0), Ready)
+
+
+def test_a_name_in_nfd_finds_the_file_named_in_nfc_and_the_jobs_get_the_name_on_disk(
+    drop_root: Path,
+) -> None:
+    on_disk, listed = "K\u00e4fer.png", "Ka\u0308fer.png"  # Linux's ä, a Mac's a + ¨
+    (drop_root / on_disk).write_bytes(b"x" * 10)
+    m = manifest([{"path": listed, "size": 10}])
+    first = judge(drop_root, m, now=0.0)
+    assert isinstance(first, Waiting) and first.problems == ()
+    ready = judge(drop_root, m, first.settle, now=6.0)
+    assert isinstance(ready, Ready) and [f.path for f in ready.inputs] == [on_disk]
+    assert ready.inputs[0].size == 10
+
+
+def test_a_name_missing_under_both_normalisations_is_missing(drop_root: Path) -> None:
+    waiting = judge(drop_root, manifest([{"path": "Ka\u0308fer.png"}]))
+    assert isinstance(waiting, Waiting)
+    assert waiting.problems[0].message == "'Ka\u0308fer.png' is missing"

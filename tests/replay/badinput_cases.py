@@ -239,6 +239,32 @@ def tampered_checksum(folder: Path) -> None:
     image_file(folder).write_bytes(bytes(data))
 
 
+def pattern_through_link(folder: Path) -> None:
+    """A pattern through a link to someone's home beside the drop root: nothing there may be
+    listed (the catalogue test checks that 'id_rsa' appears nowhere)."""
+    images(folder)
+    text = good_manifest(folder) + '\n[[patterns]]\nglob = "peek/**/*"\n'
+    home = folder.parent.parent / f"home beside the root ({folder.name})"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_rsa").write_bytes(b"-----BEGIN OPENSSH PRIVATE KEY-----")
+    os.symlink(home, folder / "peek")
+    (folder / "manifest.toml").write_text(text, encoding="utf-8")
+
+
+def pattern_too_deep(folder: Path) -> None:
+    images(folder)
+    text = good_manifest(folder) + '\n[[patterns]]\nglob = "deep/**/*.png"\n'
+    deepest = folder.joinpath("deep", *["d"] * 66)
+    deepest.mkdir(parents=True)
+    (deepest / "x.png").write_bytes(image_file(folder, 0).read_bytes())
+    (folder / "manifest.toml").write_text(text, encoding="utf-8")
+
+
+def many_duplicates(text: str) -> str:
+    """1 500 entries naming the same file (an instrument's export gone wrong): 60 KB."""
+    return text + '\n[[files]]\npath = "images/img_0000.png"\n' * 1500
+
+
 CASES: tuple[Case, ...] = (
     # -- the manifest itself ------------------------------------------------------------------
     Case(
@@ -452,6 +478,34 @@ CASES: tuple[Case, ...] = (
         "manifest.toml: is not a regular file",
         "manifest",
     ),
+    Case(
+        "many-duplicates",
+        "thousands of entries wrong the same way",
+        with_manifest(many_duplicates),
+        "… and 1 480 more like these",
+        "manifest",
+    ),
+    Case(
+        "nested",
+        "a value nested thousands deep",
+        with_manifest(add("x = " + "[" * 5000 + "]" * 5000)),
+        "manifest.toml: is nested more than 32 levels deep",
+        "manifest",
+    ),
+    Case(
+        "email-list",
+        "two addresses where one goes",
+        with_manifest(replace("tester@example.org", "tester@example.org,root")),
+        "owner.email: must be one e-mail address, such as name@example.org",
+        "manifest",
+    ),
+    Case(
+        "email-crlf",
+        "a line break in the e-mail address",
+        with_manifest(replace("tester@example.org", "tester@example.org\\r\\nBcc: root")),
+        "owner.email: must be one e-mail address, such as name@example.org",
+        "manifest",
+    ),
     # -- the inputs on disk -------------------------------------------------------------------
     Case(
         "missing-file",
@@ -508,6 +562,20 @@ CASES: tuple[Case, ...] = (
         "a pattern matching too few files",
         pattern_too_few,
         "patterns 'images/*.png': 2 of 5 file(s) present",
+        "inputs",
+    ),
+    Case(
+        "pattern-link-out",
+        "a pattern through a link to a folder outside",
+        pattern_through_link,
+        "patterns 'peek/**/*': 'peek' leads outside the batch folder",
+        "inputs",
+    ),
+    Case(
+        "pattern-deep",
+        "a pattern over folders nested deeper than the bound",
+        pattern_too_deep,
+        "patterns 'deep/**/*.png': goes deeper than 64 folders, the most a pattern may",
         "inputs",
     ),
     Case(

@@ -28,7 +28,7 @@ from badinput_cases import CASES, Case, images, make_all
 # At import, while "conftest" is this folder's (a conftest of another folder collected later,
 # e.g. tests/slurm/, takes the name over).
 from conftest import MODEL, write_config
-from replay import Replay, copy_slowly, write_atomically
+from replay import Replay, at, copy_slowly, write_atomically
 from test_crash import wait_for
 
 from daemon.config import Config
@@ -137,6 +137,16 @@ def test_no_other_batch_is_affected_and_the_daemon_kept_running(outcome: Outcome
     assert outcome.alive_after
     reasons = {b.folder: b.reason for b in outcome.batches.values()}
     assert len({r for f, r in reasons.items() if f.startswith("case ")}) > 5  # each says its own
+
+
+def test_a_pattern_through_a_link_never_lists_a_name_from_outside(outcome: Outcome) -> None:
+    folder = outcome.root / "case pattern-link-out"
+    status = (folder / STATUS_NAME).read_text(encoding="utf-8")
+    batch = outcome.batches[folder.name]
+    logged = repr([e for e in outcome.logged if e.get("batch_id") == batch.id])
+    told = repr(batch.problems) + batch.reason
+    for text in (status, logged, told):
+        assert "id_rsa" not in text and ".ssh" not in text
 
 
 # -- cases that need something to happen during the run ---------------------------------------
@@ -492,3 +502,32 @@ def test_an_input_named_like_a_status_temporary_is_never_deleted(
         replay.run()
     assert only(config, folder.name).state is BatchState.DONE
     assert odd.read_bytes() == was
+
+
+def test_an_input_still_growing_at_the_timeout_fails_the_batch_naming_it(
+    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path
+) -> None:
+    config = config_for(intake={"timeout_seconds": 2, "settle_seconds": 0.5})
+    folder = drop_root / "still growing"
+    source = staged(count=2)
+    shutil.copytree(source, folder)
+    growing = folder / "images" / "growing.png"
+    growing.write_bytes(b"\x89PNG")
+    text = (source / "manifest.toml").read_text() + '\n[[files]]\npath = "images/growing.png"\n'
+
+    def append() -> None:
+        with open(growing, "ab") as handle:
+            handle.write(b"more")
+
+    steps = [write_atomically(folder / "manifest.toml", text.encode(), 0.0)]
+    steps += [at(0.2 + 0.2 * i, "append to growing.png", append) for i in range(30)]
+    with structlog.testing.capture_logs() as logged, Replay(config) as replay:
+        replay.run(steps, timeout=60)
+    batch = only(config, folder.name)
+    assert batch.state is BatchState.FAILED and batch.reason == "inputs still changing after 2 s"
+    status = (folder / STATUS_NAME).read_text()
+    assert (
+        "manifest.toml, files[2]: 'images/growing.png' was still changing after 2 s — "
+        "is something still writing it?"
+    ) in status
+    assert any(e.get("batch_id") == batch.id and e["event"] == "batch failed" for e in logged)

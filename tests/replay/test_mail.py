@@ -10,6 +10,7 @@ import email.policy
 import socket
 import ssl
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from email.message import EmailMessage
@@ -22,7 +23,7 @@ from aiosmtpd.smtp import AuthResult, LoginPassword
 from replay import Replay, Step, copy_slowly
 
 from daemon.config import Config
-from daemon.records import Batch
+from daemon.records import Batch, NewBatch
 from daemon.service import Service
 from daemon.states import BatchState
 from daemon.store import Store
@@ -235,3 +236,28 @@ def test_a_relay_that_says_try_later_gets_the_letter_at_the_next_attempt(scene: 
     scene.run(scene.config(), scene.failing("plate"), until=lambda s: len(scene.inbox.letters) == 1)
     assert scene.notes(scene.restart()["plate"]) == ["e-mail to tester@example.org"]
     assert scene.inbox.busy_once == set()  # it was refused once, then taken
+
+
+def test_a_contact_of_two_addresses_recorded_by_an_older_watchd_is_not_mailed(
+    scene: Scene,
+) -> None:
+    """A database from before addresses were checked may hold 'a@example.org,root': the
+    batch's end is noted on it, and no letter goes to either."""
+    mail = {"enabled": True, "host": "127.0.0.1", "port": scene.port, "from": SENDER}
+    config = scene.config_for(mail=mail, intake={"timeout_seconds": 1})
+    folder = scene.drop_root / "old"
+    folder.mkdir()  # its manifest is gone; the batch waits for inputs that never come
+    text = (scene.staged("old", count=1) / "manifest.toml").read_text()
+    store = Store.open(config.daemon.database)
+    try:
+        new = NewBatch(
+            str(scene.drop_root), "old", "0" * 64, text, "", "inference", "", "A",
+            "tester@example.org,root", str(folder / "results" / "run"),
+        )  # fmt: skip
+        store.create_batch(new, BatchState.WAITING, "manifest accepted", time.time())
+    finally:
+        store.close()
+    scene.run(config, [], until=ended(failed=1))
+    (batch,) = scene.restart().values()
+    assert scene.notes(batch) == ["e-mail to 'tester@example.org,root' not sent: not one address"]
+    assert scene.inbox.letters == []
