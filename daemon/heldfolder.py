@@ -174,6 +174,12 @@ class HeldFolder:
         with os.scandir(self.fd) as listing:
             return list(listing)
 
+    def proc_path(self) -> str:
+        """A path to this very folder for a library that takes only paths (W&B): through
+        ``/proc/<pid>/fd``, so it stays this folder whatever becomes of the names above it,
+        for as long as this process holds it; its child processes can use it too (Linux)."""
+        return f"/proc/{os.getpid()}/fd/{self.fd}"
+
     # -- writing ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def writer(self, relative: str | PurePosixPath, *, fsync: bool = True) -> Iterator[IO[bytes]]:
