@@ -59,7 +59,13 @@ class UnsafeEntry(WatchdError, OSError):
     def __init__(self, code: int, relative: str, what: str) -> None:
         self.relative = relative
         self.what = what
+        self.folder: Path | None = None  # the held folder ``relative`` is relative to
         super().__init__(code, f"'{relative}' {what}")
+
+    @property
+    def path(self) -> Path | None:
+        """The entry's whole path, where the folder it was met in is known."""
+        return None if self.folder is None else self.folder / self.relative
 
     def __str__(self) -> str:
         return f"'{self.relative}' {self.what}"
@@ -154,7 +160,8 @@ class HeldFolder:
             for part in parts_of(relative):
                 walked.append(part)
                 parent, fd = fd, -1
-                fd = _step(parent, part, "/".join(walked), create)
+                with self._located():
+                    fd = _step(parent, part, "/".join(walked), create)
         except BaseException:
             if fd >= 0:
                 os.close(fd)
@@ -165,7 +172,7 @@ class HeldFolder:
     def open_read(self, relative: str | PurePosixPath) -> BinaryIO:
         """Open a regular file below this folder for reading (FileNotFoundError if missing)."""
         *above, name = parts_of(relative)
-        with self._parent(above) as parent:
+        with self._parent(above) as parent, self._located():
             fd = _open_file(name, _READ_FLAGS, parent.fd, str(relative), links_ok=True)
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
@@ -181,6 +188,12 @@ class HeldFolder:
         with os.scandir(self.fd) as listing:
             return list(listing)
 
+    def proc_path(self) -> str:
+        """A path to this very folder for a library that takes only paths (W&B): through
+        ``/proc/<pid>/fd``, so it stays this folder whatever becomes of the names above it,
+        for as long as this process holds it; its child processes can use it too (Linux)."""
+        return f"/proc/{os.getpid()}/fd/{self.fd}"
+
     # -- writing ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def writer(self, relative: str | PurePosixPath, *, fsync: bool = True) -> Iterator[IO[bytes]]:
@@ -190,7 +203,8 @@ class HeldFolder:
         with self._parent(above, create=True) as parent:
             existing = _lstat_or_none(name, parent.fd)
             if existing is not None and stat.S_ISDIR(existing.st_mode):
-                raise UnsafeEntry(errno.EISDIR, str(relative), "is a folder, not a file")
+                with self._located():
+                    raise UnsafeEntry(errno.EISDIR, str(relative), "is a folder, not a file")
             tmp = temporary_name()
             fd = os.open(tmp, _NEW_FLAGS, 0o666, dir_fd=parent.fd)
             try:
@@ -214,11 +228,19 @@ class HeldFolder:
     def write_text(self, relative: str | PurePosixPath, text: str, *, fsync: bool = True) -> None:
         self.write_bytes(relative, text.encode("utf-8"), fsync=fsync)
 
+    def rename(self, old: str | PurePosixPath, new: str | PurePosixPath) -> None:
+        """Rename ``old`` to ``new`` (replacing a file or link there, never following one), both
+        below this folder; the folders on the way to ``new`` are made."""
+        *above_old, old_name = parts_of(old)
+        *above_new, new_name = parts_of(new)
+        with self._parent(above_old) as source, self._parent(above_new, create=True) as target:
+            os.rename(old_name, new_name, src_dir_fd=source.fd, dst_dir_fd=target.fd)
+
     def open_append(self, relative: str | PurePosixPath) -> int:
         """A descriptor appending to a regular file below this folder (made if missing); a
         link, FIFO or hard-linked file planted there is refused, never opened for writing."""
         *above, name = parts_of(relative)
-        with self._parent(above, create=True) as parent:
+        with self._parent(above, create=True) as parent, self._located():
             fd = _open_file(name, _APPEND_FLAGS, parent.fd, str(relative), mode=0o666)
         os.set_blocking(fd, True)
         return fd
@@ -255,6 +277,16 @@ class HeldFolder:
         return removed
 
     # -- plumbing --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _located(self) -> Iterator[None]:
+        """Say in an :class:`UnsafeEntry` raised in the block which folder it is relative to."""
+        try:
+            yield
+        except UnsafeEntry as exc:
+            if exc.folder is None:
+                exc.folder = self.path
+            raise
+
     def _parent(self, above: list[str], *, create: bool = False) -> HeldFolder:
         if not above:
             return HeldFolder(os.dup(self.fd), self.path)

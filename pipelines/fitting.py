@@ -20,7 +20,6 @@ import io
 import math
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -32,10 +31,10 @@ from lightning.pytorch.plugins.environments import LightningEnvironment
 from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
-from daemon.atomicfile import write_text
+from daemon.heldfolder import HeldFolder
 from models.segmenter import UNetModule
 from pipelines.job import log, process_rank
-from pipelines.layout import CURVE_COLUMNS
+from pipelines.layout import CURVE_COLUMNS, METRICS_FILE, WANDB_DIR
 from pipelines.pairs import TrainingData, split
 
 
@@ -77,13 +76,14 @@ def curves_csv(rows: list[dict[str, float]]) -> str:
 
 
 class EpochRecorder(Callback):
-    """After each epoch: log a line, rewrite metrics.csv, keep the weights if val_loss is best.
+    """After each epoch: log a line, rewrite metrics.csv (in the held ``folder``), keep the
+    weights if val_loss is best.
 
     Every rank keeps the best weights (they are identical under DDP); only rank 0 writes.
     """
 
-    def __init__(self, path: Path, epochs: int) -> None:
-        self.path, self.epochs = path, epochs
+    def __init__(self, folder: HeldFolder, epochs: int) -> None:
+        self.folder, self.epochs = folder, epochs
         self.rows: list[dict[str, float]] = []
         self.best: dict[str, float] | None = None
         self.best_state: dict[str, torch.Tensor] | None = None
@@ -94,7 +94,7 @@ class EpochRecorder(Callback):
         row.update({key: float(metrics.get(key, math.nan)) for key in CURVE_COLUMNS[1:]})
         self.rows.append(row)
         if trainer.is_global_zero:
-            write_text(self.path, curves_csv(self.rows))
+            self.folder.write_text(METRICS_FILE, curves_csv(self.rows))
             figures = " ".join(f"{k} {row[k]:.4f}" for k in CURVE_COLUMNS[1:])
             log.info("epoch %d/%d: %s", row["epoch"], self.epochs, figures)
         improved = self.best is None or row["val_loss"] < self.best["val_loss"]
@@ -150,21 +150,24 @@ def layout(tasks: int, gpus: int, environ: Mapping[str, str]) -> dict[str, Any]:
 
 
 def wandb_logger(
-    save_dir: Path, name: str, group: str, params: Mapping[str, Any], environ: Mapping[str, str]
-) -> WandbLogger | None:
+    save_dir: HeldFolder, name: str, group: str, params: Mapping[str, Any],
+    environ: Mapping[str, str],
+) -> WandbLogger | None:  # fmt: skip
     """The W&B logger for this run (its folder: ``save_dir/wandb``), or None when disabled.
 
     The run is started here, on rank 0 only (other ranks log nothing; their metrics reach rank
-    0 through the DDP reductions), and handed to Lightning's logger.
+    0 through the DDP reductions), and handed to Lightning's logger. W&B writes only by path:
+    it gets the held folder's own path (:meth:`HeldFolder.proc_path`), so no link planted
+    above reaches it, and its ``wandb/`` is made (or found a real folder) through it first.
     """
     mode = environ.get("WANDB_MODE", "offline")
     if mode == "disabled" or process_rank(environ) != 0:
         return None
     import wandb
 
-    save_dir.mkdir(parents=True, exist_ok=True)
+    save_dir.folder(WANDB_DIR, create=True).close()
     run = wandb.init(
-        dir=str(save_dir),
+        dir=save_dir.proc_path(),
         mode="online" if mode == "online" else "offline",
         project=environ.get("WANDB_PROJECT", "watchd"),
         name=name,
@@ -178,19 +181,21 @@ def wandb_logger(
 def fit(
     data: TrainingData,
     params: Mapping[str, Any],
-    curves: Path,
+    out: HeldFolder,
     logger: WandbLogger | None,
     tasks: int = 1,
     gpus: int = 0,
 ) -> tuple[UNetModule, EpochRecorder, L.Trainer]:
-    """Train with early stopping on val_loss; the module holds the best weights at the end."""
+    """Train with early stopping on val_loss, writing the curves into ``out``; the module holds
+    the best weights at the end. Lightning writes no file of its own (no checkpoints, no
+    logger but W&B's); its root folder is ``out`` itself, reached through its descriptor."""
     L.seed_everything(int(params["seed"]), workers=True, verbose=False)
     train, val = loaders(data, params)
     module = UNetModule(int(params["depth"]), int(params["width"]), float(params["learning_rate"]))
-    recorder = EpochRecorder(curves, int(params["epochs"]))
+    recorder = EpochRecorder(out, int(params["epochs"]))
     trainer = L.Trainer(
         max_epochs=int(params["epochs"]),
-        default_root_dir=curves.parent / "lightning",
+        default_root_dir=out.proc_path(),
         logger=logger if logger is not None else False,
         log_every_n_steps=1,
         enable_checkpointing=False,

@@ -12,7 +12,7 @@ itself is gone escapes, so the job is retried (:func:`reading`). What is read is
 image's header and by the file (:func:`read_bounded`): a sparse file is refused unread.
 
 Masks are written in the format of the input's file name (PNG or TIFF), uint8 0/255,
-atomically.
+atomically, into a folder held by the rule of :mod:`daemon.heldfolder`.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ import io
 import os
 import zlib
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
 import numpy as np
 import tifffile
 from PIL import Image
 
-from daemon.atomicfile import write_bytes
+from daemon.heldfolder import HeldFolder
 from daemon.jobspec import InputFile, Problem
 from daemon.safeopen import Presence, RefusedInput, open_input
 from pipelines.bounds import (
@@ -312,7 +312,6 @@ def encode_mask(mask: np.ndarray, suffix: str) -> bytes:
     return buffer.getvalue()
 
 
-def write_mask(path: Path, mask: np.ndarray) -> None:
-    """Write ``mask`` atomically to ``path`` in the format its suffix names."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_bytes(path, encode_mask(mask, path.suffix))
+def write_mask(folder: HeldFolder, name: str, mask: np.ndarray) -> None:
+    """Write ``mask`` atomically as ``name`` in ``folder``, in the format its suffix names."""
+    folder.write_bytes(name, encode_mask(mask, PurePosixPath(name).suffix))

@@ -27,47 +27,37 @@ then the provenance: model name, version and sha256, the manifest's sha256, the 
 
 Images with problems (unreadable, checksum mismatch) do not stop the others: every problem is
 collected, and the job fails with all of them at the end without writing the shard table.
+
+Every output is written through the held run folder (:func:`pipelines.job.run_folder`); each
+folder of masks is held once for the job's life (:class:`MaskFolders`), not reopened per image.
 """
 
 from __future__ import annotations
 
 import math
 import resource
+import stat
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 from scipy import ndimage
 
-from daemon.atomicfile import write_text
 from daemon.checksums import sha256_of_stream
+from daemon.heldfolder import HeldFolder, parts_of
 from daemon.jobspec import InputFile, JobSpec, Pipeline, Problem
 from daemon.version import code_version
 from models import registry
 from models.registry import ModelError, ModelVersion
 from models.unet import UNet
 from pipelines.bounds import stored
-from pipelines.images import (
-    checksum_problem,
-    held_still,
-    open_item,
-    reading,
-    write_mask,
-)
-from pipelines.job import InputError, log, run_job
-from pipelines.layout import (
-    LEDGER_DIR,
-    MASKS_DIR,
-    PARTS_DIR,
-    ledger_name,
-    output_path,
-    table_csv,
-    table_name,
-)
+from pipelines.images import checksum_problem, held_still, open_item, reading, write_mask
+from pipelines.job import InputError, log, run_folder, run_job
+from pipelines.layout import MASKS_DIR, PARTS_DIR, ledger_name, table_csv, table_name
 from pipelines.ledger import Ledger
 from pipelines.reader import read_ahead
 from pipelines.tiles import TiledResult, segment_tiled
@@ -163,15 +153,47 @@ class TiledProgress:
                      now - self.started)  # fmt: skip
 
 
+class MaskFolders:
+    """The folders of masks under ``masks/`` of the held run folder, each held once (made when
+    first needed) and kept for the job's life: a mask write opens only its own file."""
+
+    def __init__(self, run: HeldFolder) -> None:
+        self.run = run
+        self.held: dict[str, HeldFolder] = {}
+
+    def of(self, input_path: str) -> tuple[HeldFolder, str]:
+        """The held folder of the mask of ``input_path``, and the mask's name in it."""
+        *above, name = parts_of(input_path)
+        folder = "/".join((MASKS_DIR, *above))
+        if folder not in self.held:
+            self.held[folder] = self.run.folder(folder, create=True)
+        return self.held[folder], name
+
+    def present(self, input_path: str) -> bool:
+        """Whether the mask of ``input_path`` is there, a plain file (nothing is made)."""
+        try:
+            return stat.S_ISREG(self.run.lstat(f"{MASKS_DIR}/{input_path}").st_mode)
+        except (OSError, ValueError):  # missing, or a planted entry on the way
+            return False
+
+    def close(self) -> None:
+        for folder in self.held.values():
+            folder.close()
+        self.held.clear()
+
+
 class Segmenter:
     """Segments loaded images (batched by size) and tiled ones; writes masks, ledger rows."""
 
-    def __init__(self, spec: JobSpec, net: UNet, provenance: dict[str, Any], ledger: Ledger):
+    def __init__(
+        self, spec: JobSpec, net: UNet, provenance: dict[str, Any], ledger: Ledger,
+        masks: MaskFolders,
+    ) -> None:  # fmt: skip
         self.spec, self.net, self.provenance, self.ledger = spec, net, provenance, ledger
         params = spec.params
         self.threshold, self.min_area = float(params["threshold"]), int(params["min_object_area"])
         self.batch_size = int(params.get("batch_size", 1))
-        self.masks_dir = Path(spec.run_dir) / MASKS_DIR
+        self.masks = masks
         self.rows: dict[str, dict[str, Any]] = {}
         self.pending: list[tuple[InputFile, str, np.ndarray]] = []
         # The masks are labelled, written and recorded by one thread (in order) while the net
@@ -209,7 +231,7 @@ class Segmenter:
     ) -> None:
         """In the finisher thread: label, write the mask, measure, record in the ledger."""
         mask, objects = clean_mask(probabilities, self.threshold, self.min_area)
-        write_mask(output_path(self.masks_dir, item.path), mask)
+        write_mask(*self.masks.of(item.path), mask)
         confidence = float(np.abs(2 * probabilities - 1).mean())
         row = {**measure(pixels, mask, objects), "confidence": round(confidence, 4)}
         self._done(item, digest, {**row, "tiled": 0})
@@ -232,7 +254,7 @@ class Segmenter:
         own before them, through the same open file; :func:`held_still` makes sure that the
         file did not change in between. A problem found after the mask was written drops it.
         """
-        target = output_path(self.masks_dir, item.path)
+        folder, target = self.masks.of(item.path)
         try:
             with open_item(Path(self.spec.batch_dir), item) as handle, held_still(handle, item):
                 with reading(item):
@@ -242,20 +264,21 @@ class Segmenter:
                 if problem is not None:
                     return [problem]
                 handle.seek(0)
-                result = self._segment_tiled(item, handle, target)
+                result = self._segment_tiled(item, handle, folder, target)
         except InputError as exc:
-            target.unlink(missing_ok=True)
+            folder.unlink(target)
             return list(exc.problems)
         row = _stats(result.width, result.height, result.area, result.objects, result.intensity)
         self._done(item, digest, {**row, "confidence": round(result.confidence, 4), "tiled": 1})
         return []
 
-    def _segment_tiled(self, item: InputFile, source: BinaryIO, target: Path) -> TiledResult:
-        target.parent.mkdir(parents=True, exist_ok=True)
+    def _segment_tiled(
+        self, item: InputFile, source: BinaryIO, folder: HeldFolder, target: str
+    ) -> TiledResult:
         params = self.spec.params
         log.info("%s: tiled inference", item.path)
         return segment_tiled(
-            source, target, lambda tiles: predict(self.net, tiles), self.threshold,
+            source, folder, target, lambda tiles: predict(self.net, tiles), self.threshold,
             self.min_area, int(params.get("tile_size", 512)), int(params.get("tile_overlap", 64)),
             self.batch_size, TiledProgress(item.path),
         )  # fmt: skip
@@ -289,6 +312,12 @@ def segment(
 def infer(spec: JobSpec, job_dir: Path) -> dict[str, Any]:
     """The inference job for one shard."""
     net, version = load_model(spec)
+    with run_folder(spec) as run:
+        return _infer(spec, net, version, run)
+
+
+def _infer(spec: JobSpec, net: UNet, version: ModelVersion, run: HeldFolder) -> dict[str, Any]:
+    """The inference job for one shard, writing under the held run folder ``run``."""
     log.info("model %s version %d (sha256 %s…)", version.name, version.version, version.sha256[:12])
     provenance = {
         "model_name": version.name,
@@ -297,39 +326,37 @@ def infer(spec: JobSpec, job_dir: Path) -> dict[str, Any]:
         "manifest_sha256": spec.manifest_sha256,
         "code_version": code_version(),
     }
-    run_dir = Path(spec.run_dir)
     items = [item for item in spec.inputs if item.role == "image"]
-    ledger = Ledger(run_dir / LEDGER_DIR / ledger_name(spec.shard.index), version.sha256,
-                    spec.params)  # fmt: skip
+    ledger = Ledger(run, ledger_name(spec.shard.index), version.sha256, spec.params)
+    masks = MaskFolders(run)
     resumed = {}
     for item in items:
-        mask = output_path(run_dir / MASKS_DIR, item.path)
-        row = ledger.done_row(item, Path(spec.batch_dir), mask)
+        row = ledger.done_row(item, Path(spec.batch_dir), masks.present(item.path))
         if row is not None:
             resumed[item.path] = row
     if resumed:
         log.info("%d of %d images already done (ledger): skipped", len(resumed), len(items))
     started, cpu_started = time.monotonic(), _cpu_seconds()
     todo = [item for item in items if item.path not in resumed]
-    segmenter = Segmenter(spec, net, provenance, ledger)
+    segmenter = Segmenter(spec, net, provenance, ledger, masks)
     try:
         rows, problems = segment(spec, segmenter, todo)
     finally:
         segmenter.close()
         ledger.close()
+        masks.close()
     if problems:
         raise InputError(f"{len(problems)} problem(s) with the images of this shard", problems)
     table_rows = [resumed.get(item.path) or rows[item.path] for item in items]
-    table = run_dir / PARTS_DIR / table_name(spec.shard.index)
-    table.parent.mkdir(parents=True, exist_ok=True)
-    write_text(table, table_csv(table_rows))
+    table = PurePosixPath(PARTS_DIR, table_name(spec.shard.index))
+    run.write_text(table, table_csv(table_rows))
     return {
         "images": len(table_rows),
         "segmented": len(rows),
         "resumed": len(resumed),
         "images_with_objects": sum(1 for row in table_rows if int(row["objects"])),
         "objects": sum(int(row["objects"]) for row in table_rows),
-        "table": f"{PARTS_DIR}/{table.name}",
+        "table": str(table),
         "model": {**provenance, "requested_version": spec.model.version},
         "shard": {"index": spec.shard.index, "count": spec.shard.count},
         "seconds_per_image": round((time.monotonic() - started) / max(len(rows), 1), 4),

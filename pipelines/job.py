@@ -12,11 +12,18 @@
 In a job of several processes (DDP ranks, see :mod:`pipelines.fitting`) only rank 0 writes
 result.json; the work function returns None on the other ranks.
 
+Every write a job makes under the batch folder goes through :func:`run_folder`, the run folder
+held from the batch folder down (:mod:`daemon.heldfolder`): a link, FIFO or file that the owner
+planted where the job needs a folder is refused (:class:`UnsafeEntry`, kind INPUT, naming the
+entry), never followed; one planted at a file name the job writes is replaced by the job's own
+file (the link itself, never its target). result.json is written the same way.
+
 Progress goes to stdout as plain timestamped lines; the executor sends it to ``log.txt``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -31,8 +38,9 @@ from typing import Any
 
 import torch
 
-from daemon.atomicfile import write_text
+from daemon.heldfolder import HeldFolder, UnsafeEntry
 from daemon.jobspec import (
+    JOBS_DIR,
     RESULT_FILE,
     SPEC_FILE,
     ErrorKind,
@@ -107,13 +115,32 @@ def read_spec(job_dir: Path) -> JobSpec:
     return JobSpec.from_json((job_dir / SPEC_FILE).read_text(encoding="utf-8"))
 
 
+def run_folder(spec: JobSpec) -> HeldFolder:
+    """The job's run folder (made if missing), held from its batch folder down: every write
+    the job makes under the batch folder goes through it. Close it when done."""
+    batch_dir = Path(spec.batch_dir)
+    relative = Path(spec.run_dir).relative_to(batch_dir).as_posix()
+    with HeldFolder.open(batch_dir) as batch:
+        return batch.folder(relative, create=True)
+
+
+def planted_problem(spec: JobSpec, exc: UnsafeEntry) -> Problem:
+    """An entry planted under the batch folder where the job writes, said for its owner."""
+    path = exc.path or Path(spec.run_dir) / exc.relative
+    with contextlib.suppress(ValueError):
+        path = path.relative_to(spec.batch_dir)
+    hint = "results/ is written by watchd: remove what was put there, then retry the batch"
+    return Problem(f"'{path}'", f"{exc.what}; the job does not write through it", hint)
+
+
 def _failure(kind: ErrorKind, message: str, problems: Sequence[Problem] = ()) -> JobError:
     text = traceback.format_exc() if kind is ErrorKind.INTERNAL else ""
     return JobError(kind=kind, message=message, problems=tuple(problems), traceback=text)
 
 
-def _attempt(pipeline: Pipeline, work: Work, job_dir: Path) -> tuple[int, Any]:
-    """Run the work; return (exit status, summary dict or JobError)."""
+def _attempt(pipeline: Pipeline, work: Work, job_dir: Path) -> tuple[int, Any, JobSpec | None]:
+    """Run the work; return (exit status, summary dict or JobError, the spec if it was read)."""
+    spec = None
     try:
         spec = read_spec(job_dir)
         if spec.pipeline is not pipeline:
@@ -124,17 +151,33 @@ def _attempt(pipeline: Pipeline, work: Work, job_dir: Path) -> tuple[int, Any]:
         keep_freed_memory()
         log.info("job %s (%s) attempt %d started", spec.job_name, pipeline.value, spec.attempt)
         summary = work(spec, job_dir)
-        return EXIT_OK, None if summary is None else dict(summary)
-    except InputError as exc:
+        return EXIT_OK, None if summary is None else dict(summary), spec
+    except (InputError, UnsafeEntry) as exc:
+        if isinstance(exc, UnsafeEntry):
+            assert spec is not None  # nothing is written under the batch folder before
+            exc = InputError("an entry planted under results/", [planted_problem(spec, exc)])
         for problem in exc.problems:
             log.error("input problem: %s", problem.render())
-        return EXIT_REFUSED, _failure(ErrorKind.INPUT, exc.message, exc.problems)
+        return EXIT_REFUSED, _failure(ErrorKind.INPUT, exc.message, exc.problems), spec
     except ModelError as exc:
         log.error("model error: %s", exc)
-        return EXIT_REFUSED, _failure(ErrorKind.MODEL, str(exc))
+        return EXIT_REFUSED, _failure(ErrorKind.MODEL, str(exc)), spec
     except Exception as exc:
         log.exception("internal error")
-        return EXIT_INTERNAL, _failure(ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}")
+        message = f"{type(exc).__name__}: {exc}"
+        return EXIT_INTERNAL, _failure(ErrorKind.INTERNAL, message), spec
+
+
+def write_result(job_dir: Path, spec: JobSpec | None, result: JobResult) -> None:
+    """Write result.json into the job folder, through the held run folder (the job folder
+    itself, not followed if a link, when the spec could not be read)."""
+    text = result.to_json() + "\n"
+    if spec is None:
+        with HeldFolder.open(job_dir) as folder:
+            folder.write_text(RESULT_FILE, text)
+        return
+    with run_folder(spec) as run:
+        run.write_text(f"{JOBS_DIR}/{spec.job_name}/{RESULT_FILE}", text)
 
 
 def run_job(pipeline: Pipeline, work: Work, argv: Sequence[str] | None = None) -> int:
@@ -146,7 +189,7 @@ def run_job(pipeline: Pipeline, work: Work, argv: Sequence[str] | None = None) -
     configure_logging()
     job_dir = Path(args[0]).resolve()
     started = time.monotonic()
-    status, outcome = _attempt(pipeline, work, job_dir)
+    status, outcome, spec = _attempt(pipeline, work, job_dir)
     if process_rank(os.environ) != 0:
         log.info("rank %d finished: rank 0 writes the result", process_rank(os.environ))
         return status
@@ -158,6 +201,10 @@ def run_job(pipeline: Pipeline, work: Work, argv: Sequence[str] | None = None) -
         result = JobResult(ok=True, pipeline=pipeline.value, finished_at=finished, summary=summary)
     else:
         result = JobResult(ok=False, pipeline=pipeline.value, finished_at=finished, error=outcome)
-    write_text(job_dir / RESULT_FILE, result.to_json() + "\n")
+    try:
+        write_result(job_dir, spec, result)
+    except OSError as exc:  # UnsafeEntry too: the run folder was swapped for a link meanwhile
+        log.error("result.json not written: %s", exc)
+        return EXIT_INTERNAL
     log.info("finished in %.1f s: %s", elapsed, "ok" if status == EXIT_OK else outcome.message)
     return status

@@ -14,6 +14,9 @@
     sweep/trials.csv, sweep/sweep.json  the sweep's comparison of its trials, and its W&B config
     ledger/shard-<index:04d>.jsonl  inference: one line per image done (resuming a shard)
     jobs/<job name>/                spec.json, log.txt, result.json (written by the daemon/runner)
+
+A job writes all of it through its run folder held from the batch folder down
+(:func:`pipelines.job.run_folder`), never by path: the owner may plant anything under results/.
 """
 
 from __future__ import annotations

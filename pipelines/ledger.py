@@ -6,20 +6,29 @@ inference parameters, and the image's table row. A re-run of the shard (a retry 
 an operator's requeue) takes an image's row from the ledger instead of segmenting it again when
 all of these still hold: same path, same input bytes (the manifest's sha256, or the file's),
 same model, same parameters, and the mask is still there. A torn last line (the job was killed
-while appending) is ignored: that image is simply done again.
+while appending) is ignored: that image is simply done again. The ledger is read and appended
+through the held run folder (:mod:`daemon.heldfolder`): a link, FIFO or hard link planted at its
+name is not read, and is replaced by the ledger's own file when the first line is appended.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
 from daemon.checksums import sha256_of_stream
+from daemon.heldfolder import HeldFolder, UnsafeEntry
 from daemon.jobspec import InputFile
 from daemon.safeopen import RefusedInput, open_input
+from pipelines.layout import LEDGER_DIR
+
+log = logging.getLogger("pipelines")
 
 
 def params_hash(params: Mapping[str, Any]) -> str:
@@ -34,16 +43,15 @@ def _hash_input(batch_dir: Path, relative: str) -> str:
 class Ledger:
     """The done images of one shard, read at start; :meth:`record` appends as images finish."""
 
-    def __init__(self, path: Path, model_sha256: str, params: Mapping[str, Any]) -> None:
-        self.path = path
+    def __init__(
+        self, run: HeldFolder, name: str, model_sha256: str, params: Mapping[str, Any]
+    ) -> None:
+        """The ledger ``ledger/<name>`` of the held run folder ``run``."""
+        self.run, self.name = run, name
         self.key = {"model_sha256": model_sha256, "params": params_hash(params)}
         self.entries: dict[str, dict[str, Any]] = {}
         self._handle: IO[str] | None = None
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except FileNotFoundError:
-            lines = []
-        for line in lines:
+        for line in self._lines():
             try:
                 entry = json.loads(line)
             except ValueError:
@@ -51,10 +59,26 @@ class Ledger:
             if isinstance(entry, dict) and all(entry.get(k) == v for k, v in self.key.items()):
                 self.entries[entry["path"]] = entry
 
-    def done_row(self, item: InputFile, batch_dir: Path, mask: Path) -> dict[str, Any] | None:
+    def _lines(self) -> list[str]:
+        """The ledger's lines; none if it is missing or not a plain file (a planted entry)."""
+        relative = f"{LEDGER_DIR}/{self.name}"
+        try:
+            with self.run.open_read(relative) as handle:
+                return handle.read().decode("utf-8", errors="replace").splitlines()
+        except FileNotFoundError:
+            return []
+        except UnsafeEntry as exc:
+            if exc.relative != relative:
+                raise  # not a folder where ledger/ goes: refused
+            log.warning("ledger not read: %s", exc)
+            return []
+
+    def done_row(
+        self, item: InputFile, batch_dir: Path, mask_present: bool
+    ) -> dict[str, Any] | None:
         """The recorded row of ``item`` if it is done with these very inputs, else None."""
         entry = self.entries.get(item.path)
-        if entry is None or not mask.is_file():
+        if entry is None or not mask_present:
             return None
         try:
             digest = item.sha256.lower() if item.sha256 else _hash_input(batch_dir, item.path)
@@ -64,13 +88,33 @@ class Ledger:
 
     def record(self, path: str, input_sha256: str, row: Mapping[str, Any]) -> None:
         if self._handle is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (held open)
+            self._handle = self._open()
         entry = {"path": path, "input_sha256": input_sha256, **self.key, "row": dict(row)}
         self._handle.write(json.dumps(entry, ensure_ascii=False) + "\n")
         self._handle.flush()
+
+    def _open(self) -> IO[str]:
+        """The ledger, open for appending; a planted link, FIFO or hard link at its name is
+        removed first (never followed), so the ledger is a file of its own."""
+        with self.run.folder(LEDGER_DIR, create=True) as folder:
+            if _planted(folder, self.name):
+                log.warning("ledger: replacing %s (not a file of its own)", self.name)
+                folder.unlink(self.name)
+            fd = folder.open_append(self.name)
+        return os.fdopen(fd, "a", encoding="utf-8")
 
     def close(self) -> None:
         if self._handle is not None:
             self._handle.close()
             self._handle = None
+
+
+def _planted(folder: HeldFolder, name: str) -> bool:
+    """Whether ``name`` in ``folder`` is there but not a plain file of one link (a folder is not
+    removed: appending to it is refused)."""
+    try:
+        st = folder.lstat(name)
+    except FileNotFoundError:
+        return False
+    plain = stat.S_ISREG(st.st_mode) and st.st_nlink == 1
+    return not plain and not stat.S_ISDIR(st.st_mode)

@@ -27,13 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from daemon.atomicfile import remove_strays, write_text
+from daemon.heldfolder import HeldFolder
 from daemon.jobspec import JOBS_DIR, RESULT_FILE, JobResult, JobSpec, Pipeline
 from daemon.safeopen import RefusedInput, open_input
 from daemon.version import code_version
 from pipelines import figures
 from pipelines.images import UnreadableImage, decode
-from pipelines.job import log, run_job
+from pipelines.job import log, run_folder, run_job
 from pipelines.layout import (
     CURVE_COLUMNS,
     MASKS_DIR,
@@ -244,10 +244,12 @@ def _sweep(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return summary, page
 
 
-def _inference(spec: JobSpec, run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def _inference(
+    spec: JobSpec, run: HeldFolder, run_dir: Path
+) -> tuple[dict[str, Any], dict[str, Any]]:
     rows = merge_tables(run_dir)
     check_complete(spec, rows)
-    write_text(run_dir / TABLE_FILE, table_csv(rows))
+    run.write_text(TABLE_FILE, table_csv(rows))
     summary = inference_summary(rows)
     sizes = [int(row["area_px"]) / int(row["objects"]) for row in rows if int(row["objects"])]
     histogram = figures.histogram("object size (mean per image)", sizes, "area (pixels)")
@@ -262,12 +264,18 @@ def _inference(spec: JobSpec, run_dir: Path) -> tuple[dict[str, Any], dict[str, 
 
 def report(spec: JobSpec, job_dir: Path) -> dict[str, Any]:
     """The report job."""
+    with run_folder(spec) as run:
+        return _report(spec, job_dir, run)
+
+
+def _report(spec: JobSpec, job_dir: Path, run: HeldFolder) -> dict[str, Any]:
+    """The report job, writing under the held run folder ``run``."""
     run_dir = Path(spec.run_dir)
     # Every other job of the batch has ended: what a killed one was writing is garbage.
-    strays = remove_strays(run_dir)
+    strays = run.remove_strays()
     if strays:
         log.info("removed %d temporary file(s) left by interrupted writes, e.g. %s",
-                 len(strays), strays[0].relative_to(run_dir))  # fmt: skip
+                 len(strays), strays[0])  # fmt: skip
     summary: dict[str, Any] = {
         "batch": {
             "id": spec.batch_id,
@@ -285,15 +293,15 @@ def report(spec: JobSpec, job_dir: Path) -> dict[str, Any]:
     summary["compute_s"] = round(sum(job["elapsed_s"] or 0 for job in summary["jobs"]), 3)
     pages: dict[str, Any] = {}
     if (run_dir / PARTS_DIR).is_dir():
-        summary["inference"], pages["inference"] = _inference(spec, run_dir)
+        summary["inference"], pages["inference"] = _inference(spec, run, run_dir)
     if (run_dir / SWEEP_DIR / SWEEP_FILE).is_file():
         summary["sweep"], pages["sweep"] = _sweep(run_dir)
     if (run_dir / TRAINING_DIR / MODEL_FILE).is_file():
         summary["training"], pages["training"] = _training(run_dir)
     if not pages:
         raise RuntimeError(f"nothing to report in {run_dir}: no shard tables, no trained model")
-    write_text(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
-    write_text(run_dir / REPORT_FILE, render(summary, pages))
+    run.write_text(SUMMARY_FILE, json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    run.write_text(REPORT_FILE, render(summary, pages))
     log.info("report written: %s", run_dir / REPORT_FILE)
     return {"report": REPORT_FILE, "summary": SUMMARY_FILE, "sections": sorted(pages)}
 

@@ -26,22 +26,20 @@ import io
 import json
 import math
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
-from daemon.atomicfile import write_text
+from daemon.heldfolder import HeldFolder
 from daemon.jobspec import JobSpec, Pipeline
 from models import registry
 from models.unet import UNet
 from pipelines import train
-from pipelines.job import log, run_job
+from pipelines.job import log, run_folder, run_job
 from pipelines.layout import (
     CANDIDATE_FILE,
     CANDIDATE_WEIGHTS,
     METRICS_FILE,
     MODEL_FILE,
-    PREVIEWS_DIR,
     SWEEP_DIR,
     SWEEP_FILE,
     TRAINING_DIR,
@@ -141,6 +139,24 @@ def _register(spec: JobSpec, winner: dict[str, Any], sweep: dict[str, Any]) -> A
     return published
 
 
+def _describe_winner(
+    spec: JobSpec, winner: dict[str, Any], published: Any, run: HeldFolder, training: HeldFolder
+) -> dict[str, Any]:
+    """Write ``training/`` as a training job would (the winner's curves, the model card, the
+    previews) through the held folders; the model card."""
+    with run.open_read(f"{TRIALS_DIR}/{winner['job']}/{METRICS_FILE}") as curves:
+        training.write_bytes(METRICS_FILE, curves.read())
+    description = train.describe(spec, published)
+    training.write_text(MODEL_FILE, json.dumps(description, indent=2) + "\n")
+    data = load_dataset(Path(spec.batch_dir), spec.inputs)
+    params = winner["params"]
+    val_idx = split(len(data.images), float(params["val_fraction"]), int(params["seed"]))[1]
+    net = UNet(**published.architecture)
+    net.load_state_dict(registry.load(published))
+    train.write_previews(net, data, val_idx, training, int(params["seed"]))
+    return description
+
+
 def sweep(spec: JobSpec, job_dir: Path) -> dict[str, Any]:
     """The sweep job: rank, register the best, describe it as a training would."""
     run_dir = Path(spec.run_dir)
@@ -154,23 +170,14 @@ def sweep(spec: JobSpec, job_dir: Path) -> dict[str, Any]:
     winner = ranked[0]
     space = list(described.get("space", {}))
     config = wandb_config(described)
-    (run_dir / SWEEP_DIR).mkdir(parents=True, exist_ok=True)
-    write_text(run_dir / SWEEP_DIR / TRIALS_TABLE, trials_csv(ranked, space))
-    published = _register(spec, winner, described)
-    record = {**described, "winner": winner["job"], "wandb_sweep_config": config,
-              "wandb_sweep_id": _online_sweep(config)}  # fmt: skip
-    write_text(run_dir / SWEEP_DIR / SWEEP_FILE, json.dumps(record, indent=2) + "\n")
-    training_dir = run_dir / TRAINING_DIR
-    training_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(Path(winner["dir"]) / METRICS_FILE, training_dir / METRICS_FILE)
-    description = train.describe(spec, published)
-    write_text(training_dir / MODEL_FILE, json.dumps(description, indent=2) + "\n")
-    data = load_dataset(Path(spec.batch_dir), spec.inputs)
-    params = winner["params"]
-    val_idx = split(len(data.images), float(params["val_fraction"]), int(params["seed"]))[1]
-    net = UNet(**published.architecture)
-    net.load_state_dict(registry.load(published))
-    train.write_previews(net, data, val_idx, training_dir / PREVIEWS_DIR, int(params["seed"]))
+    with run_folder(spec) as run:
+        run.write_text(f"{SWEEP_DIR}/{TRIALS_TABLE}", trials_csv(ranked, space))
+        published = _register(spec, winner, described)
+        record = {**described, "winner": winner["job"], "wandb_sweep_config": config,
+                  "wandb_sweep_id": _online_sweep(config)}  # fmt: skip
+        run.write_text(f"{SWEEP_DIR}/{SWEEP_FILE}", json.dumps(record, indent=2) + "\n")
+        with run.folder(TRAINING_DIR, create=True) as training:
+            description = _describe_winner(spec, winner, published, run, training)
     return {"model": description, "trials": len(ranked), "winner": winner["job"],
             "metric": metric, "table": f"{SWEEP_DIR}/{TRIALS_TABLE}"}  # fmt: skip
 

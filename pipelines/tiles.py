@@ -10,14 +10,15 @@ window over them ran, so the image streams through in bands.
 Each band is thresholded and labelled (8-connected); components crossing a band border are
 joined with a union-find that also adds up their areas and intensities. The mask goes to a
 tiled TIFF through an iterator of tiles. Components smaller than ``min_area`` are removed in a
-second pass over that mask (skipped when nothing is that small). Peak memory is about
+second pass over that mask (skipped when nothing is that small). The mask is written into a
+held folder (:mod:`daemon.heldfolder`): first pass to a temporary name, read back through the
+folder for the second pass, renamed into place. Peak memory is about
 ``window × width`` floats for the blend plus the tile cache, whatever the image's height.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ import numpy as np
 import tifffile
 from scipy import ndimage
 
-from daemon.atomicfile import TMP_PREFIX, atomic_writer
+from daemon.heldfolder import HeldFolder, temporary_name
 
 TILE = 256  # the mask's TIFF tiles (and the band height of the statistics)
 _EIGHT = np.ones((3, 3), dtype=bool)
@@ -253,11 +254,13 @@ def _tiles(bands: Iterator[np.ndarray], width: int) -> Iterator[np.ndarray]:
             yield band[:, left : left + TILE]
 
 
-def _write_tiled(path: Path, bands: Iterator[np.ndarray], height: int, width: int) -> None:
-    """Write uint8 bands as a tiled, deflate-compressed TIFF, atomically (temp + rename)."""
+def _write_tiled(
+    folder: HeldFolder, name: str, bands: Iterator[np.ndarray], height: int, width: int
+) -> None:
+    """Write uint8 bands as a tiled, deflate-compressed TIFF ``name`` in ``folder``, atomically."""
     with (
-        atomic_writer(path) as handle,
-        tifffile.TiffWriter(tifffile.FileHandle(handle, mode="wb", name=path.name)) as tif,
+        folder.writer(name) as handle,
+        tifffile.TiffWriter(tifffile.FileHandle(handle, mode="wb", name=name)) as tif,
     ):
         tif.write(_tiles(bands, width), shape=(height, width), dtype=np.uint8,
                   tile=(TILE, TILE), compression="zlib", photometric="minisblack")  # fmt: skip
@@ -274,10 +277,12 @@ class TiledResult:
 
 
 def segment_tiled(
-    source: Path | BinaryIO, target: Path, predict: Predict, threshold: float, min_area: int,
-    window: int = 512, overlap: int = 64, batch: int = 1, progress: Progress | None = None,
+    source: Path | BinaryIO, folder: HeldFolder, target: str, predict: Predict, threshold: float,
+    min_area: int, window: int = 512, overlap: int = 64, batch: int = 1,
+    progress: Progress | None = None,
 ) -> TiledResult:  # fmt: skip
-    """Segment ``source`` into the tiled TIFF mask ``target``; the per-image statistics."""
+    """Segment ``source`` into the tiled TIFF mask ``target`` (a name in ``folder``); the
+    per-image statistics."""
     reader = RegionReader(source, cache_pixel_rows=window + 2 * TILE)
     components = Components()
     certainty = [0.0]
@@ -294,25 +299,30 @@ def segment_tiled(
                 top += len(band)
                 yield np.where(mask, np.uint8(255), np.uint8(0))
 
-        raw = target.with_name(f"{TMP_PREFIX}raw-{target.name}") if min_area > 1 else target
-        _write_tiled(raw, masks(), reader.height, reader.width)
+        raw = temporary_name() if min_area > 1 else target
+        _write_tiled(folder, raw, masks(), reader.height, reader.width)
     finally:
         reader.close()
     objects, area, intensity = components.kept(min_area)
     if raw != target:
         nodes = range(1, len(components.parent))
         if any(components.area[components.find(n)] < min_area for n in nodes):
-            _remove_small(raw, target, components, min_area)
-            raw.unlink()
+            try:
+                _remove_small(folder, raw, target, components, min_area)
+            finally:
+                folder.unlink(raw)
         else:
-            os.replace(raw, target)
+            folder.rename(raw, target)
     pixels = reader.height * reader.width
     return TiledResult(reader.width, reader.height, area, objects, intensity, certainty[0] / pixels)
 
 
-def _remove_small(raw: Path, target: Path, components: Components, min_area: int) -> None:
+def _remove_small(
+    folder: HeldFolder, raw: str, target: str, components: Components, min_area: int
+) -> None:
     """Second pass: rewrite the mask without the components smaller than ``min_area``."""
-    reader = RegionReader(raw, cache_pixel_rows=TILE)
+    source = folder.open_read(raw)
+    reader = RegionReader(source, cache_pixel_rows=TILE)
     roots = np.array([components.find(n) for n in range(len(components.parent))])
     keep = np.array([components.area[r] >= min_area for r in roots])
     keep[0] = False
@@ -325,6 +335,7 @@ def _remove_small(raw: Path, target: Path, components: Components, min_area: int
             yield np.where(keep[ids], np.uint8(255), np.uint8(0))
 
     try:
-        _write_tiled(target, bands(), reader.height, reader.width)
+        _write_tiled(folder, target, bands(), reader.height, reader.width)
     finally:
         reader.close()
+        source.close()

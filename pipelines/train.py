@@ -9,6 +9,10 @@
   validation image by Dice, with predicted (orange) and true (cyan) outlines, for the report;
 - ``wandb/``: the Weights & Biases run (see :mod:`pipelines.fitting`).
 
+Every file is written through the run folder held from the batch folder down
+(:func:`pipelines.job.run_folder`); W&B, which writes only by path, is given the held training
+folder's own path (:meth:`daemon.heldfolder.HeldFolder.proc_path`).
+
 Lightning's own checkpointing is off: the best weights (lowest val_loss) are kept in memory
 and the registry publishes them. With ``tasks`` > 1 the fit runs as DDP; only rank 0 publishes
 and writes files (and :func:`pipelines.job.run_job` writes result.json on rank 0 only).
@@ -37,19 +41,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from daemon.atomicfile import write_bytes, write_text
+from daemon.heldfolder import HeldFolder
 from daemon.jobspec import JobSpec, Pipeline
 from daemon.version import code_version
 from models import registry
 from models.registry import BestRule
 from models.unet import UNet
 from pipelines import figures, fitting
-from pipelines.job import log, run_job
+from pipelines.job import log, run_folder, run_job
 from pipelines.layout import (
     CANDIDATE_FILE,
     CANDIDATE_WEIGHTS,
     CURVE_COLUMNS,
-    METRICS_FILE,
     MODEL_FILE,
     PREVIEW_INDEX,
     PREVIEWS_DIR,
@@ -134,17 +137,15 @@ def best_rule(params: dict[str, Any]) -> BestRule:
     return BestRule(str(params.get("best_metric", "val_dice")), float(params.get("best_margin", 0)))
 
 
-def _fit(spec: JobSpec, data: TrainingData, out_dir: Path) -> tuple[UNet, dict[str, Any], bool]:
-    """Fit; (best net, registry metadata, whether this process is rank 0)."""
+def _fit(spec: JobSpec, data: TrainingData, out: HeldFolder) -> tuple[UNet, dict[str, Any], bool]:
+    """Fit, writing into the held folder ``out``; (best net, registry metadata, whether this
+    process is rank 0)."""
     started = time.monotonic()
-    out_dir.mkdir(parents=True, exist_ok=True)
     params = dict(spec.params)
     group = f"batch-{spec.batch_id}-r{spec.batch_revision}"
-    logger = fitting.wandb_logger(out_dir, spec.job_name, group, params, os.environ)
+    logger = fitting.wandb_logger(out, spec.job_name, group, params, os.environ)
     tasks = spec.resources.tasks
-    module, recorder, trainer = fitting.fit(
-        data, params, out_dir / METRICS_FILE, logger, tasks, spec.resources.gpus
-    )
+    module, recorder, trainer = fitting.fit(data, params, out, logger, tasks, spec.resources.gpus)
     meta = metadata(spec, module.net, recorder, time.monotonic() - started, trainer.world_size)
     if logger is not None and trainer.is_global_zero:
         logger.experiment.summary.update({k: v for k, v in meta["metrics"].items() if v})
@@ -178,10 +179,10 @@ def preview_picks(scores: list[float], seed: int) -> list[tuple[str, int]]:
 
 @torch.inference_mode()
 def write_previews(
-    net: UNet, data: TrainingData, indices: list[int], folder: Path, seed: int
+    net: UNet, data: TrainingData, indices: list[int], training: HeldFolder, seed: int
 ) -> None:
-    """Overlays of prediction and truth for the best, worst and a random validation image."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """Overlays of prediction and truth for the best, worst and a random validation image,
+    into ``previews/`` of the held training folder."""
     net.eval()
     predictions, scores = {}, []
     for index in indices:
@@ -193,9 +194,9 @@ def write_previews(
         index = indices[position]
         stem = data.pairs[index].stem
         picture = figures.overlay(data.images[index], predictions[index], data.masks[index])
-        write_bytes(folder / f"{stem}.png", figures.png_bytes(picture))
+        training.write_bytes(f"{PREVIEWS_DIR}/{stem}.png", figures.png_bytes(picture))
         entries.append({"file": f"{stem}.png", "pick": label, "dice": round(scores[position], 4)})
-    write_text(folder / PREVIEW_INDEX, _json({"previews": entries}))
+    training.write_text(f"{PREVIEWS_DIR}/{PREVIEW_INDEX}", _json({"previews": entries}))
 
 
 def describe(spec: JobSpec, published: registry.ModelVersion) -> dict[str, Any]:
@@ -211,12 +212,18 @@ def describe(spec: JobSpec, published: registry.ModelVersion) -> dict[str, Any]:
     }
 
 
-def publish_training(spec: JobSpec, data: TrainingData) -> dict[str, Any] | None:
+def publish_training(spec: JobSpec, data: TrainingData, run: HeldFolder) -> dict[str, Any] | None:
     """Fit and register (or find what an earlier attempt registered); None on ranks > 0."""
-    training_dir = Path(spec.run_dir) / TRAINING_DIR
+    with run.folder(TRAINING_DIR, create=True) as training:
+        return _publish_training(spec, data, training)
+
+
+def _publish_training(
+    spec: JobSpec, data: TrainingData, training: HeldFolder
+) -> dict[str, Any] | None:
     published = registry.find(Path(spec.registry_dir), spec.model.name, origin(spec))
     if published is None:
-        net, meta, rank_zero = _fit(spec, data, training_dir)
+        net, meta, rank_zero = _fit(spec, data, training)
         if not rank_zero:
             return None
         best = meta["metrics"]
@@ -230,23 +237,23 @@ def publish_training(spec: JobSpec, data: TrainingData) -> dict[str, Any] | None
                  published.version)  # fmt: skip
         net = rebuild(published)
     description = describe(spec, published)
-    write_text(training_dir / MODEL_FILE, _json(description))
+    training.write_text(MODEL_FILE, _json(description))
     params = spec.params
     val_idx = split(len(data.images), float(params["val_fraction"]), int(params["seed"]))[1]
-    write_previews(net, data, val_idx, training_dir / PREVIEWS_DIR, int(params["seed"]))
+    write_previews(net, data, val_idx, training, int(params["seed"]))
     return {"model": description, **published.metadata.get("training", {})}
 
 
-def train_trial(spec: JobSpec, data: TrainingData) -> dict[str, Any] | None:
+def train_trial(spec: JobSpec, data: TrainingData, run: HeldFolder) -> dict[str, Any] | None:
     """A sweep trial: fit and leave a candidate for the sweep job; None on ranks > 0."""
-    trial_dir = Path(spec.run_dir) / TRIALS_DIR / spec.job_name
-    net, meta, rank_zero = _fit(spec, data, trial_dir)
-    if not rank_zero:
-        return None
-    weights = registry.state_bytes(net.state_dict())
-    write_bytes(trial_dir / CANDIDATE_WEIGHTS, weights)
-    meta["sha256"] = hashlib.sha256(weights).hexdigest()
-    write_text(trial_dir / CANDIDATE_FILE, _json(meta))
+    with run.folder(f"{TRIALS_DIR}/{spec.job_name}", create=True) as trial:
+        net, meta, rank_zero = _fit(spec, data, trial)
+        if not rank_zero:
+            return None
+        weights = registry.state_bytes(net.state_dict())
+        trial.write_bytes(CANDIDATE_WEIGHTS, weights)
+        meta["sha256"] = hashlib.sha256(weights).hexdigest()
+        trial.write_text(CANDIDATE_FILE, _json(meta))
     log.info("trial %s: %s", spec.params.get("trial"), json.dumps(meta["metrics"]))
     return {"trial": spec.params.get("trial"), "candidate": meta, **meta["training"]}
 
@@ -257,12 +264,11 @@ def train(spec: JobSpec, job_dir: Path) -> dict[str, Any] | None:
         warnings.filterwarnings("ignore", message=pattern)
     os.environ.setdefault("WANDB_SILENT", "true")  # W&B's chatter would break the plain log
     registry.check_name(spec.model.name)
-    (Path(spec.run_dir) / TRAINING_DIR).mkdir(parents=True, exist_ok=True)
     data = load_dataset(Path(spec.batch_dir), spec.inputs)
     log.info("loaded %d image/mask pairs", len(data.images))
-    summary = (
-        train_trial(spec, data) if spec.batch_kind == SWEEP_KIND else publish_training(spec, data)
-    )
+    with run_folder(spec) as run:
+        trial = spec.batch_kind == SWEEP_KIND
+        summary = train_trial(spec, data, run) if trial else publish_training(spec, data, run)
     if summary is None:
         return None
     val_count = len(split(len(data.images), float(spec.params["val_fraction"]), 0)[1])

@@ -14,6 +14,7 @@ import pytest
 import tifffile
 from PIL import Image
 
+from daemon.heldfolder import HeldFolder
 from daemon.jobspec import InputFile
 from pipelines.images import (
     UnreadableImage,
@@ -172,7 +173,8 @@ def test_masks_are_written_atomically_as_uint8_0_255_in_the_input_format(
     mask = np.zeros((20, 30), dtype=bool)
     mask[5:9, 3:17] = True
     path = tmp_path / "masks" / "deep" / name
-    write_mask(path, mask)
+    with HeldFolder.open(tmp_path) as held, held.folder("masks/deep", create=True) as folder:
+        write_mask(folder, name, mask)
     data = path.read_bytes()
     assert data.startswith(b"\x89PNG" if name.endswith(".png") else b"II*\x00")
     if name.endswith(".png"):

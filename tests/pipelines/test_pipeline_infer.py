@@ -180,8 +180,9 @@ def test_a_mask_that_cannot_be_written_fails_the_job_after_the_masks_written_bef
     run: Callable[..., JobRun],
     infer_params: dict[str, Any],
 ) -> None:
-    """Masks are written by the finisher thread: its error still fails the job (retryable), the
-    ledger holds exactly the masks written before it, and a re-run does only the rest."""
+    """Masks are written by the finisher thread: its error still fails the job, the ledger holds
+    exactly the masks written before it, and a re-run does only the rest. A file planted where
+    a folder of masks goes is the owner's doing: an INPUT problem naming it."""
     batch_dir = tmp_path / "blocked"
     for folder in ("images", "plate 2 ü"):
         shutil.copytree(inferred.batch_dir / folder, batch_dir / folder)
@@ -195,10 +196,10 @@ def test_a_mask_that_cannot_be_written_fails_the_job_after_the_masks_written_bef
     blocker.parent.mkdir(parents=True)
     blocker.write_text("a file where the masks' folder goes\n")
     job = run(spec)
-    assert job.returncode == 1, job.log
+    assert job.returncode == 2, job.log
     error = job.result.error  # type: ignore[union-attr]
-    assert error is not None and error.kind is ErrorKind.INTERNAL
-    assert "plate 2 ü" in error.message
+    assert error is not None and error.kind is ErrorKind.INPUT
+    assert [p.where for p in error.problems] == ["'results/masks/plate 2 ü'"]
     ledger = batch_dir / "results" / "ledger" / "shard-0002.jsonl"
     done = [json.loads(line)["path"] for line in ledger.read_text().splitlines()]
     assert done == [f"images/{f.name}" for f in files[:3]]

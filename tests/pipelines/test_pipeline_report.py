@@ -114,16 +114,18 @@ def test_the_report_clears_away_what_killed_writes_left_and_nothing_else(
     run: Callable[..., JobRun],
     tmp_path: Path,
 ) -> None:
-    """A shard killed while writing a mask leaves ``.tmp-<mask>.*``; its retry writes the mask
-    anew. The report, run once every shard has ended, removes the stray; a link of that name
+    """A shard killed while writing a mask leaves a temporary (``.tmp-watchd-<16 hex>``); its
+    retry writes the mask anew. The report, run once every shard has ended, removes the stray; a link of that name
     is neither followed nor removed, and the masks stay."""
     masks = inferred.batch_dir / "results" / "masks"
-    stray = next(masks.rglob("*.png")).parent / ".tmp-img.png.k1ll3d"
+    stray = next(masks.rglob("*.png")).parent / ".tmp-watchd-0123456789abcdef"
     stray.write_bytes(b"half a mask")
     outside = tmp_path / "keep.png"
     outside.write_bytes(b"not the job's")
-    link = masks / ".tmp-link.png.abcdef"
+    link = masks / ".tmp-watchd-fedcba9876543210"
     link.symlink_to(outside)
+    lookalike = masks / ".tmp-img.png.k1ll3d"  # an input's mask could be named so
+    lookalike.write_bytes(b"a mask")
     before = sorted(masks.rglob("*.png"))
     try:
         job = run(
@@ -136,5 +138,7 @@ def test_the_report_clears_away_what_killed_writes_left_and_nothing_else(
         assert "removed 1 temporary file(s) left by interrupted writes" in job.log
         assert link.is_symlink() and outside.read_bytes() == b"not the job's"
         assert sorted(masks.rglob("*.png")) == before
+        assert lookalike.read_bytes() == b"a mask"
     finally:
         link.unlink()
+        lookalike.unlink()

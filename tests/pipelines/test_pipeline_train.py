@@ -53,6 +53,13 @@ def test_training_writes_curves_model_card_and_previews_inside_the_run(
     assert (card["name"], card["version"]) == (trained.name, 1)
     assert job.result is not None and job.result.summary["model"]["version"] == 1
     assert len(list((training / "previews").glob("*.png"))) == 3
+    # Lightning writes nothing of its own; W&B only under wandb/ (both reached by descriptor)
+    assert sorted(p.name for p in training.iterdir()) == [
+        "metrics.csv",
+        "model.json",
+        "previews",
+        "wandb",
+    ]
     batch_dir = Path(job.spec.batch_dir)
     assert sorted(p.name for p in batch_dir.iterdir()) == ["images", "masks", "results"]
     assert {"jobs", "training"} <= {p.name for p in job.run_dir.iterdir()}
@@ -171,3 +178,30 @@ def test_the_trainer_layout_follows_tasks_locally_and_slurm_under_srun() -> None
     srun = layout(4, 0, {"SLURM_NTASKS": "4", "SLURM_NNODES": "2", "SLURM_PROCID": "3"})
     assert (srun["accelerator"], srun["devices"], srun["num_nodes"]) == ("cpu", 2, 2)
     assert srun["strategy"] == "ddp" and srun["plugins"] == []
+
+
+def test_a_link_planted_at_the_wandb_folder_fails_training_before_anything_is_written_there(
+    synth: ModuleType,
+    tmp_path: Path,
+    manifest_inputs: Callable[..., Any],
+    job_spec: Callable[..., Any],
+    run: Callable[..., JobRun],
+    train_params: dict[str, Any],
+) -> None:
+    """W&B writes by path: its folder is checked through the held run folder first, and W&B
+    is given that held folder's own path; a planted link there is an INPUT problem."""
+    batch_dir = tmp_path / "training batch"
+    files = synth.make_batch(batch_dir, "training", count=4, size=32, seed=0)
+    spec = job_spec(batch_dir, Pipeline.TRAIN, manifest_inputs(batch_dir, files),
+                    registry=tmp_path / "registry", model=ModelRef("spheroids"),
+                    params=train_params, batch_kind="training")  # fmt: skip
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (batch_dir / "results" / "training").mkdir(parents=True)
+    (batch_dir / "results" / "training" / "wandb").symlink_to(outside)
+    job = run(spec)
+    assert job.returncode == 2, job.log
+    error = job.result.error  # type: ignore[union-attr]
+    assert error is not None and error.kind is ErrorKind.INPUT
+    assert [p.where for p in error.problems] == ["'results/training/wandb'"]
+    assert list(outside.iterdir()) == []

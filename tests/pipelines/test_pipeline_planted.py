@@ -1,0 +1,155 @@
+"""Real jobs in batch folders whose owner planted links and FIFOs under ``results/`` first.
+
+The rule (:mod:`daemon.heldfolder`, :func:`pipelines.job.run_folder`): nothing outside the
+batch folder is ever written. A link, FIFO or file planted where a job needs a folder fails the
+job with an INPUT problem naming it; one planted at a file name the job writes is replaced by
+the job's own file (the link itself, never its target).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from daemon.jobspec import ErrorKind, InputFile, ModelRef, Pipeline, Shard
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from conftest import InferredBatch, JobRun
+
+SENTINEL = b"the owner's file outside the batch folder\n"
+
+
+def _outside(tmp_path: Path) -> Path:
+    """A folder beside the batch folder with one file in it: nothing may change there."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_bytes(SENTINEL)
+    return outside
+
+
+def _listing(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*")
+            if p.is_file()}  # fmt: skip
+
+
+def _plant(entry: Path, kind: str, target: Path) -> None:
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "link":
+        entry.symlink_to(target)
+    else:
+        os.mkfifo(entry)
+
+
+@pytest.fixture
+def shard(
+    inferred: InferredBatch,
+    tmp_path: Path,
+    job_spec: Callable[..., Any],
+    manifest_inputs: Callable[..., tuple[InputFile, ...]],
+    infer_params: dict[str, Any],
+) -> Callable[..., Any]:
+    """Make a batch folder of the session batch's ``images/`` (renamed by ``names``) and the
+    spec of its one inference shard (run_dir ``results/``) with the session's model."""
+
+    def make(names: dict[str, str] | None = None) -> Any:
+        batch_dir = tmp_path / "batch"
+        shutil.copytree(inferred.batch_dir / "images", batch_dir / "images")
+        for old, new in (names or {}).items():
+            (batch_dir / "images" / old).rename(batch_dir / "images" / new)
+        inputs = manifest_inputs(batch_dir, sorted((batch_dir / "images").iterdir()))
+        return job_spec(batch_dir, Pipeline.INFER, inputs, registry=inferred.model.registry,
+                        model=ModelRef(inferred.model.name, "latest"), params=infer_params,
+                        shard=Shard(0, 1))  # fmt: skip
+
+    return make
+
+
+@pytest.mark.parametrize(
+    ("planted", "kind", "what"),
+    [
+        ("masks", "link", "is a symbolic link, not a folder"),
+        ("masks/images", "link", "is a symbolic link, not a folder"),
+        ("ledger", "fifo", "is a FIFO, not a folder"),
+        ("parts", "link", "is a symbolic link, not a folder"),
+    ],
+)
+def test_a_link_or_fifo_planted_where_a_job_makes_a_folder_fails_it_naming_the_entry(
+    shard: Callable[..., Any],
+    tmp_path: Path,
+    run: Callable[..., JobRun],
+    planted: str,
+    kind: str,
+    what: str,
+) -> None:
+    outside = _outside(tmp_path)
+    spec = shard()
+    _plant(Path(spec.run_dir) / planted, kind, outside)
+    job = run(spec)
+    assert job.returncode == 2, job.log
+    error = job.result.error  # type: ignore[union-attr]
+    assert error is not None and error.kind is ErrorKind.INPUT
+    assert [p.where for p in error.problems] == [f"'results/{planted}'"]
+    assert what in error.problems[0].message and "results/" in error.problems[0].hint
+    assert f"'results/{planted}': {what}" in job.log
+    assert _listing(outside) == {"keep.txt": SENTINEL}
+
+
+def test_links_and_fifos_planted_at_the_names_of_a_jobs_files_are_replaced_by_its_own_files(
+    shard: Callable[..., Any],
+    tmp_path: Path,
+    job_spec: Callable[..., Any],
+    run: Callable[..., JobRun],
+) -> None:
+    """The mask's own name, the ledger, the shard table, result.json; then the report's table,
+    summary and report: each planted as a link to a file outside or as a FIFO."""
+    outside = _outside(tmp_path)
+    spec = shard()
+    results = Path(spec.run_dir)
+    first_mask = f"masks/{spec.inputs[0].path}"
+    planted = {
+        first_mask: "link",
+        "ledger/shard-0000.jsonl": "fifo",
+        "parts/table-0000.csv": "link",
+        f"jobs/{spec.job_name}/result.json": "link",
+        "table.csv": "link",
+        "summary.json": "fifo",
+        "report.html": "link",
+    }
+    for name, kind in planted.items():
+        _plant(results / name, kind, outside / "keep.txt")
+    job = run(spec)
+    assert job.returncode == 0 and job.result is not None, job.log
+    assert job.result.summary["segmented"] == len(spec.inputs)
+    report = job_spec(Path(spec.batch_dir), Pipeline.REPORT, spec.inputs,
+                      registry=Path(spec.registry_dir), model=spec.model, params=spec.params,
+                      job_name="report")  # fmt: skip
+    reported = run(report)
+    assert reported.returncode == 0, reported.log
+    for name in planted:
+        entry = results / name
+        assert entry.is_file() and not entry.is_symlink(), name
+        assert entry.stat().st_nlink == 1 and entry.read_bytes() != SENTINEL, name
+    assert _listing(outside) == {"keep.txt": SENTINEL}
+
+
+def test_an_input_with_a_name_of_250_bytes_gets_its_mask(
+    inferred: InferredBatch, shard: Callable[..., Any], run: Callable[..., JobRun]
+) -> None:
+    """The mask's temporary name no longer embeds the final name: 250 (and 255) bytes work."""
+    first = sorted(p.name for p in (inferred.batch_dir / "images").iterdir())[0]
+    long_name = "ü" * 60 + "x" * (250 - 120 - 4) + ".png"
+    longest = "y" * 251 + ".png"
+    assert (len(long_name.encode()), len(longest.encode())) == (250, 255)
+    second = sorted(p.name for p in (inferred.batch_dir / "images").iterdir())[1]
+    spec = shard({first: long_name, second: longest})
+    job = run(spec)
+    assert job.returncode == 0, job.log
+    for name in (long_name, longest):
+        mask = Path(spec.run_dir) / "masks" / "images" / name
+        assert mask.read_bytes().startswith(b"\x89PNG"), name
