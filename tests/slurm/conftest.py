@@ -62,7 +62,8 @@ def job_fields(env: dict[str, str], job_id: str) -> list[dict[str, str]]:
 @pytest.fixture
 def node_python(tmp_path: Path) -> Callable[..., str]:
     """An interpreter for the compute node that misbehaves on purpose, as nodes do: before the
-    real pipeline starts, the named jobs crash (``crash``: job name → "once" or "always"), all
+    real pipeline starts (once the job's log is open: the crash is in the log), the named jobs
+    crash (``crash``: job name → "once" or "always"), all
     crashing jobs of one round together, or every job waits ``sleep`` seconds."""
 
     def make(crash: dict[str, str] | None = None, sleep: float = 0.0) -> str:
@@ -71,6 +72,7 @@ def node_python(tmp_path: Path) -> Callable[..., str]:
             "#!/bin/bash",
             'job_dir=${!#}; name=$(basename "$job_dir")',
             "attempt=$(grep -o '\"attempt\": [0-9]*' \"$job_dir/spec.json\" | grep -o '[0-9]*$')",
+            f'case "$2" in pipelines.*) ;; *) exec {sys.executable} "$@" ;; esac',
             f"sleep {sleep}",
         ]
         for name, how in crash.items():
