@@ -31,7 +31,7 @@ from PIL import Image
 
 from daemon.atomicfile import write_bytes
 from daemon.jobspec import InputFile, Problem
-from daemon.safeopen import Presence, RefusedInput, open_input
+from daemon.safeopen import Folder, Presence, RefusedInput, open_input
 from pipelines.job import InputError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -76,7 +76,7 @@ _REFUSED_HINTS = {
 }
 
 
-def open_item(batch_dir: Path, item: InputFile) -> BinaryIO:
+def open_item(batch_dir: Folder, item: InputFile) -> BinaryIO:
     """Open ``item`` by the batch folder's rule (:mod:`daemon.safeopen`): a regular file inside
     the folder, checked as it is opened. A missing or refused input is an :class:`InputError`."""
     try:
@@ -116,7 +116,7 @@ def checksum_problem(item: InputFile, actual: str) -> Problem | None:
     return Problem(where(item), message, hint)
 
 
-def read_input(batch_dir: Path, item: InputFile) -> bytes:
+def read_input(batch_dir: Folder, item: InputFile) -> bytes:
     """The bytes of ``item``, checked against its sha256 when the manifest gives one."""
     with open_item(batch_dir, item) as handle:
         data = handle.read()
@@ -126,12 +126,12 @@ def read_input(batch_dir: Path, item: InputFile) -> bytes:
     return data
 
 
-def read_image(batch_dir: Path, item: InputFile) -> np.ndarray:
+def read_image(batch_dir: Folder, item: InputFile) -> np.ndarray:
     """Read, verify and decode ``item`` to a float32 (H, W) array in [0, 1]."""
     return read_image_hashed(batch_dir, item)[0]
 
 
-def read_image_hashed(batch_dir: Path, item: InputFile) -> tuple[np.ndarray, str]:
+def read_image_hashed(batch_dir: Folder, item: InputFile) -> tuple[np.ndarray, str]:
     """:func:`read_image`, and the sha256 of the bytes it decoded (from one read)."""
     data = read_input(batch_dir, item)
     try:
@@ -141,7 +141,7 @@ def read_image_hashed(batch_dir: Path, item: InputFile) -> tuple[np.ndarray, str
     return pixels, item.sha256.lower() if item.sha256 else hashlib.sha256(data).hexdigest()
 
 
-def peek_size(batch_dir: Path, item: InputFile) -> tuple[int, int] | None:
+def peek_size(batch_dir: Folder, item: InputFile) -> tuple[int, int] | None:
     """(height, width) from a PNG's or TIFF's header without decoding pixels; None if unknown
     (also when the file cannot be opened: reading it whole then says why)."""
     try:

@@ -47,6 +47,7 @@ from scipy import ndimage
 
 from daemon.atomicfile import write_text
 from daemon.checksums import sha256_of_stream
+from daemon.heldfolder import HeldFolder
 from daemon.jobspec import InputFile, JobSpec, Pipeline, Problem
 from daemon.version import code_version
 from models import registry
@@ -169,8 +170,12 @@ class TiledProgress:
 class Segmenter:
     """Segments loaded images (batched by size) and tiled ones; writes masks, ledger rows."""
 
-    def __init__(self, spec: JobSpec, net: UNet, provenance: dict[str, Any], ledger: Ledger):
+    def __init__(
+        self, spec: JobSpec, batch: HeldFolder, net: UNet, provenance: dict[str, Any],
+        ledger: Ledger,
+    ):  # fmt: skip
         self.spec, self.net, self.provenance, self.ledger = spec, net, provenance, ledger
+        self.batch = batch  # the inputs are read through it
         params = spec.params
         self.threshold, self.min_area = float(params["threshold"]), int(params["min_object_area"])
         self.batch_size = int(params.get("batch_size", 1))
@@ -237,7 +242,7 @@ class Segmenter:
         """
         target = output_path(self.masks_dir, item.path)
         try:
-            with open_item(Path(self.spec.batch_dir), item) as handle, held_still(handle, item):
+            with open_item(self.batch, item) as handle, held_still(handle, item):
                 digest = sha256_of_stream(handle)
                 problem = checksum_problem(item, digest)
                 if problem is not None:
@@ -274,7 +279,7 @@ def segment(
     problems: list[Problem] = []
     progress = Progress(len(items))
     max_pixels = int(spec.params.get("max_whole_pixels", 2048 * 2048))
-    reader = read_ahead(Path(spec.batch_dir), items, max_pixels, spec.resources.cpus)
+    reader = read_ahead(segmenter.batch, items, max_pixels, spec.resources.cpus)
     for loaded in reader:
         problems += loaded.problems
         if loaded.tiled:
@@ -287,7 +292,7 @@ def segment(
     return segmenter.rows, problems
 
 
-def infer(spec: JobSpec, job_dir: Path) -> dict[str, Any]:
+def infer(spec: JobSpec, job_dir: Path, batch: HeldFolder) -> dict[str, Any]:
     """The inference job for one shard."""
     net, version = load_model(spec)
     log.info("model %s version %d (sha256 %s…)", version.name, version.version, version.sha256[:12])
@@ -305,14 +310,14 @@ def infer(spec: JobSpec, job_dir: Path) -> dict[str, Any]:
     resumed = {}
     for item in items:
         mask = output_path(run_dir / MASKS_DIR, item.path)
-        row = ledger.done_row(item, Path(spec.batch_dir), mask)
+        row = ledger.done_row(item, batch, mask)
         if row is not None:
             resumed[item.path] = row
     if resumed:
         log.info("%d of %d images already done (ledger): skipped", len(resumed), len(items))
     started, cpu_started = time.monotonic(), _cpu_seconds()
     todo = [item for item in items if item.path not in resumed]
-    segmenter = Segmenter(spec, net, provenance, ledger)
+    segmenter = Segmenter(spec, batch, net, provenance, ledger)
     try:
         rows, problems = segment(spec, segmenter, todo)
     finally:

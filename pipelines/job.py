@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from daemon.atomicfile import write_text
+from daemon.heldfolder import FolderReplaced, HeldFolder
 from daemon.jobspec import (
     RESULT_FILE,
     SPEC_FILE,
@@ -47,7 +48,8 @@ from models.registry import ModelError
 
 log = logging.getLogger("pipelines")
 
-Work = Callable[[JobSpec, Path], Mapping[str, Any] | None]
+# The work gets the batch folder held (:func:`hold_batch`): its inputs are read through it.
+Work = Callable[[JobSpec, Path, HeldFolder], Mapping[str, Any] | None]
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1
@@ -107,6 +109,20 @@ def read_spec(job_dir: Path) -> JobSpec:
     return JobSpec.from_json((job_dir / SPEC_FILE).read_text(encoding="utf-8"))
 
 
+def hold_batch(spec: JobSpec) -> HeldFolder:
+    """The batch folder, held for the job's life if it is still the folder the batch was taken
+    in from: one moved away and replaced under the same name is never read (an INPUT problem)."""
+    try:
+        return HeldFolder.open(spec.batch_dir, spec.batch_identity)
+    except FolderReplaced:
+        hint = "the new folder is taken in as a batch of its own; this one cannot go on"
+        problem = Problem("batch folder", "was replaced by another folder of the same name", hint)
+        raise InputError("the batch folder was replaced", [problem]) from None
+    except FileNotFoundError:
+        problem = Problem("batch folder", "is gone", "put it back, then retry the batch")
+        raise InputError("the batch folder is gone", [problem]) from None
+
+
 def _failure(kind: ErrorKind, message: str, problems: Sequence[Problem] = ()) -> JobError:
     text = traceback.format_exc() if kind is ErrorKind.INTERNAL else ""
     return JobError(kind=kind, message=message, problems=tuple(problems), traceback=text)
@@ -123,7 +139,8 @@ def _attempt(pipeline: Pipeline, work: Work, job_dir: Path) -> tuple[int, Any]:
         torch.set_num_threads(max(1, spec.resources.cpus))
         keep_freed_memory()
         log.info("job %s (%s) attempt %d started", spec.job_name, pipeline.value, spec.attempt)
-        summary = work(spec, job_dir)
+        with hold_batch(spec) as batch:
+            summary = work(spec, job_dir, batch)
         return EXIT_OK, None if summary is None else dict(summary)
     except InputError as exc:
         for problem in exc.problems:

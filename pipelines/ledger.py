@@ -19,14 +19,14 @@ from typing import IO, Any
 
 from daemon.checksums import sha256_of_stream
 from daemon.jobspec import InputFile
-from daemon.safeopen import RefusedInput, open_input
+from daemon.safeopen import Folder, RefusedInput, open_input
 
 
 def params_hash(params: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(dict(params), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _hash_input(batch_dir: Path, relative: str) -> str:
+def _hash_input(batch_dir: Folder, relative: str) -> str:
     with open_input(batch_dir, relative) as handle:
         return sha256_of_stream(handle)
 
@@ -51,7 +51,7 @@ class Ledger:
             if isinstance(entry, dict) and all(entry.get(k) == v for k, v in self.key.items()):
                 self.entries[entry["path"]] = entry
 
-    def done_row(self, item: InputFile, batch_dir: Path, mask: Path) -> dict[str, Any] | None:
+    def done_row(self, item: InputFile, batch_dir: Folder, mask: Path) -> dict[str, Any] | None:
         """The recorded row of ``item`` if it is done with these very inputs, else None."""
         entry = self.entries.get(item.path)
         if entry is None or not mask.is_file():

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.atomicfile import write_text
+from daemon.heldfolder import HeldFolder
 from daemon.jobspec import JobSpec, Pipeline
 from models import registry
 from models.unet import UNet
@@ -141,7 +142,7 @@ def _register(spec: JobSpec, winner: dict[str, Any], sweep: dict[str, Any]) -> A
     return published
 
 
-def sweep(spec: JobSpec, job_dir: Path) -> dict[str, Any]:
+def sweep(spec: JobSpec, job_dir: Path, batch: HeldFolder) -> dict[str, Any]:
     """The sweep job: rank, register the best, describe it as a training would."""
     run_dir = Path(spec.run_dir)
     described = dict(spec.params.get("sweep") or {})
@@ -165,7 +166,7 @@ def sweep(spec: JobSpec, job_dir: Path) -> dict[str, Any]:
     shutil.copyfile(Path(winner["dir"]) / METRICS_FILE, training_dir / METRICS_FILE)
     description = train.describe(spec, published)
     write_text(training_dir / MODEL_FILE, json.dumps(description, indent=2) + "\n")
-    data = load_dataset(Path(spec.batch_dir), spec.inputs)
+    data = load_dataset(batch, spec.inputs)
     params = winner["params"]
     val_idx = split(len(data.images), float(params["val_fraction"]), int(params["seed"]))[1]
     net = UNet(**published.architecture)

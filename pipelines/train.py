@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from daemon.atomicfile import write_bytes, write_text
+from daemon.heldfolder import HeldFolder
 from daemon.jobspec import JobSpec, Pipeline
 from daemon.version import code_version
 from models import registry
@@ -251,14 +252,14 @@ def train_trial(spec: JobSpec, data: TrainingData) -> dict[str, Any] | None:
     return {"trial": spec.params.get("trial"), "candidate": meta, **meta["training"]}
 
 
-def train(spec: JobSpec, job_dir: Path) -> dict[str, Any] | None:
+def train(spec: JobSpec, job_dir: Path, batch: HeldFolder) -> dict[str, Any] | None:
     """The training job: load and check the pairs, fit, publish (or leave a candidate)."""
     for pattern in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
     os.environ.setdefault("WANDB_SILENT", "true")  # W&B's chatter would break the plain log
     registry.check_name(spec.model.name)
     (Path(spec.run_dir) / TRAINING_DIR).mkdir(parents=True, exist_ok=True)
-    data = load_dataset(Path(spec.batch_dir), spec.inputs)
+    data = load_dataset(batch, spec.inputs)
     log.info("loaded %d image/mask pairs", len(data.images))
     summary = (
         train_trial(spec, data) if spec.batch_kind == SWEEP_KIND else publish_training(spec, data)
