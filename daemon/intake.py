@@ -102,8 +102,8 @@ class Intake:
     def _take(self, seen: Seen, data: bytes, mtime: float, now: float) -> Deferred | None:
         sha = manifest_sha256(data)
         latest = self.store.latest_revision(str(seen.root), seen.folder)
-        if latest is not None and latest.manifest_sha256 == sha and not _replaced(latest, seen):
-            self.store.set_manifest_stat(latest.id, seen.signature)
+        if latest is not None and latest.manifest_sha256 == sha and not _cut_off(latest, seen):
+            self.store.set_manifest_stat(latest.id, seen.signature, seen.identity)
             log.info("manifest unchanged", batch_id=latest.id, folder=seen.folder)
             self.on_batch(latest)  # the folder may be a fresh copy: give it its status file again
             return None
@@ -215,6 +215,14 @@ def _read(root: Path, folder: str, max_bytes: int) -> tuple[Identity, bytes]:
 def _replaced(previous: Batch, seen: Seen) -> bool:
     """Whether the folder seen now is another than the one ``previous`` was taken in from."""
     return None not in (previous.identity, seen.identity) and previous.identity != seen.identity
+
+
+def _cut_off(previous: Batch, seen: Seen) -> bool:
+    """Whether ``previous`` had jobs out on a folder now replaced: they cannot go on (they hold
+    the old folder, and never read the new one), so even the same manifest is a new revision.
+    Before any job ran, or once the batch ended, a folder dropped again with the same manifest
+    is the same batch, which then refers to the new folder."""
+    return previous.state is BatchState.RUNNING and _replaced(previous, seen)
 
 
 def _run_name(now: float, sha: str) -> str:
