@@ -23,11 +23,11 @@ import os
 import secrets
 import stat
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, BinaryIO
 
 from daemon.errors import WatchdError
+from daemon.jobspec import Identity
 
 TMP_PREFIX = ".tmp-"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -36,18 +36,6 @@ _NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _APPEND_FLAGS = (
     os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 )
-
-
-@dataclass(frozen=True)
-class Identity:
-    """Which folder a name meant when it was accepted: its device and inode."""
-
-    device: int
-    inode: int
-
-    @classmethod
-    def of(cls, st: os.stat_result) -> Identity:
-        return cls(st.st_dev, st.st_ino)
 
 
 class UnsafeEntry(WatchdError, OSError):

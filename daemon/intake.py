@@ -24,7 +24,7 @@ import structlog
 
 from daemon.errors import ManifestError
 from daemon.heldfolder import HeldFolder
-from daemon.jobspec import Problem
+from daemon.jobspec import Identity, Problem
 from daemon.manifest import MANIFEST_NAME, RESULTS_DIR, Manifest, manifest_sha256, parse_manifest
 from daemon.records import Batch, NewBatch
 from daemon.states import BatchState
@@ -34,6 +34,17 @@ from daemon.watcher import FolderSeen, stat_signature
 log = structlog.get_logger("watchd.intake")
 
 RUN_NAME_TRIES = 3  # a random part that exists already: drawn again (32 bits: never in practice)
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A batch folder as intake found it: its identity (None for a folder not read) and its
+    manifest's stat signature."""
+
+    root: Path
+    folder: str
+    identity: Identity | None
+    signature: str
 
 
 @dataclass(frozen=True)
@@ -85,7 +96,7 @@ class Intake:
             self._record_refusal(root, folder, signature, refusal, now)
             return None
         try:
-            data = _read(path / MANIFEST_NAME, self.max_bytes)
+            identity, data = _read(root, folder, self.max_bytes)
         except PermissionError as exc:
             # The owner must act: say so in the folder and in watchctl. Recorded under a
             # signature no stat gives, so the manifest is read again at each rescan and is
@@ -95,16 +106,14 @@ class Intake:
         except OSError as exc:  # the share failing: try again at the next look
             log.warning("manifest unreadable", root=str(root), folder=folder, error=str(exc))
             return None
-        return self._take(root, folder, signature, data, st.st_mtime, now)
+        return self._take(Seen(root, folder, identity, signature), data, st.st_mtime, now)
 
-    def _take(
-        self, root: Path, folder: str, signature: str, data: bytes, mtime: float, now: float
-    ) -> Deferred | None:
+    def _take(self, seen: Seen, data: bytes, mtime: float, now: float) -> Deferred | None:
         sha = manifest_sha256(data)
-        latest = self.store.latest_revision(str(root), folder)
-        if latest is not None and latest.manifest_sha256 == sha:
-            self.store.set_manifest_stat(latest.id, signature)
-            log.info("manifest unchanged", batch_id=latest.id, folder=folder)
+        latest = self.store.latest_revision(str(seen.root), seen.folder)
+        if latest is not None and latest.manifest_sha256 == sha and not _cut_off(latest, seen):
+            self.store.set_manifest_stat(latest.id, seen.signature, seen.identity)
+            log.info("manifest unchanged", batch_id=latest.id, folder=seen.folder)
             self.on_batch(latest)  # the folder may be a fresh copy: give it its status file again
             return None
         try:
@@ -115,34 +124,35 @@ class Intake:
                 manifest = None if problems else manifest
         except ManifestError as exc:
             if now - mtime < self.settle:
-                return Deferred(root, folder, mtime + self.settle)
+                return Deferred(seen.root, seen.folder, mtime + self.settle)
             manifest, problems = None, exc.problems
-        self._record(root, folder, signature, data, sha, manifest, problems, now)
+        self._record(seen, data, sha, manifest, problems, now)
         return None
 
     def _record(
         self,
-        root: Path,
-        folder: str,
-        signature: str,
+        seen: Seen,
         data: bytes,
         sha: str,
         manifest: Manifest | None,
         problems: tuple[Problem, ...],
         now: float,
     ) -> None:
+        root, folder = seen.root, seen.folder
         previous = self.store.latest_revision(str(root), folder)
         new = NewBatch(
             root=str(root),
             folder=folder,
             manifest_sha256=sha,
             manifest_text=data.decode("utf-8", "replace"),
-            manifest_stat=signature,
+            manifest_stat=seen.signature,
             kind=manifest.kind.value if manifest else None,
             title=manifest.title if manifest else "",
             owner=manifest.owner_name if manifest else "",
             contact=manifest.owner_email if manifest else None,
-            run_dir=_run_dir(root, folder, now, sha, made=manifest is not None),
+            run_dir=_run_dir(seen.root, seen.folder, now, sha, made=manifest is not None),
+            folder_device=seen.identity.device if seen.identity else None,
+            folder_inode=seen.identity.inode if seen.identity else None,
         )
         with self.store.atomic():
             if manifest is not None:
@@ -152,7 +162,7 @@ class Intake:
                     new, BatchState.FAILED, "manifest refused", now, problems
                 )
             if previous is not None:
-                self._supersede(previous, batch, now)
+                self._supersede(previous, batch, _replaced(previous, seen), now)
         log.info(
             "batch recorded",
             batch_id=batch.id,
@@ -163,17 +173,19 @@ class Intake:
         )
         self.on_batch(batch)
 
-    def _supersede(self, previous: Batch, batch: Batch, now: float) -> None:
+    def _supersede(self, previous: Batch, batch: Batch, replaced: bool, now: float) -> None:
+        """Cancel the folder's previous revision, as an operator's cancel would: its owner
+        changed the manifest, or replaced the whole folder (a folder of the same name that is
+        not the one it was taken in from; its jobs refuse to read the new one)."""
         self.store.stop_watching_inputs(previous.root, previous.folder)
+        what = "the batch folder was replaced" if replaced else "manifest changed"
         self.store.note(
-            batch.id,
-            f"manifest changed: revision {batch.revision} replaces {previous.revision}",
-            now,
+            batch.id, f"{what}: revision {batch.revision} replaces {previous.revision}", now
         )
         if not previous.state.terminal:
-            self.store.add_intent(
-                "cancel", previous.id, now, f"watchd (superseded by revision {batch.revision})"
-            )
+            why = f"superseded by revision {batch.revision}"
+            why = f"the batch folder was replaced; {why}" if replaced else why
+            self.store.add_intent("cancel", previous.id, now, f"watchd ({why})")
 
     def _record_refusal(
         self, root: Path, folder: str, signature: str, problem: Problem, now: float
@@ -182,7 +194,7 @@ class Intake:
         sha = hashlib.sha256(f"refused:{signature}".encode()).hexdigest()
         latest = self.store.latest_revision(str(root), folder)
         if latest is None or latest.manifest_sha256 != sha:
-            self._record(root, folder, signature, b"", sha, None, (problem,), now)
+            self._record(Seen(root, folder, None, signature), b"", sha, None, (problem,), now)
 
 
 def _refusal(root: Path, folder: str, st: os.stat_result) -> Problem | None:
@@ -209,17 +221,26 @@ def _unreadable(exc: OSError) -> Problem:
     )
 
 
-def _read(path: Path, max_bytes: int) -> bytes:
-    """At most ``max_bytes + 1`` bytes: enough for the parser to say the manifest is too big.
-
-    Opened without following links and without blocking, then checked again, so a manifest
-    swapped for a link or a FIFO after the first look is never read (nor waited on).
+def _read(root: Path, folder: str, max_bytes: int) -> tuple[Identity, bytes]:
+    """The batch folder's identity and at most ``max_bytes + 1`` bytes of its manifest (enough
+    for the parser to say it is too big), both from the one folder held for it: a manifest or
+    folder swapped for a link or a FIFO after the first look is never read (nor waited on).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
-        return handle.read(max_bytes + 1)
+    with HeldFolder.batch(root, folder) as held, held.open_read(MANIFEST_NAME) as handle:
+        return held.identity(), handle.read(max_bytes + 1)
+
+
+def _replaced(previous: Batch, seen: Seen) -> bool:
+    """Whether the folder seen now is another than the one ``previous`` was taken in from."""
+    return None not in (previous.identity, seen.identity) and previous.identity != seen.identity
+
+
+def _cut_off(previous: Batch, seen: Seen) -> bool:
+    """Whether ``previous`` had jobs out on a folder now replaced: they cannot go on (they hold
+    the old folder, and never read the new one), so even the same manifest is a new revision.
+    Before any job ran, or once the batch ended, a folder dropped again with the same manifest
+    is the same batch, which then refers to the new folder."""
+    return previous.state is BatchState.RUNNING and _replaced(previous, seen)
 
 
 def _run_dir(root: Path, folder: str, now: float, sha: str, *, made: bool) -> str:

@@ -99,4 +99,5 @@ def job_spec(
         shard=Shard(job.shard_index, job.shard_count),
         resources=resources,
         title=manifest.title,
+        batch_identity=batch.identity,
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,6 +104,19 @@ class Resources:
 
 
 @dataclass(frozen=True)
+class Identity:
+    """Which folder a name meant when it was accepted: its device and inode (the rule that
+    holds a folder by it is :mod:`daemon.heldfolder`'s)."""
+
+    device: int
+    inode: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> Identity:
+        return cls(st.st_dev, st.st_ino)
+
+
+@dataclass(frozen=True)
 class JobSpec:
     """Everything a pipeline needs, with absolute paths; written by the daemon as spec.json."""
 
@@ -123,6 +137,9 @@ class JobSpec:
     shard: Shard = Shard()
     resources: Resources = Resources()
     title: str = ""
+    # The batch folder the batch was taken in from: a job holds batch_dir only if it is still
+    # that folder (None: not checked, for specs written before it was recorded, or by hand).
+    batch_identity: Identity | None = None
     spec_version: int = SPEC_VERSION
 
     @property
@@ -145,6 +162,8 @@ class JobSpec:
         data["model"] = ModelRef(**data["model"])
         data["shard"] = Shard(**data["shard"])
         data["resources"] = Resources(**data["resources"])
+        identity = data.get("batch_identity")
+        data["batch_identity"] = None if identity is None else Identity(**identity)
         return cls(**data)
 
 

@@ -139,4 +139,14 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         )
         """,
     ),
+    # The batch folder's identity (device, inode) when the batch was taken in: a folder
+    # replaced under the same name is another folder, and the batch's jobs never read it.
+    # NULL for batches taken in before (their jobs hold the folder without checking).
+    (
+        5,
+        """
+        ALTER TABLE batches ADD COLUMN folder_device INTEGER;
+        ALTER TABLE batches ADD COLUMN folder_inode INTEGER
+        """,
+    ),
 )

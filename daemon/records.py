@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daemon.jobspec import InputFile, Pipeline, Problem
+from daemon.jobspec import Identity, InputFile, Pipeline, Problem
 from daemon.states import BatchState, JobState
 
 
@@ -33,10 +33,19 @@ class Batch:
     created_at: float
     updated_at: float
     finished_at: float | None
+    folder_device: int | None = None  # the folder's identity when the batch was taken in
+    folder_inode: int | None = None
 
     @property
     def path(self) -> Path:
         return Path(self.root) / self.folder
+
+    @property
+    def identity(self) -> Identity | None:
+        """The batch folder it was taken in from (None for batches recorded before)."""
+        if self.folder_device is None or self.folder_inode is None:
+            return None
+        return Identity(self.folder_device, self.folder_inode)
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,8 @@ class NewBatch:
     owner: str
     contact: str | None
     run_dir: str
+    folder_device: int | None = None
+    folder_inode: int | None = None
 
 
 @dataclass(frozen=True)

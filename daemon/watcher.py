@@ -124,6 +124,7 @@ class _DepthOneInotify:
         self.lock = threading.Lock()  # taken before watchdog's own lock, never after
         self.folders: dict[WatchDescriptor, str] = {}
         self.wds: dict[str, WatchDescriptor] = {}
+        self.inodes: dict[WatchDescriptor, tuple[int, int]] = {}  # what each watch is on
         self.alive = False
         self.root_wd: WatchDescriptor | None = None
         try:
@@ -139,7 +140,8 @@ class _DepthOneInotify:
         self.alive = True
 
     def follow(self, folder: str) -> None:
-        """Watch ``folder`` (again); nothing if it is gone or already watched."""
+        """Watch ``folder`` (again); nothing if it is gone or already watched (a folder that
+        replaced the watched one under its name is watched instead)."""
         with contextlib.suppress(OSError):  # gone: nothing to watch
             self._watch(folder)
 
@@ -150,6 +152,7 @@ class _DepthOneInotify:
             if wd is None:
                 return
             self.folders.pop(wd, None)
+            self.inodes.pop(wd, None)
             self.fd.remove_callbacks([(wd, self.id)])
 
     def watching(self) -> frozenset[str]:
@@ -157,13 +160,23 @@ class _DepthOneInotify:
             return frozenset(self.wds)
 
     def _watch(self, folder: str) -> None:
+        """Watch ``folder``, or renew its watch if the name now leads to another folder than
+        the one watched (moved away and replaced): inotify watches an inode, not a name."""
+        path = os.path.join(os.fsencode(self.root), os.fsencode(folder))
+        st = os.stat(path, follow_symlinks=False)
+        inode = (st.st_dev, st.st_ino)
         with self.lock:
-            if folder in self.wds:
+            old = self.wds.get(folder)
+            if old is not None and self.inodes.get(old) == inode:
                 return
-            path = os.path.join(os.fsencode(self.root), os.fsencode(folder))
             wd = self.fd.add_callback(path, self.FOLDER_MASK, self, self.id)  # type: ignore[arg-type]
+            if old is not None and old != wd:
+                self.folders.pop(old, None)
+                self.inodes.pop(old, None)
+                self.fd.remove_callbacks([(old, self.id)])
             self.folders[wd] = folder
             self.wds[folder] = wd
+            self.inodes[wd] = inode
 
     def on_event(self, event: InotifyEvent) -> None:
         if event.wd == self.root_wd:
@@ -192,6 +205,7 @@ class _DepthOneInotify:
     def on_watch_deleted(self, wd: WatchDescriptor) -> None:
         with self.lock:
             folder = self.folders.pop(wd, None)
+            self.inodes.pop(wd, None)
             if folder is not None and self.wds.get(folder) == wd:
                 del self.wds[folder]
         if wd == self.root_wd and self.alive:
@@ -213,6 +227,7 @@ class _DepthOneInotify:
             wds = [*self.folders, *([] if self.root_wd is None else [self.root_wd])]
             self.folders.clear()
             self.wds.clear()
+            self.inodes.clear()
             self.fd.remove_callbacks([(wd, self.id) for wd in wds])
 
 

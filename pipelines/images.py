@@ -33,7 +33,7 @@ from PIL import Image
 
 from daemon.heldfolder import HeldFolder
 from daemon.jobspec import InputFile, Problem
-from daemon.safeopen import Presence, RefusedInput, open_input
+from daemon.safeopen import Folder, Presence, RefusedInput, open_input
 from pipelines.bounds import (
     PNG_MAGIC,
     TIFF_ERRORS,
@@ -99,7 +99,7 @@ def reading(item: InputFile) -> Iterator[None]:
         raise InputError("input unreadable", [problem]) from None
 
 
-def open_item(batch_dir: Path, item: InputFile) -> BinaryIO:
+def open_item(batch_dir: Folder, item: InputFile) -> BinaryIO:
     """Open ``item`` by the batch folder's rule (:mod:`daemon.safeopen`): a regular file inside
     the folder, checked as it is opened. A missing, refused or unreadable input is an
     :class:`InputError` (see :func:`reading`)."""
@@ -141,12 +141,12 @@ def checksum_problem(item: InputFile, actual: str) -> Problem | None:
     return Problem(where(item), message, hint)
 
 
-def read_image(batch_dir: Path, item: InputFile) -> np.ndarray:
+def read_image(batch_dir: Folder, item: InputFile) -> np.ndarray:
     """Read, verify and decode ``item`` to a float32 (H, W) array in [0, 1]."""
     return read_image_hashed(batch_dir, item)[0]
 
 
-def read_image_hashed(batch_dir: Path, item: InputFile) -> tuple[np.ndarray, str]:
+def read_image_hashed(batch_dir: Folder, item: InputFile) -> tuple[np.ndarray, str]:
     """:func:`read_image`, and the sha256 of the bytes it decoded (from one read)."""
     found = read_bounded(batch_dir, item, max_pixels=None)
     assert found is not None  # only an image over max_pixels is left to the windowed path
@@ -154,7 +154,7 @@ def read_image_hashed(batch_dir: Path, item: InputFile) -> tuple[np.ndarray, str
 
 
 def read_bounded(
-    batch_dir: Path, item: InputFile, max_pixels: int | None
+    batch_dir: Folder, item: InputFile, max_pixels: int | None
 ) -> tuple[np.ndarray, str] | None:
     """The pixels of ``item`` and the sha256 of its bytes, read in memory bounded by what its
     header declares and by what the file really holds; None for a TIFF of more than

@@ -186,10 +186,11 @@ class Segmenter:
     """Segments loaded images (batched by size) and tiled ones; writes masks, ledger rows."""
 
     def __init__(
-        self, spec: JobSpec, net: UNet, provenance: dict[str, Any], ledger: Ledger,
-        masks: MaskFolders,
+        self, spec: JobSpec, batch: HeldFolder, net: UNet, provenance: dict[str, Any],
+        ledger: Ledger, masks: MaskFolders,
     ) -> None:  # fmt: skip
         self.spec, self.net, self.provenance, self.ledger = spec, net, provenance, ledger
+        self.batch = batch  # the inputs are read through it
         params = spec.params
         self.threshold, self.min_area = float(params["threshold"]), int(params["min_object_area"])
         self.batch_size = int(params.get("batch_size", 1))
@@ -256,7 +257,7 @@ class Segmenter:
         """
         folder, target = self.masks.of(item.path)
         try:
-            with open_item(Path(self.spec.batch_dir), item) as handle, held_still(handle, item):
+            with open_item(self.batch, item) as handle, held_still(handle, item):
                 with reading(item):
                     stored(handle, item)
                     digest = sha256_of_stream(handle)
@@ -296,7 +297,7 @@ def segment(
     problems: list[Problem] = []
     progress = Progress(len(items))
     max_pixels = int(spec.params.get("max_whole_pixels", 2048 * 2048))
-    reader = read_ahead(Path(spec.batch_dir), items, max_pixels, spec.resources.cpus)
+    reader = read_ahead(segmenter.batch, items, max_pixels, spec.resources.cpus)
     for loaded in reader:
         problems += loaded.problems
         if loaded.tiled:
@@ -309,15 +310,18 @@ def segment(
     return segmenter.rows, problems
 
 
-def infer(spec: JobSpec, job_dir: Path) -> dict[str, Any]:
+def infer(spec: JobSpec, job_dir: Path, batch: HeldFolder) -> dict[str, Any]:
     """The inference job for one shard."""
     net, version = load_model(spec)
-    with run_folder(spec) as run:
-        return _infer(spec, net, version, run)
+    with run_folder(spec, batch) as run:
+        return _infer(spec, net, version, batch, run)
 
 
-def _infer(spec: JobSpec, net: UNet, version: ModelVersion, run: HeldFolder) -> dict[str, Any]:
-    """The inference job for one shard, writing under the held run folder ``run``."""
+def _infer(
+    spec: JobSpec, net: UNet, version: ModelVersion, batch: HeldFolder, run: HeldFolder
+) -> dict[str, Any]:
+    """The inference job for one shard, reading through the held batch folder and writing under
+    the held run folder ``run``."""
     log.info("model %s version %d (sha256 %s…)", version.name, version.version, version.sha256[:12])
     provenance = {
         "model_name": version.name,
@@ -331,14 +335,14 @@ def _infer(spec: JobSpec, net: UNet, version: ModelVersion, run: HeldFolder) -> 
     masks = MaskFolders(run)
     resumed = {}
     for item in items:
-        row = ledger.done_row(item, Path(spec.batch_dir), masks.present(item.path))
+        row = ledger.done_row(item, batch, masks.present(item.path))
         if row is not None:
             resumed[item.path] = row
     if resumed:
         log.info("%d of %d images already done (ledger): skipped", len(resumed), len(items))
     started, cpu_started = time.monotonic(), _cpu_seconds()
     todo = [item for item in items if item.path not in resumed]
-    segmenter = Segmenter(spec, net, provenance, ledger, masks)
+    segmenter = Segmenter(spec, batch, net, provenance, ledger, masks)
     try:
         rows, problems = segment(spec, segmenter, todo)
     finally:

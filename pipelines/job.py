@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from daemon.heldfolder import HeldFolder, UnsafeEntry
+from daemon.heldfolder import FolderReplaced, HeldFolder, UnsafeEntry
 from daemon.jobspec import (
     JOBS_DIR,
     RESULT_FILE,
@@ -55,7 +55,8 @@ from models.registry import ModelError
 
 log = logging.getLogger("pipelines")
 
-Work = Callable[[JobSpec, Path], Mapping[str, Any] | None]
+# The work gets the batch folder held (:func:`hold_batch`): its inputs are read through it.
+Work = Callable[[JobSpec, Path, HeldFolder], Mapping[str, Any] | None]
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1
@@ -115,13 +116,30 @@ def read_spec(job_dir: Path) -> JobSpec:
     return JobSpec.from_json((job_dir / SPEC_FILE).read_text(encoding="utf-8"))
 
 
-def run_folder(spec: JobSpec) -> HeldFolder:
+def hold_batch(spec: JobSpec) -> HeldFolder:
+    """The batch folder, held for the job's life if it is still the folder the batch was taken
+    in from: one moved away and replaced under the same name is never read (an INPUT problem)."""
+    try:
+        return HeldFolder.open(spec.batch_dir, spec.batch_identity)
+    except FolderReplaced:
+        hint = "the new folder is taken in as a batch of its own; this one cannot go on"
+        problem = Problem("batch folder", "was replaced by another folder of the same name", hint)
+        raise InputError("the batch folder was replaced", [problem]) from None
+    except FileNotFoundError:
+        problem = Problem("batch folder", "is gone", "put it back, then retry the batch")
+        raise InputError("the batch folder is gone", [problem]) from None
+
+
+def run_folder(spec: JobSpec, batch: HeldFolder | None = None) -> HeldFolder:
     """The job's run folder (made if missing), held from its batch folder down: every write
-    the job makes under the batch folder goes through it. Close it when done."""
-    batch_dir = Path(spec.batch_dir)
-    relative = Path(spec.run_dir).relative_to(batch_dir).as_posix()
-    with HeldFolder.open(batch_dir) as batch:
+    the job makes under the batch folder goes through it. ``batch`` is the batch folder the job
+    holds; without it, the batch folder is held anew, checked against its identity. Close the
+    run folder when done."""
+    relative = Path(spec.run_dir).relative_to(spec.batch_dir).as_posix()
+    if batch is not None:
         return batch.folder(relative, create=True)
+    with hold_batch(spec) as held:
+        return held.folder(relative, create=True)
 
 
 def planted_problem(spec: JobSpec, exc: UnsafeEntry) -> Problem:
@@ -150,7 +168,8 @@ def _attempt(pipeline: Pipeline, work: Work, job_dir: Path) -> tuple[int, Any, J
         torch.set_num_threads(max(1, spec.resources.cpus))
         keep_freed_memory()
         log.info("job %s (%s) attempt %d started", spec.job_name, pipeline.value, spec.attempt)
-        summary = work(spec, job_dir)
+        with hold_batch(spec) as batch:
+            summary = work(spec, job_dir, batch)
         return EXIT_OK, None if summary is None else dict(summary), spec
     except (InputError, UnsafeEntry) as exc:
         if isinstance(exc, UnsafeEntry):
@@ -203,7 +222,7 @@ def run_job(pipeline: Pipeline, work: Work, argv: Sequence[str] | None = None) -
         result = JobResult(ok=False, pipeline=pipeline.value, finished_at=finished, error=outcome)
     try:
         write_result(job_dir, spec, result)
-    except OSError as exc:  # UnsafeEntry too: the run folder was swapped for a link meanwhile
+    except (OSError, InputError) as exc:  # UnsafeEntry too; InputError: the folder replaced
         log.error("result.json not written: %s", exc)
         return EXIT_INTERNAL
     log.info("finished in %.1f s: %s", elapsed, "ok" if status == EXIT_OK else outcome.message)

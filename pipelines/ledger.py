@@ -19,13 +19,12 @@ import logging
 import os
 import stat
 from collections.abc import Mapping
-from pathlib import Path
 from typing import IO, Any
 
 from daemon.checksums import sha256_of_stream
 from daemon.heldfolder import HeldFolder, UnsafeEntry
 from daemon.jobspec import InputFile
-from daemon.safeopen import RefusedInput, open_input
+from daemon.safeopen import Folder, RefusedInput, open_input
 from pipelines.layout import LEDGER_DIR
 
 log = logging.getLogger("pipelines")
@@ -35,7 +34,7 @@ def params_hash(params: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(dict(params), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _hash_input(batch_dir: Path, relative: str) -> str:
+def _hash_input(batch_dir: Folder, relative: str) -> str:
     with open_input(batch_dir, relative) as handle:
         return sha256_of_stream(handle)
 
@@ -74,7 +73,7 @@ class Ledger:
             return []
 
     def done_row(
-        self, item: InputFile, batch_dir: Path, mask_present: bool
+        self, item: InputFile, batch_dir: Folder, mask_present: bool
     ) -> dict[str, Any] | None:
         """The recorded row of ``item`` if it is done with these very inputs, else None."""
         entry = self.entries.get(item.path)

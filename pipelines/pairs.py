@@ -11,11 +11,12 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 
 import numpy as np
 
 from daemon.jobspec import InputFile, Problem
+from daemon.safeopen import Folder
 from pipelines.images import read_image, where
 from pipelines.job import InputError
 
@@ -78,7 +79,7 @@ def pair_inputs(inputs: Sequence[InputFile]) -> tuple[list[Pair], list[Problem]]
 
 
 def _load_pair(
-    batch_dir: Path, pair: Pair
+    batch_dir: Folder, pair: Pair
 ) -> tuple[np.ndarray | None, np.ndarray | None, list[Problem]]:
     """Read both files of a pair, collecting the problems of each."""
     loaded: list[np.ndarray | None] = []
@@ -102,7 +103,7 @@ def _load_pair(
     return image, None if mask is None else mask > 0, problems
 
 
-def load_dataset(batch_dir: Path, inputs: Sequence[InputFile]) -> TrainingData:
+def load_dataset(batch_dir: Folder, inputs: Sequence[InputFile]) -> TrainingData:
     """Pair and read every input; raise InputError listing every problem found."""
     pairs, problems = pair_inputs(inputs)
     images: list[np.ndarray] = []

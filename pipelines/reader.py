@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,6 +26,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
 from daemon.jobspec import InputFile, Problem
+from daemon.safeopen import Folder
 from pipelines.images import check_suffix, read_bounded
 from pipelines.job import InputError
 
@@ -48,7 +48,7 @@ class Loaded:
 class ShardImages(TorchDataset[Loaded]):
     """Reads and verifies the shard's images (in DataLoader workers, overlapping the net)."""
 
-    def __init__(self, batch_dir: Path, items: list[InputFile], max_pixels: int) -> None:
+    def __init__(self, batch_dir: Folder, items: list[InputFile], max_pixels: int) -> None:
         self.batch_dir, self.items, self.max_pixels = batch_dir, items, max_pixels
 
     def __len__(self) -> int:
@@ -98,7 +98,7 @@ def unpack(packed: Packed) -> Iterator[Loaded]:
 
 
 def read_ahead(
-    batch_dir: Path, items: list[InputFile], max_pixels: int, cpus: int
+    batch_dir: Folder, items: list[InputFile], max_pixels: int, cpus: int
 ) -> Iterator[Loaded]:
     """The shard's inputs, read and decoded ahead by worker processes, in order."""
     # One or two reader processes hide the share's latency; the rest of the cores run the net.

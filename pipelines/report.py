@@ -147,14 +147,18 @@ def overlay_picks(rows: list[dict[str, str]], seed: int = 0) -> list[tuple[str, 
     return picks + [("random", rest[i]) for i in sorted(chosen)]
 
 
-def sample_overlays(spec: JobSpec, rows: list[dict[str, str]]) -> list[tuple[str, str]]:
-    """(caption, data URI) for the images :func:`overlay_picks` chose."""
+def sample_overlays(
+    spec: JobSpec, rows: list[dict[str, str]], batch: HeldFolder
+) -> list[tuple[str, str]]:
+    """(caption, data URI) for the images :func:`overlay_picks` chose, read (with their masks)
+    through the held batch folder."""
+    masks = Path(spec.run_dir).relative_to(spec.batch_dir) / MASKS_DIR
     pictures = []
     for label, row in overlay_picks(rows):
         try:
-            with open_input(spec.batch_dir, row["path"]) as handle:
+            with open_input(batch, row["path"]) as handle:
                 image = decode(handle.read())
-            with open_input(spec.run_dir, f"{MASKS_DIR}/{row['path']}") as handle:
+            with open_input(batch, f"{masks}/{row['path']}") as handle:
                 mask = decode(handle.read())
         except (OSError, RefusedInput, UnreadableImage) as exc:
             log.warning("no overlay for %s: %s", row["path"], exc)
@@ -245,7 +249,7 @@ def _sweep(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _inference(
-    spec: JobSpec, run: HeldFolder, run_dir: Path
+    spec: JobSpec, run: HeldFolder, run_dir: Path, batch: HeldFolder
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     rows = merge_tables(run_dir)
     check_complete(spec, rows)
@@ -256,20 +260,21 @@ def _inference(
     page = {
         "summary": summary,
         "rows": rows,
-        "overlays": sample_overlays(spec, rows),
+        "overlays": sample_overlays(spec, rows, batch),
         "histogram": figures.data_uri(histogram),
     }
     return summary, page
 
 
-def report(spec: JobSpec, job_dir: Path) -> dict[str, Any]:
+def report(spec: JobSpec, job_dir: Path, batch: HeldFolder) -> dict[str, Any]:
     """The report job."""
-    with run_folder(spec) as run:
-        return _report(spec, job_dir, run)
+    with run_folder(spec, batch) as run:
+        return _report(spec, job_dir, run, batch)
 
 
-def _report(spec: JobSpec, job_dir: Path, run: HeldFolder) -> dict[str, Any]:
-    """The report job, writing under the held run folder ``run``."""
+def _report(spec: JobSpec, job_dir: Path, run: HeldFolder, batch: HeldFolder) -> dict[str, Any]:
+    """The report job, reading inputs through the held batch folder and writing under the held
+    run folder ``run``."""
     run_dir = Path(spec.run_dir)
     # Every other job of the batch has ended: what a killed one was writing is garbage.
     strays = run.remove_strays()
@@ -293,7 +298,7 @@ def _report(spec: JobSpec, job_dir: Path, run: HeldFolder) -> dict[str, Any]:
     summary["compute_s"] = round(sum(job["elapsed_s"] or 0 for job in summary["jobs"]), 3)
     pages: dict[str, Any] = {}
     if (run_dir / PARTS_DIR).is_dir():
-        summary["inference"], pages["inference"] = _inference(spec, run, run_dir)
+        summary["inference"], pages["inference"] = _inference(spec, run, run_dir, batch)
     if (run_dir / SWEEP_DIR / SWEEP_FILE).is_file():
         summary["sweep"], pages["sweep"] = _sweep(run_dir)
     if (run_dir / TRAINING_DIR / MODEL_FILE).is_file():

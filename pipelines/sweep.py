@@ -140,7 +140,12 @@ def _register(spec: JobSpec, winner: dict[str, Any], sweep: dict[str, Any]) -> A
 
 
 def _describe_winner(
-    spec: JobSpec, winner: dict[str, Any], published: Any, run: HeldFolder, training: HeldFolder
+    spec: JobSpec,
+    winner: dict[str, Any],
+    published: Any,
+    run: HeldFolder,
+    training: HeldFolder,
+    batch: HeldFolder,
 ) -> dict[str, Any]:
     """Write ``training/`` as a training job would (the winner's curves, the model card, the
     previews) through the held folders; the model card."""
@@ -148,7 +153,7 @@ def _describe_winner(
         training.write_bytes(METRICS_FILE, curves.read())
     description = train.describe(spec, published)
     training.write_text(MODEL_FILE, json.dumps(description, indent=2) + "\n")
-    data = load_dataset(Path(spec.batch_dir), spec.inputs)
+    data = load_dataset(batch, spec.inputs)
     params = winner["params"]
     val_idx = split(len(data.images), float(params["val_fraction"]), int(params["seed"]))[1]
     net = UNet(**published.architecture)
@@ -157,7 +162,7 @@ def _describe_winner(
     return description
 
 
-def sweep(spec: JobSpec, job_dir: Path) -> dict[str, Any]:
+def sweep(spec: JobSpec, job_dir: Path, batch: HeldFolder) -> dict[str, Any]:
     """The sweep job: rank, register the best, describe it as a training would."""
     run_dir = Path(spec.run_dir)
     described = dict(spec.params.get("sweep") or {})
@@ -170,14 +175,14 @@ def sweep(spec: JobSpec, job_dir: Path) -> dict[str, Any]:
     winner = ranked[0]
     space = list(described.get("space", {}))
     config = wandb_config(described)
-    with run_folder(spec) as run:
+    with run_folder(spec, batch) as run:
         run.write_text(f"{SWEEP_DIR}/{TRIALS_TABLE}", trials_csv(ranked, space))
         published = _register(spec, winner, described)
         record = {**described, "winner": winner["job"], "wandb_sweep_config": config,
                   "wandb_sweep_id": _online_sweep(config)}  # fmt: skip
         run.write_text(f"{SWEEP_DIR}/{SWEEP_FILE}", json.dumps(record, indent=2) + "\n")
         with run.folder(TRAINING_DIR, create=True) as training:
-            description = _describe_winner(spec, winner, published, run, training)
+            description = _describe_winner(spec, winner, published, run, training, batch)
     return {"model": description, "trials": len(ranked), "winner": winner["job"],
             "metric": metric, "table": f"{SWEEP_DIR}/{TRIALS_TABLE}"}  # fmt: skip
 

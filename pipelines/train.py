@@ -258,15 +258,15 @@ def train_trial(spec: JobSpec, data: TrainingData, run: HeldFolder) -> dict[str,
     return {"trial": spec.params.get("trial"), "candidate": meta, **meta["training"]}
 
 
-def train(spec: JobSpec, job_dir: Path) -> dict[str, Any] | None:
+def train(spec: JobSpec, job_dir: Path, batch: HeldFolder) -> dict[str, Any] | None:
     """The training job: load and check the pairs, fit, publish (or leave a candidate)."""
     for pattern in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
     os.environ.setdefault("WANDB_SILENT", "true")  # W&B's chatter would break the plain log
     registry.check_name(spec.model.name)
-    data = load_dataset(Path(spec.batch_dir), spec.inputs)
+    data = load_dataset(batch, spec.inputs)
     log.info("loaded %d image/mask pairs", len(data.images))
-    with run_folder(spec) as run:
+    with run_folder(spec, batch) as run:
         trial = spec.batch_kind == SWEEP_KIND
         summary = train_trial(spec, data, run) if trial else publish_training(spec, data, run)
     if summary is None:

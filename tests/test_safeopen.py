@@ -4,12 +4,14 @@ refused without reading anything and without blocking."""
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from pathlib import Path
 
 import pytest
 
+from daemon.heldfolder import HeldFolder
 from daemon.inputs import look
 from daemon.safeopen import Presence, RefusedInput, _checked, open_input, real_folder
 
@@ -96,20 +98,16 @@ def test_a_fifo_swapped_in_is_refused_at_once_without_waiting_for_a_writer(batch
 
 
 @pytest.mark.timeout(20)
-def test_what_was_opened_is_checked_again_after_opening(batch: Path, outside: Path) -> None:
-    """Between the check of the path and the open, the path may change: the opened file itself
-    must be a regular file inside the folder (here: opened outside, and a FIFO)."""
-    fd = os.open(outside, os.O_RDONLY)
-    with pytest.raises(RefusedInput) as caught:
-        _checked(fd, real_folder(batch), "images/a.png")
-    assert caught.value.located.presence is Presence.OUTSIDE
-    with pytest.raises(OSError):
-        os.fstat(fd)  # closed by the refusal
+def test_what_was_opened_is_checked_again_after_opening(batch: Path) -> None:
+    """Between the look at the name and the open, the name may change: the opened file itself
+    must be a regular file (here a FIFO, opened without waiting), else it is closed unread."""
     os.mkfifo(batch / "pipe.png")
     fd = os.open(batch / "pipe.png", os.O_RDONLY | os.O_NONBLOCK)
     with pytest.raises(RefusedInput) as caught:
-        _checked(fd, real_folder(batch), "pipe.png")
+        _checked(fd, "pipe.png")
     assert caught.value.reason == "is a FIFO, not a regular file"
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed by the refusal
 
 
 def test_missing_inputs_are_file_not_found(batch: Path) -> None:
@@ -135,3 +133,59 @@ def test_readiness_looks_at_inputs_by_the_same_rule(batch: Path, outside: Path) 
         Presence.SPECIAL,
         "a FIFO",
     )
+
+
+def test_links_that_stay_inside_are_walked_within_the_folder(batch: Path) -> None:
+    """A relative link climbing out of its own folder but not the batch's, and an absolute link
+    naming a place inside the batch folder, are legal inputs."""
+    (batch / "other").mkdir()
+    (batch / "other" / "b.png").write_bytes(b"other")
+    os.symlink("../other/b.png", batch / "images" / "up.png")
+    os.symlink(batch / "images", batch / "absolute")
+    os.symlink(real_folder(batch) + "/other/b.png", batch / "images" / "real.png")
+    for relative, expected in [
+        ("images/up.png", b"other"),
+        ("absolute/a.png", DATA),
+        ("images/real.png", b"other"),
+        ("images/../other/b.png", b"other"),
+    ]:
+        with open_input(batch, relative) as handle:
+            assert handle.read() == expected
+
+
+def test_a_link_or_a_name_climbing_above_the_folder_is_refused(
+    batch: Path, outside: Path, tmp_path: Path
+) -> None:
+    depth = len(batch.relative_to(tmp_path).parts) + 1  # up to tmp_path from batch/images
+    os.symlink("../" * depth + "secret/a.png", batch / "images" / "escape.png")
+    atime = outside.stat().st_atime_ns
+    for relative in ("images/escape.png", "../secret/a.png"):
+        with pytest.raises(RefusedInput) as caught:
+            open_input(batch, relative)
+        assert caught.value.located.presence is Presence.OUTSIDE
+    with pytest.raises(RefusedInput) as caught:
+        open_input(batch, "images/escape.png")
+    assert caught.value.reason == f"leads outside the batch folder (to {outside})"
+    if _read_is_recorded(tmp_path):
+        assert outside.stat().st_atime_ns == atime
+
+
+def test_a_loop_of_links_ends_after_a_bounded_number_of_hops(batch: Path) -> None:
+    os.symlink("b.png", batch / "images" / "c.png")
+    os.symlink("c.png", batch / "images" / "b.png")
+    with pytest.raises(OSError) as caught:
+        open_input(batch, "images/b.png")
+    assert caught.value.errno == errno.ELOOP
+
+
+def test_a_held_folder_is_read_even_after_its_name_was_given_to_another(
+    batch: Path, tmp_path: Path
+) -> None:
+    """A job holds its batch folder: once moved away and replaced by another folder of the same
+    name, every input still comes from the folder held, never from the new one."""
+    with HeldFolder.open(batch) as held:
+        os.rename(batch, tmp_path / "moved away")
+        (batch / "images").mkdir(parents=True)
+        (batch / "images" / "a.png").write_bytes(b"the new folder's image")
+        with open_input(held, "images/a.png") as handle:
+            assert handle.read() == DATA

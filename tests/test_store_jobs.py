@@ -74,21 +74,29 @@ def test_a_database_of_schema_1_gains_the_params_column_with_empty_params(tmp_pa
         store.close()
 
 
+def database_at(path: Path, version: int, *statements: str) -> Path:
+    """A database file of schema ``version`` (the migrations up to it), then ``statements``."""
+    connection = sqlite3.connect(path)
+    connection.execute("CREATE TABLE migrations (version INTEGER PRIMARY KEY, applied_at TEXT)")
+    for number, script in MIGRATIONS[:version]:
+        connection.executescript(script)
+        connection.execute("INSERT INTO migrations VALUES (?, 'then')", [number])
+    for statement in statements:
+        connection.execute(statement)
+    connection.commit()
+    connection.close()
+    return path
+
+
 def test_migration_3_keeps_the_intents_and_lets_an_intent_name_a_root_instead_of_a_batch(
     tmp_path: Path,
 ) -> None:
-    path = tmp_path / "v2.sqlite"
-    connection = sqlite3.connect(path)
-    connection.execute("CREATE TABLE migrations (version INTEGER PRIMARY KEY, applied_at TEXT)")
-    for version, script in MIGRATIONS[:2]:
-        connection.executescript(script)
-        connection.execute("INSERT INTO migrations VALUES (?, 'then')", [version])
-    connection.execute(
+    path = database_at(
+        tmp_path / "v2.sqlite",
+        2,
         "INSERT INTO intents (at, action, batch_id, requested_by, applied_at, outcome)"
-        " VALUES (5.0, 'retry', 7, 'ops', 6.0, 'retry: waiting for inputs again')"
+        " VALUES (5.0, 'retry', 7, 'ops', 6.0, 'retry: waiting for inputs again')",
     )
-    connection.commit()
-    connection.close()
     store = Store.open(path)
     try:
         old = store.intent(1)
@@ -134,5 +142,21 @@ def test_a_fresh_start_keeps_counting_attempts_and_restarts_the_retry_budget(
         second = store.transition_job(job.id, JobState.SUBMITTED, "submitted", 5.0,
                                       JobChange(handle="h2", new_attempt=True))  # fmt: skip
         assert (second.attempts, second.tries) == (2, 1)
+    finally:
+        store.close()
+
+
+def test_a_batch_recorded_before_migration_5_has_no_folder_identity(tmp_path: Path) -> None:
+    """Its jobs then hold the batch folder without checking it (they did not before either)."""
+    path = database_at(
+        tmp_path / "v4.sqlite",
+        4,
+        "INSERT INTO batches (root, folder, revision, manifest_sha256, manifest_text, state,"
+        " run_dir, created_at, updated_at) VALUES ('/r', 'f', 1, 's', '', 'running', '/run', 0, 0)",
+    )
+    store = Store.open(path)
+    try:
+        (batch,) = store.batches()
+        assert (batch.folder_device, batch.folder_inode, batch.identity) == (None, None, None)
     finally:
         store.close()

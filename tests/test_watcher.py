@@ -116,6 +116,33 @@ def test_a_manifest_renamed_in_or_a_folder_moved_in_whole_is_seen(
     assert {"renamed", "moved whole"} <= seen
 
 
+def test_a_folder_moved_away_and_replaced_under_its_name_is_watched_anew(
+    drop_root: Path, tmp_path: Path
+) -> None:
+    """inotify watches an inode: the watch on the old folder is dropped for one on the new
+    folder, whose manifest is then seen at once (not at the catch-up scan)."""
+    batch_with_images(drop_root, "plate", images=1)
+    before = inotify_watches()
+    events: queue.Queue = queue.Queue()
+    watcher = Watcher([RootSection(path=drop_root, observer=ObserverMode.INOTIFY)], events)
+    watcher.start()
+    try:
+        os.rename(drop_root / "plate", tmp_path / "plate moved away")
+        batch_with_images(drop_root, "plate", images=1)
+        events_within(events, 0.3)
+        (drop_root / "plate" / "manifest.toml").write_text("x")
+        seen = [e.folder for e in events_within(events, 0.5) if isinstance(e, FolderTouched)]
+        assert seen == ["plate"]
+        (tmp_path / "plate moved away" / "manifest.toml").write_text("old")
+        assert events_within(events, 0.3) == []  # the old folder is no longer watched
+        watcher.follow(drop_root, "plate")  # the same folder again: nothing changes
+        assert watcher.watched_folders(drop_root) == {"plate"}
+        assert inotify_watches() - before == 1 + 1
+    finally:
+        watcher.stop()
+    assert inotify_watches() == before
+
+
 @pytest.mark.parametrize("mode", [ObserverMode.INOTIFY, ObserverMode.POLLING])
 def test_a_root_that_disappears_is_reported_lost(mode: ObserverMode, tmp_path: Path) -> None:
     root = tmp_path / "share"

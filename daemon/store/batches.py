@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 
 from daemon.errors import IllegalTransition, NotFound
-from daemon.jobspec import Problem
+from daemon.jobspec import Identity, Problem
 from daemon.records import Batch, NewBatch
 from daemon.states import TERMINAL_BATCH_STATES, BatchState, batch_can_move
 from daemon.store.base import StoreBase
@@ -157,9 +157,16 @@ class BatchStore(StoreBase):
                 "UPDATE batches SET watch_inputs = '' WHERE root = ? AND folder = ?", [root, folder]
             )
 
-    def set_manifest_stat(self, batch_id: int, stat: str) -> None:
+    def set_manifest_stat(self, batch_id: int, stat: str, identity: Identity | None = None) -> None:
+        """The manifest's stat signature; with ``identity``, the folder it is in (a folder
+        dropped again with the same manifest)."""
         with self.atomic():
             self.db.execute("UPDATE batches SET manifest_stat = ? WHERE id = ?", [stat, batch_id])
+            if identity is not None:
+                self.db.execute(
+                    "UPDATE batches SET folder_device = ?, folder_inode = ? WHERE id = ?",
+                    [identity.device, identity.inode, batch_id],
+                )
 
     def transition_batch(
         self,

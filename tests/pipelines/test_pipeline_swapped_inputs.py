@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from daemon.jobspec import ErrorKind, ModelRef, Pipeline, Shard
+from daemon.jobspec import SPEC_FILE, ErrorKind, Identity, ModelRef, Pipeline, Shard
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -98,3 +99,33 @@ def test_a_rerun_does_not_hash_swapped_inputs_to_skip_them(
         where[0]: f"now leads outside the batch folder (to {outside})",
         where[1]: "now is a FIFO, not a regular file",
     }
+
+
+@pytest.mark.timeout(280)
+def test_a_job_whose_batch_folder_was_replaced_fails_without_reading_the_new_one(
+    inferred: InferredBatch,
+    tmp_path: Path,
+    job_spec: Callable[..., Any],
+    manifest_inputs: Callable[..., Any],
+    run: Callable[..., JobRun],
+    infer_params: dict[str, Any],
+) -> None:
+    """The spec names the folder the batch was accepted from (device, inode); a folder moved
+    away and replaced by another of the same name, with images of the same names (here the very
+    same bytes: checksums cannot tell), is an input problem of the batch folder, and nothing is
+    segmented."""
+    batch_dir = tmp_path / "batch"
+    files = _copy_images(inferred, batch_dir)
+    inputs = manifest_inputs(batch_dir, files, checksums=True)
+    accepted = Identity.of(os.stat(batch_dir))
+    os.rename(batch_dir, tmp_path / "moved away")
+    _copy_images(inferred, batch_dir)
+    spec = replace(_spec(job_spec, batch_dir, inputs, inferred, infer_params),
+                   batch_identity=accepted)  # fmt: skip
+    (spec.job_dir / SPEC_FILE).write_text(spec.to_json(), encoding="utf-8")
+    job = run(spec)
+    assert _problems(job) == {"batch folder": "was replaced by another folder of the same name"}
+    assert job.result.error.message == "the batch folder was replaced"  # type: ignore[union-attr]
+    for folder in (batch_dir, tmp_path / "moved away"):
+        assert not (folder / "results" / "masks").exists()
+        assert not (folder / "results" / "parts").exists()

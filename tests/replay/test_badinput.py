@@ -9,6 +9,7 @@ cannot be written, a full disk) have scenarios of their own below.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -23,18 +24,21 @@ from typing import Any
 
 import pytest
 import structlog
+import synth
 from badinput_cases import CASES, Case, images, make_all
 
 # At import, while "conftest" is this folder's (a conftest of another folder collected later,
 # e.g. tests/slurm/, takes the name over).
 from conftest import MODEL, write_config
-from replay import Replay, at, copy_slowly, write_atomically
+from replay import Replay, at, copy_slowly, manifest_text, write_atomically
 from test_crash import wait_for
 
 from daemon.config import Config
+from daemon.jobspec import Identity
 from daemon.manifest import STATUS_NAME
+from daemon.manifest_schema import Kind
 from daemon.records import Batch
-from daemon.states import BatchState
+from daemon.states import BatchState, JobState
 from daemon.store import Store
 
 BIN = Path(sys.executable).parent
@@ -214,6 +218,75 @@ def test_a_manifest_replaced_mid_run_cancels_the_old_revision_and_runs_the_new(
     assert second.state is BatchState.DONE
     status = (folder / STATUS_NAME).read_text()
     assert "revision 2" in status and "State:     DONE" in status
+
+
+def test_a_batch_folder_replaced_mid_run_is_a_new_batch_and_its_images_are_never_read_by_the_old(
+    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path, tmp_path: Path
+) -> None:
+    """The folder is moved away while its batch runs and a new folder with images of the same
+    names (other pictures) and a new manifest is made under its name. The new folder's manifest
+    is taken in at once (the catch-up scan is minutes away), the old batch is cancelled with the
+    reason, and every image the old batch's jobs read is an old one (the manifests carry no
+    checksums: nothing but the folder's identity tells the two apart)."""
+    config = config_for(
+        daemon={"rescan_seconds": 300},
+        executor={"local": {"max_parallel": 1}},
+        planner={"shard_size": 1},
+    )
+    folder, moved = drop_root / "swapped", tmp_path / "moved away"
+    old = staged("old", count=4, checksums=False)
+    new = tmp_path / "staging" / "new"
+    synth.make_batch(new, "inference", count=4, size=64, seed=11)
+    (new / "manifest.toml").write_bytes(
+        manifest_text(new, Kind.INFERENCE, model=MODEL, version="latest", checksums=False)
+    )
+    with structlog.testing.capture_logs() as logged, Replay(config) as replay:
+        replay.run(copy_slowly(old, folder, 0.0, 0.01), until=lambda service: _a_job_done(config))
+        os.rename(folder, moved)
+        # The folder is made first and its manifest ~1 s later: only a watch on the new folder
+        # (not the old one's, on the moved inode) sees the manifest before the catch-up scan.
+        taken_in = replay.run(copy_slowly(new, folder, 0.0, 0.2), timeout=30,
+                              until=lambda service: only(config, folder.name).revision == 2)  # fmt: skip
+        replay.run(until=in_state(config, folder.name, BatchState.DONE), timeout=240)
+    assert taken_in < 6, f"the new folder's manifest waited {taken_in:.1f} s"
+    store = Store(config.daemon.database)
+    first, second = store.batches()
+    events = [e.reason for e in store.events(second.id)]
+    store.close()
+    assert first.state is BatchState.CANCELLED
+    assert first.reason == (
+        "cancelled by watchd (the batch folder was replaced; superseded by revision 2)"
+    )
+    assert "the batch folder was replaced: revision 2 replaces 1" in events
+    assert (second.state, second.identity) == (BatchState.DONE, Identity.of(os.stat(folder)))
+    assert first.identity == Identity.of(os.stat(moved)) != second.identity
+    old_read, new_read = _inputs_read(moved), _inputs_read(folder)
+    assert old_read and old_read <= _digests(old) and not old_read & _digests(new)
+    assert new_read == _digests(new)
+    status = (folder / STATUS_NAME).read_text()
+    assert "revision 2" in status and "State:     DONE" in status
+    assert any(e.get("batch_id") == first.id and e["event"] == "job cancelled" for e in logged)
+
+
+def _a_job_done(config: Config) -> bool:
+    """Whether one of the (first) batch's jobs has succeeded: it has read some old images."""
+    store = Store(config.daemon.database)
+    try:
+        return bool(store.jobs(states=[JobState.SUCCEEDED]))
+    finally:
+        store.close()
+
+
+def _inputs_read(folder: Path) -> set[str]:
+    """The sha256 of every input an inference job of ``folder`` segmented (from its ledgers)."""
+    lines = [
+        line for path in folder.glob("results/*/ledger/*") for line in path.read_text().splitlines()
+    ]
+    return {json.loads(line)["input_sha256"] for line in lines}
+
+
+def _digests(folder: Path) -> set[str]:
+    return {hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.glob("images/*")}
 
 
 @pytest.mark.skipif(not IS_ROOT or shutil.which("chattr") is None, reason="needs root and chattr")
