@@ -188,15 +188,19 @@ def _attempt(pipeline: Pipeline, work: Work, job_dir: Path) -> tuple[int, Any, J
 
 
 def write_result(job_dir: Path, spec: JobSpec | None, result: JobResult) -> None:
-    """Write result.json into the job folder, through the held run folder (the job folder
-    itself, not followed if a link, when the spec could not be read)."""
+    """Write result.json into the job folder, through the held run folder; through the job
+    folder itself (not followed if a link) when there is no run folder to hold: the spec could
+    not be read, or the batch folder was replaced or is gone (the daemon still reads why)."""
     text = result.to_json() + "\n"
-    if spec is None:
-        with HeldFolder.open(job_dir) as folder:
-            folder.write_text(RESULT_FILE, text)
-        return
-    with run_folder(spec) as run:
-        run.write_text(f"{JOBS_DIR}/{spec.job_name}/{RESULT_FILE}", text)
+    if spec is not None:
+        try:
+            with run_folder(spec) as run:
+                run.write_text(f"{JOBS_DIR}/{spec.job_name}/{RESULT_FILE}", text)
+            return
+        except InputError:
+            pass
+    with HeldFolder.open(job_dir) as folder:
+        folder.write_text(RESULT_FILE, text)
 
 
 def run_job(pipeline: Pipeline, work: Work, argv: Sequence[str] | None = None) -> int:
@@ -222,7 +226,7 @@ def run_job(pipeline: Pipeline, work: Work, argv: Sequence[str] | None = None) -
         result = JobResult(ok=False, pipeline=pipeline.value, finished_at=finished, error=outcome)
     try:
         write_result(job_dir, spec, result)
-    except (OSError, InputError) as exc:  # UnsafeEntry too; InputError: the folder replaced
+    except OSError as exc:  # UnsafeEntry too: the run folder was swapped for a link meanwhile
         log.error("result.json not written: %s", exc)
         return EXIT_INTERNAL
     log.info("finished in %.1f s: %s", elapsed, "ok" if status == EXIT_OK else outcome.message)
