@@ -1,7 +1,7 @@
 """Hostile batch folders through the real daemon and jobs (the fuzz campaign's short version):
 nothing outside the batch folders is written, read or listed, no tick outlasts its bound, every
 batch ends with a reason, no watchctl output carries a traceback. The long campaign is
-`scripts/fuzz_campaign.py --cases 200`; both draw from scripts/hostile.py.
+`scripts/fuzz_campaign.py --cases 25`; both draw from scripts/hostile.py.
 
 CI draws few cases, derandomized (the same ones each run), and does not shrink. To find the
 minimal failing case of a family: `scripts/fuzz_campaign.py --family results --shrink`.
@@ -21,10 +21,12 @@ import sentinel
 from hypothesis import HealthCheck, Phase, example, given, settings
 
 SCALE = hostile.Scale(folders=2, images=2, plants=3, depth=6, width=20, huge_bytes=1 << 20)
-LIMITS = fuzz_campaign.Limits(deadline=45.0, watchctl=10.0)
+LIMITS = fuzz_campaign.Limits(deadline=45.0, watchctl=15.0)
+# The first failure ends a test (no search for more): a FIFO that hangs the daemon costs each
+# of its bounded waits in full.
 CI = settings(
     derandomize=True, database=None, deadline=None, phases=[Phase.explicit, Phase.generate],
-    suppress_health_check=list(HealthCheck),
+    report_multiple_bugs=False, suppress_health_check=list(HealthCheck),
 )  # fmt: skip
 # Known on the code before issue 11's fixes: a job's log planted as a link is appended to
 # outside the folder (and `watchctl logs` reads it), a FIFO planted there hangs the loop, rich
