@@ -382,12 +382,14 @@ def main() -> int:
               f"slowest tick {outcome.slowest_tick:5.2f} s: {verdict}", flush=True)  # fmt: skip
         assert not (args.shrink and outcome.violations), outcome.violations
 
-    hypothesis_seed(args.seed)(one)()
+    try:
+        hypothesis_seed(args.seed)(one)()
+    finally:  # also when interrupted, or when --shrink ends at a violation
+        shutil.rmtree(base, ignore_errors=True)
     violated = sum(1 for o in outcomes if o.violations)
     print(f"\ncases: {len(outcomes)}, folders: {sum(o.folders for o in outcomes)}, "
           f"cases with violations: {violated}, "
           f"violations: {sum(len(o.violations) for o in outcomes)}")  # fmt: skip
-    shutil.rmtree(base, ignore_errors=True)
     return 1 if violated else 0
 
 
