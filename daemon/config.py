@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 import pydantic
 from pydantic import AfterValidator, BeforeValidator, Field
 
+from daemon.access import denied
 from daemon.errors import ConfigError
 from daemon.validation import problems
 
@@ -218,6 +219,8 @@ def load_config(path: Path) -> Config:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(str(path), ["file not found"]) from None
+    except PermissionError:
+        raise denied(path, "the configuration") from None
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(str(path), [str(exc)]) from None
     return parse_config(data, source=path)

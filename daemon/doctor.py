@@ -8,7 +8,6 @@ daemon's view only when doctor runs as the daemon's user (``sudo -u watchd watch
 
 from __future__ import annotations
 
-import getpass
 import os
 import sqlite3
 import tempfile
@@ -16,6 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from daemon.access import user_name
 from daemon.config import Config, ObserverMode, RootSection, load_config
 from daemon.errors import ConfigError, WatchdError
 from daemon.executors import Check, make_executor
@@ -70,7 +70,7 @@ def _root_access(name: str, path: Path) -> Check:
     problem = _write_problem(path)
     if problem:
         return Check(name, False, f"{path}: {problem}", _ACCESS_HINT)
-    return Check(name, True, f"{path}: {folders} folder(s), readable and writable by {_user()}")
+    return Check(name, True, f"{path}: {folders} folder(s), readable and writable by {user_name()}")
 
 
 _ACCESS_HINT = (
@@ -196,8 +196,8 @@ def _database(path: Path, integrity: str, version: int, journal: str, writable: 
     if journal.lower() != "wal":
         return Check("database", False, detail, "the daemon sets WAL when it opens the file")
     if not writable:
-        hint = f"{_user()} cannot record intents (retry, cancel, pause): join the group watchd"
-        return Check("database", False, detail + f"; not writable by {_user()}", hint)
+        hint = f"{user_name()} cannot record intents (retry, cancel, pause): join the group watchd"
+        return Check("database", False, detail + f"; not writable by {user_name()}", hint)
     if version < latest:
         detail += " (the daemon migrates it at its next start)"
     return Check("database", True, detail)
@@ -238,7 +238,7 @@ def registry_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
     if problem:
         return [Check("registry", False, f"{path}: {problem}", hint)]
     models = len(registered_models(path))
-    return [Check("registry", True, f"{path}: {models} model(s), writable by {_user()}")]
+    return [Check("registry", True, f"{path}: {models} model(s), writable by {user_name()}")]
 
 
 def registered_models(registry: Path) -> list[str]:
@@ -273,7 +273,7 @@ def _write_problem(folder: Path) -> str | None:
     try:
         fd, name = tempfile.mkstemp(prefix=".watchd-doctor-", dir=folder)
     except OSError as exc:
-        return f"not writable by {_user()} ({exc.strerror})"
+        return f"not writable by {user_name()} ({exc.strerror})"
     os.close(fd)
     os.unlink(name)
     return None
@@ -288,13 +288,6 @@ def _nearest_existing(path: Path) -> Path:
     while not path.exists() and path.parent != path:
         path = path.parent
     return path
-
-
-def _user() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return f"uid {os.getuid()}"
 
 
 GROUPS: tuple[CheckGroup, ...] = (
