@@ -16,6 +16,7 @@ import typer
 from rich.table import Table
 
 from daemon import joblog, overview
+from daemon.claims import read_lease
 from daemon.cli_base import ConfigOption, JsonOption, console, find_root, open_store
 from daemon.errors import WatchdError
 from daemon.records import Job
@@ -34,7 +35,11 @@ def status_command(config: ConfigOption = None, as_json: JsonOption = False) -> 
     cfg, store = open_store(config)
     beat = store.heartbeat()
     live = liveness(beat, time.time(), cfg.daemon.heartbeat_seconds)
-    roots = overview.roots([str(r.path) for r in cfg.roots], store.roots(), live.get("info", {}))
+    leases = {str(r.path): read_lease(r.path) for r in cfg.roots}
+    roots = overview.roots(
+        [str(r.path) for r in cfg.roots], store.roots(), live.get("info", {}), leases,
+        str(cfg.daemon.database), time.time(),
+    )  # fmt: skip
     active = [(b, store.jobs([b.id])) for b in store.active_batches()]
     failed = store.batches([BatchState.FAILED], limit=5, newest_first=True)
     failures = [(b, store.jobs([b.id])) for b in failed]
@@ -60,6 +65,10 @@ def _print_status(data: dict[str, Any]) -> None:
             note += " [red]UNAVAILABLE[/red]"
         if root["paused"]:
             note += f" [yellow]PAUSED[/yellow] by {root['paused_by']} since {root['paused_at']}"
+        if root["held_elsewhere"]:
+            note += f" [red]HELD BY ANOTHER[/red] {root['lease']['holder']}"
+        elif root["lease"]:
+            note += f", lease: pid {root['lease']['pid']} on {root['lease']['host']}"
         console.print(f"root {root['index']}: {root['path']}{note}", markup=True)
     if data["active"]:
         rows = [

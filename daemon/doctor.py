@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from daemon.access import user_name
+from daemon.claims import Holder, Verdict, judge, read_lease, read_state_holder
 from daemon.config import Config, ObserverMode, RootSection, load_config
 from daemon.errors import ConfigError, WatchdError
 from daemon.executors import Check, make_executor
@@ -53,7 +54,28 @@ def root_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
     found = []
     for index, root in enumerate(config.roots):
         found += [_root_access(f"root {index}", root.path), _observer(f"root {index}", root)]
+        found.append(_lease(f"root {index} lease", root.path, config))
     return found
+
+
+def _lease(name: str, root: Path, config: Config) -> Check:
+    """Which daemon holds the root: this configuration's, or another (with its own database)
+    that keeps this one's daemon off it while it runs."""
+    holder = read_lease(root)
+    if holder is None:
+        return Check(name, True, "none (the daemon takes it when it starts)")
+    now = time.time()
+    detail = f"{holder.describe()}, renewed {now - holder.renewed_at:.0f} s ago"
+    if holder.database == str(config.daemon.database):
+        return Check(name, True, detail)
+    me = Holder.me(config.daemon.database, now)
+    if judge(holder, me, now, config.daemon.lease_seconds) is Verdict.STALE:
+        return Check(name, True, f"{detail}: stale, this configuration's daemon takes it over")
+    hint = (
+        "one daemon per drop root: stop the other daemon, or remove this root from one of the "
+        "two configurations"
+    )
+    return Check(name, False, f"held by another daemon: {detail}", hint)
 
 
 def _root_access(name: str, path: Path) -> Check:
@@ -217,6 +239,8 @@ def daemon_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
     if beat is None or not live["alive"]:
         return [Check("daemon", True, f"{live['state']}; this watchctl is version {mine}")]
     detail = f"running (pid {beat.pid} on {beat.host}), version {beat.version}"
+    if (holder := read_state_holder(config.daemon.state_dir)) is not None:
+        detail += f"; the database's lock names {holder.describe()}"
     if beat.version != mine:
         hint = "restart watchd to run the version installed here"
         return [Check("daemon", False, f"{detail}; this watchctl is version {mine}", hint)]
