@@ -16,6 +16,7 @@ import typer
 from rich.table import Table
 
 from daemon import joblog, overview
+from daemon.access import denied
 from daemon.claims import read_lease
 from daemon.cli_base import ConfigOption, JsonOption, console, find_root, open_store
 from daemon.errors import WatchdError
@@ -233,6 +234,8 @@ def logs_command(
     except FileNotFoundError:
         state = found.state.value
         raise WatchdError(f"job {found.name} has no log yet (it is {state}): {path}") from None
+    except PermissionError:
+        raise denied(path, "the job's log") from None  # on the share: the experts' group
     except OSError as exc:
         raise WatchdError(f"cannot read {path}: {exc.strerror}") from None
     text = [*last.lines, *([last.partial.decode("utf-8", "replace")] if last.partial else [])]
