@@ -212,12 +212,7 @@ def manifest_command(
         raise WatchdError("name the batch folder")
     if kind.trains and masks is None and (folder / "masks").is_dir():
         masks = "masks"
-    try:
-        cfg: Config | None = load_config(find_config(config))
-    except WatchdError:
-        if config is not None:
-            raise
-        cfg = None  # no usable configuration here: the daemon's defaults
+    cfg = _manifest_config(config)
     limit = cfg.intake.max_manifest_bytes if cfg else MAX_MANIFEST_BYTES
     request = manifest_writer.ManifestRequest(
         folder=folder, kind=kind, model=model, version=version,
@@ -231,6 +226,23 @@ def manifest_command(
     console.print(f"wrote {shown(written.path)}")
     if cfg is not None and not kind.trains:
         _say_if_unregistered(cfg, model)
+
+
+def _manifest_config(config: Path | None) -> Config | None:
+    """The daemon's configuration when one can be used here; else None, and a note saying
+    that the daemon's default limits apply and why (an expert on a workstation or on the
+    share's client has no configuration, or may not read the gateway's)."""
+    try:
+        return load_config(find_config(config))
+    except WatchdError as exc:
+        if config is not None:
+            raise
+        print(
+            f"note: no site configuration used ({str(exc).splitlines()[0]}); the daemon's "
+            f"default limits apply: a manifest of at most {MAX_MANIFEST_BYTES:,} bytes",
+            file=sys.stderr,
+        )
+        return None
 
 
 def _say_if_unregistered(cfg: Config, model: str) -> None:

@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from daemon.access import denied
 from daemon.config import Config, RootSection, load_config
 from daemon.errors import WatchdError
 from daemon.store import Store
@@ -54,15 +55,27 @@ def find_config(explicit: Path | None) -> Path:
     if explicit is not None:
         return explicit
     for candidate in (os.environ.get("WATCHD_CONFIG"), "config.toml", "/etc/watchd/config.toml"):
-        if candidate and Path(candidate).is_file():
+        if candidate and _is_file(Path(candidate), "the configuration"):
             return Path(candidate)
     raise WatchdError("no config.toml here or in /etc/watchd; pass --config PATH")
+
+
+def _is_file(path: Path, what: str) -> bool:
+    """Whether ``path`` is a file; a file this user may not even look at is an AccessDenied
+    that names the group to join (not a PermissionError's traceback)."""
+    try:
+        return path.is_file()
+    except PermissionError:
+        raise denied(path, what) from None
 
 
 def open_store(config: Path | None) -> tuple[Config, Store]:
     """The config and its database, which must exist already (never created by watchctl)."""
     cfg = load_config(find_config(config))
-    return cfg, Store.open_existing(cfg.daemon.database)
+    database = cfg.daemon.database
+    if _is_file(database, "the database") and not os.access(database, os.R_OK):
+        raise denied(database, "the database")
+    return cfg, Store.open_existing(database)
 
 
 def find_root(cfg: Config, named: str) -> RootSection:

@@ -15,6 +15,8 @@ import typer
 from rich.table import Table
 
 from daemon import joblog, overview
+from daemon.access import denied
+from daemon.claims import read_lease
 from daemon.cli_base import ConfigOption, JsonOption, console, find_root, open_store, shown
 from daemon.errors import WatchdError
 from daemon.heldfolder import UnsafeEntry
@@ -36,7 +38,11 @@ def status_command(config: ConfigOption = None, as_json: JsonOption = False) -> 
     cfg, store = open_store(config)
     beat = store.heartbeat()
     live = liveness(beat, time.time(), cfg.daemon.heartbeat_seconds)
-    roots = overview.roots([str(r.path) for r in cfg.roots], store.roots(), live.get("info", {}))
+    leases = {str(r.path): read_lease(r.path) for r in cfg.roots}
+    roots = overview.roots(
+        [str(r.path) for r in cfg.roots], store.roots(), live.get("info", {}), leases,
+        str(cfg.daemon.database), time.time(),
+    )  # fmt: skip
     active = [(b, store.jobs([b.id])) for b in store.active_batches()]
     failed = store.batches([BatchState.FAILED], limit=5, newest_first=True)
     failures = [(b, store.jobs([b.id])) for b in failed]
@@ -64,6 +70,10 @@ def _print_status(data: dict[str, Any]) -> None:
             note += (
                 f" [yellow]PAUSED[/yellow] by {shown(root['paused_by'])} since {root['paused_at']}"
             )
+        if root["held_elsewhere"]:
+            note += f" [red]HELD BY ANOTHER[/red] {shown(root['lease']['holder'])}"
+        elif root["lease"]:
+            note += f", lease: pid {root['lease']['pid']} on {shown(root['lease']['host'])}"
         console.print(f"root {root['index']}: {shown(root['path'])}{note}")
     if data["active"]:
         rows = [
@@ -234,6 +244,8 @@ def logs_command(
     except FileNotFoundError:
         state = found.state.value
         raise WatchdError(f"job {found.name} has no log yet (it is {state}): {log.path}") from None
+    except PermissionError:
+        raise denied(log.path, "the job's log") from None  # on the share: the experts' group
     except OSError as exc:
         raise _unreadable(log, exc) from None
     text = [*last.lines, *([last.partial.decode("utf-8", "replace")] if last.partial else [])]

@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 import pydantic
 from pydantic import AfterValidator, BeforeValidator, Field
 
+from daemon.access import denied
 from daemon.errors import ConfigError
 from daemon.validation import problems
 
@@ -41,6 +42,18 @@ class DaemonSection(_Section):
     shutdown_grace_seconds: Annotated[float, Field(ge=0, le=3600)] = 30.0
     log_format: Literal["auto", "json", "console"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # A drop root's lease (daemon.claims), renewed every heartbeat, is taken over by a daemon
+    # on another host once it is this old; on the same host, as soon as its holder is gone.
+    lease_seconds: Seconds = 120.0
+
+    @pydantic.model_validator(mode="after")
+    def _lease_outlives_heartbeats(self) -> DaemonSection:
+        if self.lease_seconds < 3 * self.heartbeat_seconds:
+            raise ValueError(
+                f"lease_seconds = {self.lease_seconds} is below 3 × heartbeat_seconds "
+                f"({self.heartbeat_seconds}): a lease must outlive a few missed renewals"
+            )
+        return self
 
     @property
     def database(self) -> Path:
@@ -221,6 +234,8 @@ def load_config(path: Path) -> Config:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(str(path), ["file not found"]) from None
+    except PermissionError:
+        raise denied(path, "the configuration") from None
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(str(path), [str(exc)]) from None
     return parse_config(data, source=path)

@@ -8,7 +8,6 @@ daemon's view only when doctor runs as the daemon's user (``sudo -u watchd watch
 
 from __future__ import annotations
 
-import getpass
 import os
 import sqlite3
 import tempfile
@@ -16,6 +15,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from daemon.access import user_name
+from daemon.claims import Holder, Verdict, judge, read_lease, read_state_holder
 from daemon.config import Config, ObserverMode, RootSection, load_config
 from daemon.errors import ConfigError, WatchdError
 from daemon.executors import Check, make_executor
@@ -53,7 +54,28 @@ def root_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
     found = []
     for index, root in enumerate(config.roots):
         found += [_root_access(f"root {index}", root.path), _observer(f"root {index}", root)]
+        found.append(_lease(f"root {index} lease", root.path, config))
     return found
+
+
+def _lease(name: str, root: Path, config: Config) -> Check:
+    """Which daemon holds the root: this configuration's, or another (with its own database)
+    that keeps this one's daemon off it while it runs."""
+    holder = read_lease(root)
+    if holder is None:
+        return Check(name, True, "none (the daemon takes it when it starts)")
+    now = time.time()
+    detail = f"{holder.describe()}, renewed {now - holder.renewed_at:.0f} s ago"
+    if holder.database == str(config.daemon.database):
+        return Check(name, True, detail)
+    me = Holder.me(config.daemon.database, now)
+    if judge(holder, me, now, config.daemon.lease_seconds) is Verdict.STALE:
+        return Check(name, True, f"{detail}: stale, this configuration's daemon takes it over")
+    hint = (
+        "one daemon per drop root: stop the other daemon, or remove this root from one of the "
+        "two configurations"
+    )
+    return Check(name, False, f"held by another daemon: {detail}", hint)
 
 
 def _root_access(name: str, path: Path) -> Check:
@@ -70,7 +92,7 @@ def _root_access(name: str, path: Path) -> Check:
     problem = _write_problem(path)
     if problem:
         return Check(name, False, f"{path}: {problem}", _ACCESS_HINT)
-    return Check(name, True, f"{path}: {folders} folder(s), readable and writable by {_user()}")
+    return Check(name, True, f"{path}: {folders} folder(s), readable and writable by {user_name()}")
 
 
 _ACCESS_HINT = (
@@ -196,8 +218,8 @@ def _database(path: Path, integrity: str, version: int, journal: str, writable: 
     if journal.lower() != "wal":
         return Check("database", False, detail, "the daemon sets WAL when it opens the file")
     if not writable:
-        hint = f"{_user()} cannot record intents (retry, cancel, pause): join the group watchd"
-        return Check("database", False, detail + f"; not writable by {_user()}", hint)
+        hint = f"{user_name()} cannot record intents (retry, cancel, pause): join the group watchd"
+        return Check("database", False, detail + f"; not writable by {user_name()}", hint)
     if version < latest:
         detail += " (the daemon migrates it at its next start)"
     return Check("database", True, detail)
@@ -217,6 +239,8 @@ def daemon_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
     if beat is None or not live["alive"]:
         return [Check("daemon", True, f"{live['state']}; this watchctl is version {mine}")]
     detail = f"running (pid {beat.pid} on {beat.host}), version {beat.version}"
+    if (holder := read_state_holder(config.daemon.state_dir)) is not None:
+        detail += f"; the database's lock names {holder.describe()}"
     if beat.version != mine:
         hint = "restart watchd to run the version installed here"
         return [Check("daemon", False, f"{detail}; this watchctl is version {mine}", hint)]
@@ -238,7 +262,7 @@ def registry_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
     if problem:
         return [Check("registry", False, f"{path}: {problem}", hint)]
     models = len(registered_models(path))
-    return [Check("registry", True, f"{path}: {models} model(s), writable by {_user()}")]
+    return [Check("registry", True, f"{path}: {models} model(s), writable by {user_name()}")]
 
 
 def registered_models(registry: Path) -> list[str]:
@@ -273,7 +297,7 @@ def _write_problem(folder: Path) -> str | None:
     try:
         fd, name = tempfile.mkstemp(prefix=".watchd-doctor-", dir=folder)
     except OSError as exc:
-        return f"not writable by {_user()} ({exc.strerror})"
+        return f"not writable by {user_name()} ({exc.strerror})"
     os.close(fd)
     os.unlink(name)
     return None
@@ -288,13 +312,6 @@ def _nearest_existing(path: Path) -> Path:
     while not path.exists() and path.parent != path:
         path = path.parent
     return path
-
-
-def _user() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return f"uid {os.getuid()}"
 
 
 GROUPS: tuple[CheckGroup, ...] = (

@@ -24,6 +24,11 @@ class ConfigError(WatchdError):
         super().__init__(f"{source}: {len(self.problems)} problem(s)\n{listed}")
 
 
+class AccessDenied(WatchdError):
+    """This user may not read a file watchd needs (the configuration, the database); the message
+    names the file and the group to join."""
+
+
 class ManifestError(WatchdError):
     """A manifest is invalid; carries the problems found, each with its location and a hint
     (the first few, then how many more: a manifest of 400 000 wrong entries must not make a

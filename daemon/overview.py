@@ -12,6 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from daemon import visible
+from daemon.claims import Holder
 from daemon.records import Batch, Event, Heartbeat, Intent, Job, RootRecord
 from daemon.states import BatchState, JobState
 
@@ -139,10 +140,16 @@ def job_summary(job: Job) -> dict[str, Any]:
 
 
 def roots(
-    configured: Sequence[str], records: Sequence[RootRecord], info: Mapping[str, Any]
+    configured: Sequence[str],
+    records: Sequence[RootRecord],
+    info: Mapping[str, Any],
+    leases: Mapping[str, Holder | None],
+    database: str,
+    now: float,
 ) -> list[dict[str, Any]]:
     """The configured drop roots, in order (their index names them in watchctl), with how the
-    daemon last said it watches each (``info``: the heartbeat's) and whether one is paused."""
+    daemon last said it watches each (``info``: the heartbeat's), whether one is paused, and
+    which daemon holds its lease (``held_elsewhere``: one with another ``database``)."""
     paused = {r.path: r for r in records if r.paused}
     modes, lost = info.get("roots", {}), set(info.get("lost_roots", ()))
     return [
@@ -154,9 +161,23 @@ def roots(
             "paused": path in paused,
             "paused_by": paused[path].paused_by if path in paused else None,
             "paused_at": iso(paused[path].paused_at) if path in paused else None,
+            **lease(leases.get(path), database, now),
         }
         for index, path in enumerate(configured)
     ]
+
+
+def lease(holder: Holder | None, database: str, now: float) -> dict[str, Any]:
+    """A drop root's lease: who holds it (as written in it) and whether that is another daemon
+    than this configuration's."""
+    if holder is None:
+        return {"lease": None, "held_elsewhere": False}
+    held = {
+        "holder": holder.describe(), "host": holder.host, "pid": holder.pid,
+        "database": holder.database, "renewed_at": iso(holder.renewed_at),
+        "renewed_s_ago": round(now - holder.renewed_at, 1),
+    }  # fmt: skip
+    return {"lease": held, "held_elsewhere": holder.database != database}
 
 
 def iso(at: float | None) -> str | None:

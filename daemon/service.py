@@ -25,6 +25,7 @@ import structlog
 
 from daemon import readiness, reporter, resources
 from daemon.acting import Actor
+from daemon.claims import Claims
 from daemon.config import Config
 from daemon.dispatch import Dispatcher
 from daemon.endings import Endings
@@ -61,7 +62,8 @@ class Service:
         stop: threading.Event | None = None,
     ) -> None:
         """``stop``: the event that asks for shutdown, shared with the executor's retries."""
-        self.config = config
+        self.claims = Claims.take(config, clock())
+        self.config = config = self.claims.held(config)
         self.executor = executor
         self.clock = clock
         self.notifier = notifier or Notifier(None)
@@ -99,7 +101,10 @@ class Service:
         )
         self.pulse = Pulse(
             self.store, self.notifier, self.metrics, config.daemon.heartbeat_seconds,
-            lambda: {"executor": executor.name, **roots_info(self.watcher.modes, self._lost_roots)},
+            lambda: {
+                "executor": executor.name, **roots_info(self.watcher.modes, self._lost_roots),
+                "held_elsewhere": self.claims.describe_refused(),
+            },
         )  # fmt: skip
         self.actor = Actor(
             self.store, self.dispatch, self.waitroom, self.metrics,
@@ -113,6 +118,7 @@ class Service:
         self._to_release: deque[tuple[float, str, str]] = deque()  # (when, root, folder)
         self.paused: frozenset[str] = frozenset()  # drop roots an operator paused
         self._next_rescan = 0.0
+        self._next_renewal = 0.0
         self._submitting = True
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -205,6 +211,7 @@ class Service:
         self.pulse.beat(self.clock(), force=True, stopped=True)
         self.executor.close()
         self.store.close()
+        self.claims.release()
         log.info("stopped")
 
     def _live_jobs(self) -> list[Job]:
@@ -231,6 +238,7 @@ class Service:
         self._write_statuses(now)
         self.endings.follow(now)
         self._release_ended(now)
+        self._renew_leases(now)
         self.pulse.beat(now)
         self.pulse.ping(now)
 
@@ -325,6 +333,14 @@ class Service:
             self._lost_roots.add(root)
             log.warning("drop root unavailable", root=str(root), note="retried at each rescan")
             self._next_rescan = min(self._next_rescan, self.clock() + 5.0)
+
+    def _renew_leases(self, now: float) -> None:
+        """Every heartbeat. A root whose lease another daemon took (this one stalled for longer
+        than the lease) is its now: this daemon stops rather than run batches twice."""
+        if now >= self._next_renewal:
+            self._next_renewal = now + self.config.daemon.heartbeat_seconds
+            if self.claims.renew(now):
+                self.request_stop()
 
     # -- the snapshot ------------------------------------------------------------------------
 

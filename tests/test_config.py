@@ -47,7 +47,7 @@ shard_size = 0
     assert "daemon.tick_seconds: Input should be greater than 0 (got -1)" in problems
     assert any(
         p.startswith(
-            "daemon.colour: unknown key 'colour' (valid keys: heartbeat_seconds, log_format,"
+            "daemon.colour: unknown key 'colour' (valid keys: heartbeat_seconds, lease_seconds,"
         )
         for p in problems
     )
@@ -103,3 +103,11 @@ def test_the_local_executor_bounds_what_a_manifest_may_ask() -> None:
     assert shape(ResourceRequest(tasks=2), Pipeline.TRAIN) == (0, 2)
     assert shape(ResourceRequest(tasks=2, gpus=1), Pipeline.INFER) == (1, 1)
     assert shape(ResourceRequest(gpus=1), Pipeline.REPORT) == (0, 1)
+
+
+def test_a_lease_shorter_than_three_heartbeats_is_refused(tmp_path: Path) -> None:
+    """A daemon on another host would take the roots over while their holder merely renews late."""
+    text = '[daemon]\nheartbeat_seconds = 5.0\nlease_seconds = 10.0\n[[roots]]\npath = "d"\n'
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    assert info.value.problems[0].startswith("daemon: lease_seconds = 10.0 is below 3 × heartbeat")

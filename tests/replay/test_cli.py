@@ -215,7 +215,8 @@ def test_manifest_keeps_within_the_configured_limit_and_says_when_it_counts_inst
 ) -> None:
     """With --config, the daemon's intake.max_manifest_bytes bounds the manifest: a folder too
     large to list within it gets counted [[patterns]], with a note; without a configuration
-    (none found from here), the daemon's default limit applies and every file is listed."""
+    (none found from here), the daemon's default limit applies, said in a note, and every file
+    is listed."""
     folder = tmp_path / "plate"
     synth.make_batch(folder, "inference", count=24, size=16, seed=1)
     config = tmp_path / "config.toml"
@@ -230,7 +231,7 @@ def test_manifest_keeps_within_the_configured_limit_and_says_when_it_counts_inst
         [str(BIN / "watchctl"), "manifest", str(folder), "--force"],
         capture_output=True, text=True, timeout=60, cwd=folder, env=elsewhere, check=True,
     )  # fmt: skip
-    assert listed.stderr == ""
+    assert listed.stderr.startswith("note: no site configuration used (no config.toml here")
     assert len(parse_manifest((folder / "manifest.toml").read_bytes()).files) == 24
 
 

@@ -202,11 +202,13 @@ def test_doctor_passes_on_a_good_setup_and_says_what_it_checked(history: History
     checks = {c["name"]: c for c in data["checks"]}
     assert data["ok"] is True and all(c["ok"] for c in checks.values())
     assert list(checks) == [
-        "config", "root 0", "root 0 observer", "root 1", "root 1 observer", "inotify",
+        "config", "root 0", "root 0 observer", "root 0 lease", "root 1", "root 1 observer",
+        "root 1 lease", "inotify",
         "database", "daemon", "registry", "local executor",
     ]  # fmt: skip
     assert checks["root 0"]["detail"].endswith("readable and writable by " + _user())
     assert checks["root 0 observer"]["detail"].endswith(" filesystem, observer inotify")
+    assert checks["root 0 lease"]["detail"] == "none (the daemon takes it when it starts)"
     # A watch on each root; none on plate A, plate bad and plate B, whose batches have ended.
     assert checks["inotify"]["detail"].startswith("2 watch(es) needed of max_user_watches ")
     database = checks["database"]["detail"]
