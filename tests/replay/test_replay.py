@@ -345,7 +345,10 @@ def test_manifests_naming_files_outside_their_folder_are_refused_and_nothing_run
         and batches["linking"].reason == "inputs refused"
     )
     assert f"'images/link.png' leads outside the batch folder (to {secret})" in status_text(linking)
-    assert not (climbing / "results").exists() and not (linking / "results").exists()
+    assert not (climbing / "results").exists()  # refused at once: not even a run folder
+    # Accepted, then refused at its inputs: the run folder made at intake stays empty.
+    (run,) = (linking / "results").iterdir()
+    assert run == Path(batches["linking"].run_dir) and list(run.iterdir()) == []
 
 
 def test_a_batch_folder_that_is_a_link_out_of_the_root_is_refused_unread(
