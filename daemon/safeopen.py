@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import BinaryIO, NoReturn
 
 from daemon.errors import WatchdError
-from daemon.heldfolder import HeldFolder
+from daemon.heldfolder import HeldFolder, what_it_is
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -110,27 +110,12 @@ def locate(real_folder: str, relative: str) -> Located:
     except OSError as exc:
         return _unreadable(exc)
     if not stat.S_ISREG(st.st_mode):
-        return Located(Presence.SPECIAL, real, detail=kind(st.st_mode))
+        return Located(Presence.SPECIAL, real, detail=what_it_is(st.st_mode))
     return Located(Presence.FILE, real, st.st_size, st.st_mtime_ns)
 
 
 def _unreadable(exc: OSError) -> Located:
     return Located(Presence.UNREADABLE, detail=exc.strerror or str(exc), errno=exc.errno or 0)
-
-
-def kind(mode: int) -> str:
-    """What a non-regular file is, for a message ("a FIFO")."""
-    for test, name in (
-        (stat.S_ISDIR, "a folder"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISLNK, "a symbolic link"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
 
 
 def open_input(folder: Folder, relative: str) -> BinaryIO:
@@ -172,7 +157,9 @@ class _Walk:
                         return _checked(fd, self.relative)
                 else:
                     self._down(name, todo)
-            raise RefusedInput(self.relative, Located(Presence.SPECIAL, detail=kind(stat.S_IFDIR)))
+            raise RefusedInput(
+                self.relative, Located(Presence.SPECIAL, detail=what_it_is(stat.S_IFDIR))
+            )
         finally:
             for fd in self.fds:
                 os.close(fd)
@@ -203,7 +190,9 @@ class _Walk:
             if self._follow(name, todo):
                 return -1
         elif not stat.S_ISREG(st.st_mode):  # never opened: a device may act on an open
-            raise RefusedInput(self.relative, Located(Presence.SPECIAL, detail=kind(st.st_mode)))
+            raise RefusedInput(
+                self.relative, Located(Presence.SPECIAL, detail=what_it_is(st.st_mode))
+            )
         return os.open(name, _OPEN_FLAGS, dir_fd=self._here)  # a link swapped in: ELOOP
 
     def _follow(self, name: str, todo: list[str]) -> bool:
@@ -247,7 +236,7 @@ def _checked(fd: int, relative: str) -> BinaryIO:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise RefusedInput(relative, Located(Presence.SPECIAL, detail=kind(mode)))
+            raise RefusedInput(relative, Located(Presence.SPECIAL, detail=what_it_is(mode)))
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:
