@@ -24,7 +24,6 @@ from __future__ import annotations
 import csv
 import io
 from collections.abc import Iterable, Mapping
-from pathlib import Path, PurePosixPath
 from typing import Any
 
 MASKS_DIR = "masks"
@@ -70,14 +69,6 @@ def table_name(shard_index: int) -> str:
 
 def ledger_name(shard_index: int) -> str:
     return f"shard-{shard_index:04d}.jsonl"
-
-
-def output_path(root: Path, relative: str) -> Path:
-    """``root / relative`` for a relative posix path that cannot climb out of ``root``."""
-    parts = PurePosixPath(relative).parts
-    if not parts or PurePosixPath(relative).is_absolute() or ".." in parts:
-        raise ValueError(f"input path {relative!r} is not a relative path inside the batch")
-    return root.joinpath(*parts)
 
 
 def table_csv(rows: Iterable[Mapping[str, Any]]) -> str:

@@ -14,6 +14,7 @@ from daemon.heldfolder import (
     HeldFolder,
     UnsafeEntry,
     is_temporary,
+    parts_of,
     temporary_name,
 )
 
@@ -153,3 +154,13 @@ def test_a_new_folder_is_never_one_that_exists(batch: Path) -> None:
         with pytest.raises(ValueError, match="not one name"):
             held.mkdir("a/b")
     assert (batch / "made").is_dir()
+
+
+@pytest.mark.parametrize("relative", ["../x.png", "/etc/x.png", "a/../../x.png", ""])
+def test_a_name_below_a_held_folder_cannot_leave_it(relative: str) -> None:
+    with pytest.raises(ValueError, match="not a path inside a folder"):
+        parts_of(relative)
+
+
+def test_a_name_below_a_held_folder_keeps_the_input_layout() -> None:
+    assert parts_of("plate 1/ä.tif") == ("plate 1", "ä.tif")

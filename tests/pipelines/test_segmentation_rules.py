@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +12,6 @@ from hypothesis.extra.numpy import arrays
 from scipy import ndimage
 
 from pipelines.infer import clean_mask, measure
-from pipelines.layout import output_path
 
 EIGHT = np.ones((3, 3), dtype=bool)
 
@@ -52,13 +50,3 @@ def test_statistics_of_a_square_object() -> None:
     assert stats["equivalent_diameter_px"] == pytest.approx(math.sqrt(64 / math.pi), abs=1e-3)
     assert stats["mean_intensity"] == pytest.approx(0.75)
     assert measure(image, np.zeros_like(mask), 0)["mean_intensity"] == ""
-
-
-@pytest.mark.parametrize("relative", ["../x.png", "/etc/x.png", "a/../../x.png", ""])
-def test_output_paths_cannot_leave_the_run_folder(tmp_path: Path, relative: str) -> None:
-    with pytest.raises(ValueError, match="not a relative path inside the batch"):
-        output_path(tmp_path, relative)
-
-
-def test_output_paths_keep_the_input_layout(tmp_path: Path) -> None:
-    assert output_path(tmp_path, "plate 1/ä.tif") == tmp_path / "plate 1" / "ä.tif"
