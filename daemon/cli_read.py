@@ -20,7 +20,7 @@ from daemon.claims import read_lease
 from daemon.cli_base import ConfigOption, JsonOption, console, find_root, open_store, shown
 from daemon.errors import WatchdError
 from daemon.heldfolder import UnsafeEntry
-from daemon.records import Job
+from daemon.records import Batch, Job
 from daemon.states import BatchState, JobState
 from daemon.store import Store
 from daemon.visible import visible
@@ -44,13 +44,25 @@ def status_command(config: ConfigOption = None, as_json: JsonOption = False) -> 
         str(cfg.daemon.database), time.time(),
     )  # fmt: skip
     active = [(b, store.jobs([b.id])) for b in store.active_batches()]
-    failed = store.batches([BatchState.FAILED], limit=5, newest_first=True)
-    failures = [(b, store.jobs([b.id])) for b in failed]
+    failures = [(b, store.jobs([b.id])) for b in _open_failures(store, 5)]
     data = overview.status(live, store.counts(), active, failures, roots)
     if as_json:
         print(overview.to_json(data))
         return
     _print_status(data)
+
+
+def _open_failures(store: Store, most: int) -> list[Batch]:
+    """The newest failed batches that no later revision of their folder has replaced (a
+    manifest fixed, a folder made readable): what still needs someone to act."""
+    failed = store.batches([BatchState.FAILED], limit=10 * most, newest_first=True)
+    latest = [b for b in failed if _latest(store, b)]
+    return latest[:most]
+
+
+def _latest(store: Store, batch: Batch) -> bool:
+    newest = store.latest_revision(batch.root, batch.folder)
+    return newest is not None and newest.id == batch.id
 
 
 def _print_status(data: dict[str, Any]) -> None:
@@ -82,8 +94,9 @@ def _print_status(data: dict[str, Any]) -> None:
         columns = ("id", "folder", "kind", "state", "progress", "reason")
         console.print(_records("Active", columns, rows))
     if data["recent_failures"]:
-        failed = ("id", "folder", "updated_at", "reason")
-        console.print(_records("Last failures", failed, data["recent_failures"]))
+        rows = [{**r, "first problem": (r["problems"] or [""])[0]} for r in data["recent_failures"]]
+        failed = ("id", "folder", "updated_at", "reason", "first problem")
+        console.print(_records("Last failures", failed, rows))
 
 
 def _grid(title: str, columns: Sequence[str], rows: Iterable[Sequence[object]]) -> Table:

@@ -77,6 +77,9 @@ class IntakeSection(_Section):
     # How long the folder of an ended batch stays watched for a changed manifest; after that
     # the catch-up scan (daemon.rescan_seconds) finds one.
     watch_ended_seconds: Annotated[float, Field(ge=0, le=30 * 86400)] = 900.0
+    # A batch folder or manifest the service may not read is looked at again this often, so
+    # that one fixed (its ACLs set) is taken in at once, not at the next catch-up scan.
+    retry_unreadable_seconds: Annotated[float, Field(ge=1, le=3600)] = 30.0
 
 
 class PlannerSection(_Section):

@@ -49,7 +49,8 @@ class Seen:
 
 @dataclass(frozen=True)
 class Deferred:
-    """Look at this folder again at ``at``: its manifest is invalid but still fresh."""
+    """Look at this folder again at ``at``: its manifest is invalid but still fresh, or the
+    folder or its manifest cannot be read by the service (yet: its owner may set the ACLs)."""
 
     root: Path
     folder: str
@@ -65,13 +66,17 @@ class Intake:
         settle_seconds: float,
         on_batch: Callable[[Batch], None],
         limits: Callable[[Manifest], Sequence[Problem]] | None = None,
+        retry_seconds: float = 30.0,
     ) -> None:
         """``limits``: the site's rules beyond the manifest format (e.g. the cluster's bounds
-        on resources); a manifest that breaks one is refused like an invalid one."""
+        on resources); a manifest that breaks one is refused like an invalid one.
+        ``retry_seconds``: how often a folder or manifest the service may not read is looked
+        at again."""
         self.store = store
         self.limits = limits
         self.max_bytes = max_manifest_bytes
         self.settle = settle_seconds
+        self.retry = retry_seconds
         self.on_batch = on_batch
 
     def changed(self, root: Path, found: Sequence[FolderSeen]) -> list[str]:
@@ -86,8 +91,15 @@ class Intake:
         path = root / folder
         try:
             st = os.lstat(path / MANIFEST_NAME)
-        except OSError:
-            return None  # no manifest (yet), or the folder is gone
+        except PermissionError as exc:  # the folder: whether it holds a manifest is unknown
+            return self._unreadable(
+                root, folder, UNREADABLE_FOLDER, _folder_unreadable(exc, self.retry), now
+            )
+        except OSError:  # no manifest (yet), or the folder is gone
+            known = self.store.manifest_stats(str(root), [folder]).get(folder)
+            if known == UNREADABLE_FOLDER:  # readable now: its manifest may come any moment,
+                return Deferred(root, folder, now + self.retry)  # unseen by a watch it lacks
+            return None
         signature = stat_signature(st)
         if self.store.manifest_stats(str(root), [folder]).get(folder) == signature:
             return None
@@ -98,11 +110,9 @@ class Intake:
         try:
             identity, data = _read(root, folder, self.max_bytes)
         except PermissionError as exc:
-            # The owner must act: say so in the folder and in watchctl. Recorded under a
-            # signature no stat gives, so the manifest is read again at each rescan and is
-            # taken in as soon as it is readable (a chmod changes no size nor mtime).
-            self._record_refusal(root, folder, f"{signature}:unreadable", _unreadable(exc), now)
-            return None
+            return self._unreadable(
+                root, folder, f"{signature}:unreadable", _unreadable(exc, self.retry), now
+            )
         except OSError as exc:  # the share failing: try again at the next look
             log.warning("manifest unreadable", root=str(root), folder=folder, error=str(exc))
             return None
@@ -137,6 +147,7 @@ class Intake:
         manifest: Manifest | None,
         problems: tuple[Problem, ...],
         now: float,
+        refused: str = "manifest refused",
     ) -> None:
         root, folder = seen.root, seen.folder
         previous = self.store.latest_revision(str(root), folder)
@@ -158,9 +169,7 @@ class Intake:
             if manifest is not None:
                 batch = self.store.create_batch(new, BatchState.WAITING, "manifest accepted", now)
             else:
-                batch = self.store.create_batch(
-                    new, BatchState.FAILED, "manifest refused", now, problems
-                )
+                batch = self.store.create_batch(new, BatchState.FAILED, refused, now, problems)
             if previous is not None:
                 self._supersede(previous, batch, _replaced(previous, seen), now)
         log.info(
@@ -187,14 +196,37 @@ class Intake:
             why = f"the batch folder was replaced; {why}" if replaced else why
             self.store.add_intent("cancel", previous.id, now, f"watchd ({why})")
 
-    def _record_refusal(
+    def _unreadable(
         self, root: Path, folder: str, signature: str, problem: Problem, now: float
-    ) -> None:
-        """A folder or manifest we must not read: record the refusal without reading it."""
+    ) -> Deferred:
+        """A folder or manifest the service may not read: its owner (or the operator) must set
+        the ACLs. Said once in the store, so in watchctl and the log (and in the folder's
+        status file where the folder can be written), under a signature no stat gives, and
+        looked at again every ``retry_seconds``: a chmod or setfacl changes no size nor mtime,
+        so nothing else would notice the fix before the next catch-up scan."""
+        if self._record_refusal(root, folder, signature, problem, now, "unreadable by watchd"):
+            log.warning("batch folder unreadable", root=str(root), folder=folder,
+                        problem=problem.render(), retry_seconds=self.retry)  # fmt: skip
+        return Deferred(root, folder, now + self.retry)
+
+    def _record_refusal(
+        self,
+        root: Path,
+        folder: str,
+        signature: str,
+        problem: Problem,
+        now: float,
+        reason: str = "manifest refused",
+    ) -> bool:
+        """A folder or manifest we must not read: record the refusal without reading it
+        (unless it is recorded already); whether it was recorded now."""
         sha = hashlib.sha256(f"refused:{signature}".encode()).hexdigest()
         latest = self.store.latest_revision(str(root), folder)
-        if latest is None or latest.manifest_sha256 != sha:
-            self._record(Seen(root, folder, None, signature), b"", sha, None, (problem,), now)
+        if latest is not None and latest.manifest_sha256 == sha:
+            return False
+        seen = Seen(root, folder, None, signature)
+        self._record(seen, b"", sha, None, (problem,), now, reason)
+        return True
 
 
 def _refusal(root: Path, folder: str, st: os.stat_result) -> Problem | None:
@@ -212,12 +244,25 @@ def _refusal(root: Path, folder: str, st: os.stat_result) -> Problem | None:
     return None
 
 
-def _unreadable(exc: OSError) -> Problem:
+UNREADABLE_FOLDER = "unreadable"  # the signature of a folder the service may not look into
+
+
+def _unreadable(exc: OSError, retry: float) -> Problem:
     return Problem(
         MANIFEST_NAME,
         f"cannot be read by the watchd service: {exc.strerror}",
-        "make it readable for the service (e.g. chmod a+r manifest.toml); it is read again "
-        "at the next rescan",
+        "make it readable for the service (e.g. chmod a+r manifest.toml, or the ACLs of "
+        f"docs/install.md, step 3); watchd reads it again every {retry:g} s",
+    )
+
+
+def _folder_unreadable(exc: OSError, retry: float) -> Problem:
+    return Problem(
+        "batch folder",
+        f"cannot be read by the watchd service: {exc.strerror}",
+        "give the watchd service access as the drop root's default ACLs would have "
+        "(docs/install.md, step 3; its troubleshooting names the setfacl commands); "
+        f"watchd looks again every {retry:g} s",
     )
 
 

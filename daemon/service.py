@@ -80,6 +80,7 @@ class Service:
             self.store,
             max_manifest_bytes=config.intake.max_manifest_bytes,
             settle_seconds=config.intake.settle_seconds,
+            retry_seconds=config.intake.retry_unreadable_seconds,
             on_batch=self._taken,
             limits=_site_limits(config),
         )

@@ -70,7 +70,8 @@ def stat_signature(st: os.stat_result) -> str:
 
 
 def scan_root(root: Path) -> Iterator[FolderSeen]:
-    """Every folder directly under ``root`` that holds a manifest; two stats per folder.
+    """Every folder directly under ``root`` that holds a manifest (or that the service may
+    not look into, with no signature); two stats per folder.
 
     Never lists a batch folder's content. Streams: the folders are not all held at once, so a
     scan of a share with many thousand folders costs no more memory than one of a few.
@@ -82,6 +83,9 @@ def scan_root(root: Path) -> Iterator[FolderSeen]:
                 continue
             try:
                 st = os.lstat(os.path.join(entry.path, MANIFEST_NAME))
+            except PermissionError:  # a folder the service may not look into: intake says so
+                yield FolderSeen(entry.name, "", entry.is_symlink())
+                continue
             except OSError:
                 continue
             yield FolderSeen(entry.name, stat_signature(st), entry.is_symlink())
@@ -233,15 +237,31 @@ class _DepthOneInotify:
 
 class ManifestListing:
     """A listdir for watchdog's polling observer that lists the root's folders and, inside
-    each, only the manifest: a poll costs a few stats per batch, however many images."""
+    each, only the manifest: a poll costs a few stats per batch, however many images.
 
-    def __init__(self, root: Path) -> None:
+    The folders of ended batches are left out (:meth:`release`), as the inotify watches leave
+    them: a poll costs a few stats per folder without a manifest or with a batch under way,
+    not per folder ever dropped; a manifest changed in a folder left out is found by the
+    catch-up scan. The set is swapped whole, never changed in place: the observer's thread
+    reads it while the service's thread sets it."""
+
+    def __init__(self, root: Path, released: Collection[str] = ()) -> None:
         self.root = os.fspath(root)
+        self.released = frozenset(released)
+
+    def release(self, folder: str) -> None:
+        self.released = self.released | {folder}
+
+    def follow(self, folder: str) -> None:
+        self.released = self.released - {folder}
 
     def __call__(self, path: str | None) -> Iterator[os.DirEntry[str]]:
         if path is None or os.path.normpath(path) == self.root:
+            released = self.released
             with os.scandir(self.root) as entries:
-                yield from [e for e in entries if e.is_dir(follow_symlinks=False)]
+                yield from [
+                    e for e in entries if e.name not in released and e.is_dir(follow_symlinks=False)
+                ]
             return
         if os.path.lexists(os.path.join(path, MANIFEST_NAME)):
             yield _Named(MANIFEST_NAME)  # type: ignore[misc]
@@ -286,6 +306,7 @@ class Watcher:
         self._fd: InotifyFD | None = None
         self._inotify: dict[Path, _DepthOneInotify] = {}
         self._polling: dict[Path, BaseObserver] = {}
+        self._listings: dict[Path, ManifestListing] = {}
 
     def start(self) -> dict[Path, ObserverMode]:
         """Start watching every root that exists now; the mode chosen for each."""
@@ -326,15 +347,15 @@ class Watcher:
         )
 
     def follow(self, root: Path, folder: str) -> None:
-        """Watch a batch folder again: a batch in it is under way (inotify roots only; polling
-        looks at every folder anyway)."""
-        watch = self._inotify.get(root)
+        """Watch a batch folder again: a batch in it is under way."""
+        watch = self._inotify.get(root) or self._listings.get(root)
         if watch is not None:
             watch.follow(folder)
 
     def release(self, root: Path, folder: str) -> None:
-        """Stop watching a batch folder whose batch has ended; the catch-up scan still looks."""
-        watch = self._inotify.get(root)
+        """Stop watching (or polling) a batch folder whose batch has ended; the catch-up scan
+        still looks."""
+        watch = self._inotify.get(root) or self._listings.get(root)
         if watch is not None:
             watch.release(folder)
 
@@ -344,14 +365,14 @@ class Watcher:
         return frozenset() if watch is None else watch.watching()
 
     def _arm_polling(self, root: RootSection) -> None:
-        observer = PollingObserverVFS(
-            os.stat, ManifestListing(root.path), polling_interval=root.poll_seconds
-        )
+        listing = ManifestListing(root.path, self.ended(root.path))
+        observer = PollingObserverVFS(os.stat, listing, polling_interval=root.poll_seconds)
         observer.schedule(
             _PollingHandler(root.path, self.events), os.fspath(root.path), recursive=True
         )
         observer.start()
         self._polling[root.path] = observer
+        self._listings[root.path] = listing
 
     def armed(self, root: Path) -> bool:
         if root in self._inotify:
@@ -364,6 +385,7 @@ class Watcher:
         watch = self._inotify.pop(root, None)
         if watch is not None:
             watch.close()
+        self._listings.pop(root, None)
         observer = self._polling.pop(root, None)
         if observer is not None:
             observer.stop()

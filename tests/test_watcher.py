@@ -96,6 +96,37 @@ def test_the_folders_of_ended_batches_are_not_watched_and_can_be_let_go_and_take
     assert inotify_watches() == before
 
 
+def test_a_polled_root_leaves_the_folders_of_ended_batches_to_the_catch_up_scan(
+    drop_root: Path,
+) -> None:
+    """A poll costs stats per folder under way, not per folder ever dropped."""
+    for name in ("ended", "running"):
+        batch_with_images(drop_root, name, images=1)
+    listing = ManifestListing(drop_root, {"ended"})
+    snapshot = DirectorySnapshot(str(drop_root), recursive=True, listdir=listing)
+    assert sorted(os.path.relpath(p, drop_root) for p in snapshot.paths) == [".", "running"]
+    events: queue.Queue = queue.Queue()
+    root = RootSection(path=drop_root, observer=ObserverMode.POLLING, poll_seconds=0.05)
+    watcher = Watcher([root], events, ended=lambda path: {"ended"})
+    watcher.start()
+    try:
+        events_within(events, 0.3)
+        (drop_root / "ended" / "manifest.toml").write_text("x")
+        (drop_root / "running" / "manifest.toml").write_text("x")
+        seen = {e.folder for e in events_within(events, 0.5) if isinstance(e, FolderTouched)}
+        assert seen == {"running"}
+        watcher.release(drop_root, "running")
+        watcher.follow(drop_root, "ended")
+        events_within(events, 0.3)  # the listing changed: the folders come and go once
+        (drop_root / "running" / "manifest.toml").write_text("yy")
+        (drop_root / "ended" / "manifest.toml").write_text("yy")
+        seen = {e.folder for e in events_within(events, 0.5) if isinstance(e, FolderTouched)}
+        assert seen == {"ended"}
+        assert sorted(f.folder for f in scan_root(drop_root)) == ["ended", "running"]
+    finally:
+        watcher.stop()
+
+
 @pytest.mark.parametrize("mode", [ObserverMode.INOTIFY, ObserverMode.POLLING])
 def test_a_manifest_renamed_in_or_a_folder_moved_in_whole_is_seen(
     mode: ObserverMode, drop_root: Path, tmp_path: Path
