@@ -70,6 +70,9 @@ class IntakeSection(_Section):
     settle_seconds: Annotated[float, Field(ge=0, le=86400)] = 5.0
     timeout_seconds: Seconds = 24 * 3600.0
     check_seconds: Seconds = 2.0
+    # A waiting batch whose inputs did not change is looked at less and less often, up to this;
+    # a watcher event on its folder brings the next look forward.
+    max_check_seconds: Seconds = 30.0
     max_manifest_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 16 << 20
     # The most entries of a batch folder its patterns may look at in one check, all together;
     # a pattern that needs more fails its batch, naming this bound.

@@ -12,17 +12,31 @@ it looks at, that never enters a link to a folder.
 from __future__ import annotations
 
 import os
+import posixpath
+import stat
+import time
 import unicodedata
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from daemon import patterns
+from daemon.jobspec import InputFile
 from daemon.manifest import MANIFEST_NAME, RESULTS_DIR, STATUS_NAME, Manifest, Pattern
 from daemon.safeopen import Presence, locate
 
 MAX_PATTERN_ENTRIES = 200_000  # the default of the daemon's intake.max_pattern_entries
 
-__all__ = ["FileSeen", "InputsSeen", "PatternSeen", "Presence", "look", "observe"]
+__all__ = [
+    "FileSeen",
+    "InputsSeen",
+    "Memory",
+    "PatternSeen",
+    "Presence",
+    "check",
+    "look",
+    "observe",
+]
 
 
 @dataclass(frozen=True)
@@ -52,22 +66,176 @@ class InputsSeen:
     patterns: tuple[PatternSeen, ...]
 
 
+@dataclass(frozen=True)
+class Listing:
+    """The names of one folder of inputs and their types, with the folder's mtime when it was
+    listed; reused while the mtime stays and was older than the listing by a margin (a name
+    added within the mtime's granularity would otherwise go unseen)."""
+
+    mtime_ns: int
+    listed_ns: int
+    names: Mapping[str, int]  # name → file type bits (stat.S_IFREG, S_IFLNK, S_IFDIR, ...)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What the earlier checks of one batch learnt, so that the next looks only at what may
+    have changed: each input's last stat, the inputs seen complete (at their listed size, or
+    unchanged between two looks where no size is listed: not stat'ed again), and the listings
+    of the folders that hold listed inputs."""
+
+    last: Mapping[str, FileSeen] = field(default_factory=dict)
+    complete: frozenset[str] = frozenset()
+    listings: Mapping[str, Listing] = field(default_factory=dict)
+
+
+LISTING_MARGIN_NS = 2_000_000_000  # a folder changed this recently is listed again regardless
+
+
 def observe(folder: Path, manifest: Manifest, max_entries: int = MAX_PATTERN_ENTRIES) -> InputsSeen:
     """Stat every listed input and expand every pattern, without reading any file's content;
     the patterns together look at no more than ``max_entries`` entries of the folder."""
+    return check(folder, manifest, max_entries, None)[0]
+
+
+def check(
+    folder: Path, manifest: Manifest, max_entries: int, memory: Memory | None
+) -> tuple[InputsSeen, Memory]:
+    """Like :func:`observe`, metadata-light: one listing per folder of listed inputs (none
+    while the folder is unchanged) and one stat per input not yet seen complete; ``memory``
+    None looks at everything again (the verification before a batch is queued). What is
+    seen, and what the next check may take from it."""
     try:
         real_folder = os.path.realpath(folder)
         if not os.path.isdir(real_folder):
-            return InputsSeen(False, (), ())
+            return InputsSeen(False, (), ()), Memory()
     except OSError:
-        return InputsSeen(False, (), ())
-    files = tuple(look(real_folder, f.path) for f in manifest.files)
+        return InputsSeen(False, (), ()), Memory()
+    looker = _Looker(real_folder, memory or Memory(), verify=memory is None)
+    files = looker.listed(manifest.files)
     expanded, budget = [], max_entries
     for p in manifest.patterns:
-        seen = _expand(real_folder, p, budget)
+        seen = _expand(looker, p, budget)
         budget -= seen.visited
         expanded.append(PatternSeen(p, seen.matches, _stopped(seen.stopped, max_entries)))
-    return InputsSeen(True, files, tuple(expanded))
+    return InputsSeen(True, files, tuple(expanded)), looker.learnt()
+
+
+class _Looker:
+    """One check's looking (private: :func:`check` returns what it saw and learnt)."""
+
+    def __init__(self, real_folder: str, memory: Memory, *, verify: bool) -> None:
+        self.real_folder, self.memory, self.verify = real_folder, memory, verify
+        self.last: dict[str, FileSeen] = {}
+        self.complete: set[str] = set()
+        self.listings: dict[str, Listing] = {}
+
+    def learnt(self) -> Memory:
+        return Memory(dict(self.last), frozenset(self.complete), dict(self.listings))
+
+    def listed(self, files: Sequence[InputFile]) -> tuple[FileSeen, ...]:
+        by_folder: dict[str, list[int]] = {}
+        for i, f in enumerate(files):
+            by_folder.setdefault(posixpath.dirname(f.path), []).append(i)
+        seen: list[FileSeen | None] = [None] * len(files)
+        for parent, indices in by_folder.items():
+            spelt, names = self._spelt_names(parent)
+            for i in indices:
+                seen[i] = self._one(files[i], spelt, names)
+        return tuple(s for s in seen if s is not None)
+
+    def _one(self, listed: InputFile, parent: str, names: Mapping[str, int] | None) -> FileSeen:
+        if names is None:  # a folder on the way is a link, or cannot be listed: the full rule
+            return self.remember(look(self.real_folder, listed.path), listed.size)
+        name = _spelt(posixpath.basename(listed.path), names)
+        if name is None:
+            return FileSeen(listed.path, Presence.MISSING)
+        relative = posixpath.join(parent, name)
+        if names[name] != stat.S_IFREG:  # a link or something else: the full rule judges it
+            return self.remember(look(self.real_folder, relative), listed.size)
+        return self.stat(relative, listed.size)
+
+    def stat(self, relative: str, size: int | None) -> FileSeen:
+        """One regular file found by a listing: its stat, unless it was seen complete."""
+        if not self.verify and relative in self.memory.complete:
+            return self.remember(self.memory.last[relative], size)
+        try:
+            st = os.lstat(os.path.join(self.real_folder, relative))
+        except OSError:
+            return self.remember(look(self.real_folder, relative), size)  # gone or swapped
+        if not stat.S_ISREG(st.st_mode):
+            return self.remember(look(self.real_folder, relative), size)
+        return self.remember(FileSeen(relative, Presence.FILE, st.st_size, st.st_mtime_ns), size)
+
+    def remember(self, seen: FileSeen, size: int | None) -> FileSeen:
+        if seen.presence is Presence.FILE:
+            before = self.memory.last.get(seen.path)
+            if seen.size == size or (size is None and before == seen):
+                self.complete.add(seen.path)
+            self.last[seen.path] = seen
+        return seen
+
+    def _spelt_names(self, parent: str) -> tuple[str, Mapping[str, int] | None]:
+        """The folder's name as spelt on disk (the manifest's, or its other Unicode
+        normalisation) and its names, as :meth:`_names` gives them."""
+        for spelling in _spellings(parent):
+            names = self._names(spelling)
+            if names != {}:
+                return spelling, names
+        return parent, {}
+
+    def _names(self, parent: str) -> Mapping[str, int] | None:
+        """The names in one folder of the batch folder (``""``: itself) by their types, or
+        None where a folder on the way is a link or cannot be read; {} if it does not exist."""
+        try:
+            fd = _open_below(self.real_folder, parent)
+        except FileNotFoundError:
+            return {}
+        except OSError:
+            return None
+        try:
+            mtime = os.fstat(fd).st_mtime_ns
+            known = None if self.verify else self.memory.listings.get(parent)
+            if known and known.mtime_ns == mtime and known.listed_ns - mtime > LISTING_MARGIN_NS:
+                self.listings[parent] = known
+                return known.names
+            listed_ns = time.time_ns()
+            with os.scandir(fd) as entries:
+                names = {e.name: patterns.entry_type(e) for e in entries}
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        self.listings[parent] = Listing(mtime, listed_ns, names)
+        return names
+
+
+def _open_below(real_folder: str, relative: str) -> int:
+    """A descriptor of a folder below the batch folder, opened one component at a time without
+    following a link (ELOOP or ENOTDIR for one on the way)."""
+    fd = os.open(real_folder, _DIR_FLAGS)
+    for part in [p for p in relative.split("/") if p]:
+        try:
+            child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+        finally:
+            os.close(fd)
+        fd = child
+    return fd
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _spelt(name: str, names: Mapping[str, int]) -> str | None:
+    """The name as it is spelt in the folder: itself, or its other Unicode normalisation."""
+    return next((n for n in _spellings(name) if n in names), None)
+
+
+def _spellings(name: str) -> list[str]:
+    """A name, then its other Unicode normalisations (a manifest written on a Mac may spell
+    'ä' as 'a' and a combining mark where the share's name has the one character)."""
+    others = {unicodedata.normalize(form, name) for form in ("NFC", "NFD")} - {name}
+    return [name, *sorted(others)]
 
 
 def look(real_folder: str, relative: str) -> FileSeen:
@@ -80,9 +248,9 @@ def look(real_folder: str, relative: str) -> FileSeen:
     """
     found = locate(real_folder, relative)
     if found.presence is Presence.MISSING and not found.detail:  # not a dangling link
-        for other in {unicodedata.normalize(form, relative) for form in ("NFC", "NFD")}:
+        for other in _spellings(relative)[1:]:
             there = locate(real_folder, other)
-            if other != relative and there.presence is not Presence.MISSING:
+            if there.presence is not Presence.MISSING:
                 relative, found = other, there
                 break
     return FileSeen(relative, found.presence, found.size, found.mtime_ns, found.detail)
@@ -95,12 +263,14 @@ class _Expanded:
     stopped: patterns.Bound | None
 
 
-def _expand(real_folder: str, pattern: Pattern, budget: int) -> _Expanded:
+def _expand(looker: _Looker, pattern: Pattern, budget: int) -> _Expanded:
     """The inputs a pattern matches, leaving out what watchd writes into the folder; a link
     to a folder that the pattern would have to enter is among them if it leads outside the
-    folder (so that the batch is refused for it), and left out otherwise."""
+    folder (so that the batch is refused for it), and left out otherwise. The walk enters no
+    link, so a match needs one stat (none once seen complete)."""
+    real_folder = looker.real_folder
     found = patterns.expand(real_folder, pattern.glob, max(budget, 0), _watchd_writes)
-    matches = [look(real_folder, relative) for relative in found.paths]
+    matches = [looker.stat(relative, None) for relative in found.paths]
     for relative in found.linked:
         link = look(real_folder, relative)
         if link.presence is Presence.OUTSIDE:

@@ -132,7 +132,7 @@ class _Walk:
         return any(i < len(self.parts) for i in after) and _leads_to_folder(fd, name)
 
     def _entries(self, fd: int, states: frozenset[int]) -> Iterator[tuple[str, int]]:
-        """(name, lstat mode) of the entries that may match: only the named ones when every
+        """(name, file type bits) of the entries that may match: only the named ones when every
         position is a literal name, else all (an entry that vanished meanwhile is left out)."""
         literal = [self.parts[i] for i in states if i < len(self.parts)]
         if all(p.regex is None and not p.recursive for p in literal):
@@ -147,7 +147,7 @@ class _Walk:
             for entry in listing:
                 self._count()
                 try:
-                    yield entry.name, entry.stat(follow_symlinks=False).st_mode
+                    yield entry.name, entry_type(entry)
                 except OSError:
                     continue
 
@@ -169,6 +169,18 @@ class _Walk:
             self.folder(child, relative + "/", states, depth)
         finally:
             os.close(child)
+
+
+def entry_type(entry: os.DirEntry[str]) -> int:
+    """The file type bits of a listed entry, from the listing itself where the filesystem
+    gives them (no stat; where it does not, Python stats the entry)."""
+    if entry.is_symlink():
+        return stat.S_IFLNK
+    if entry.is_dir(follow_symlinks=False):
+        return stat.S_IFDIR
+    if entry.is_file(follow_symlinks=False):
+        return stat.S_IFREG
+    return stat.S_IFMT(entry.stat(follow_symlinks=False).st_mode)  # FIFO, socket, device
 
 
 def _leads_to_folder(fd: int, name: str) -> bool:

@@ -92,6 +92,7 @@ class Service:
                 config.intake.check_seconds,
                 min(config.daemon.rescan_seconds, 60.0),
                 config.intake.max_pattern_entries,
+                max(config.intake.max_check_seconds, config.intake.check_seconds),
             ),
             self.store.manifest_text,
         )
@@ -208,6 +209,7 @@ class Service:
             log.warning("left running", count=len(left), jobs=names[:20],
                         note="re-adopted at next start")  # fmt: skip
         self.endings.close(self.clock(), self.config.mail.timeout_seconds)
+        self.waitroom.close()
         self.metrics.close()
         self.pulse.beat(self.clock(), force=True, stopped=True)
         self.executor.close()
@@ -259,6 +261,7 @@ class Service:
         for d in due:
             touched[(d.root, d.folder)] = None
         for root, folder in touched:
+            self.waitroom.touched(str(root), folder)
             self._look(root, folder, now)
 
     def _look(self, root: Path, folder: str, now: float) -> None:
