@@ -53,6 +53,7 @@ class Actor:
         self.metrics = metrics
         self.touched = touched
         self.pause = pause
+        self._unreachable: set[int] = set()  # batches whose folder the share cannot reach now
 
     def carry_out(self, actions: Iterable[Action], now: float) -> None:
         for group in _transactions(actions, self.store):
@@ -155,6 +156,7 @@ class Actor:
         outcome = self.dispatch.submit(work, now)
         for submitted in outcome.submitted:
             self.touched(submitted.batch_id)
+            self._unreachable.discard(submitted.batch_id)
         for job in outcome.refused:  # its batch fails at the next tick's plan
             self.touched(job.batch_id)
             self.metrics.job_ended(job)
@@ -162,6 +164,12 @@ class Actor:
             self._unwritable(refused_batch, error, now)
 
     def _unwritable(self, batch: Batch, exc: OSError, now: float) -> None:
+        if exc.errno in SHARE_DOWN:  # an outage, not the folder: its jobs wait for the share
+            if batch.id not in self._unreachable:
+                self._unreachable.add(batch.id)
+                log.warning("batch folder unreachable; its jobs wait for the share",
+                            batch_id=batch.id, folder=batch.folder, error=str(exc))  # fmt: skip
+            return
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             hint = "the share is full (or over quota): free space, then ask for a retry"
         elif exc.errno in (errno.ELOOP, errno.ENOTDIR):
@@ -181,6 +189,14 @@ class Actor:
         for job in self.dispatch.cancel(action.job_ids, action.reason, now):
             log.info("job cancelled", batch_id=job.batch_id, job_id=job.id, reason=action.reason)
             self.touched(job.batch_id)
+
+
+# What a network share answers while it is away (sshfs, NFS, GPFS): a job waits, queued, and is
+# submitted at a later tick once the share answers again; its batch does not fail for it.
+SHARE_DOWN = frozenset({
+    errno.ENOTCONN, errno.EIO, errno.ETIMEDOUT, errno.EHOSTDOWN, errno.EHOSTUNREACH,
+    errno.ENETDOWN, errno.ENETUNREACH, errno.ECONNRESET, errno.ECONNABORTED,
+})  # fmt: skip
 
 
 def _transactions(actions: Iterable[Action], store: Store) -> list[list[Action]]:

@@ -107,7 +107,7 @@ class HeldFolder:
         ``identity``, it must still be the folder accepted under that name."""
         fd = os.open(path, _DIR_FLAGS)
         held = cls(fd, Path(path))
-        if identity is not None and held.identity() != identity:
+        if identity is not None and not held.identity().same(identity):
             held.close()
             raise FolderReplaced(path)
         return held
@@ -117,7 +117,7 @@ class HeldFolder:
         """Hold the batch folder ``folder`` (one name) of drop root ``root``."""
         with cls.open(root) as held_root:
             held = held_root.folder(folder)
-        if identity is not None and held.identity() != identity:
+        if identity is not None and not held.identity().same(identity):
             held.close()
             raise FolderReplaced(Path(root) / folder)
         return held
@@ -137,7 +137,10 @@ class HeldFolder:
             return held.folder(relative, create=create)
 
     def identity(self) -> Identity:
-        return Identity.of(os.fstat(self.fd))
+        """The folder's identity, with its parent's inode (the drop root's, for a batch
+        folder: see :meth:`Identity.same`)."""
+        parent = os.stat(self.path.parent, follow_symlinks=False) if self.path.name else None
+        return Identity.of(os.fstat(self.fd), parent)
 
     def folder(self, relative: str | PurePosixPath, *, create: bool = False) -> HeldFolder:
         """Hold a folder below this one, made component by component when ``create``; a link,

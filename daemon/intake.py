@@ -164,6 +164,7 @@ class Intake:
             run_dir=_run_dir(seen.root, seen.folder, now, sha, made=manifest is not None),
             folder_device=seen.identity.device if seen.identity else None,
             folder_inode=seen.identity.inode if seen.identity else None,
+            root_inode=seen.identity.root if seen.identity else None,
         )
         with self.store.atomic():
             if manifest is not None:
@@ -277,7 +278,9 @@ def _read(root: Path, folder: str, max_bytes: int) -> tuple[Identity, bytes]:
 
 def _replaced(previous: Batch, seen: Seen) -> bool:
     """Whether the folder seen now is another than the one ``previous`` was taken in from."""
-    return None not in (previous.identity, seen.identity) and previous.identity != seen.identity
+    if previous.identity is None or seen.identity is None:
+        return False
+    return not previous.identity.same(seen.identity)
 
 
 def _cut_off(previous: Batch, seen: Seen) -> bool:

@@ -105,15 +105,26 @@ class Resources:
 
 @dataclass(frozen=True)
 class Identity:
-    """Which folder a name meant when it was accepted: its device and inode (the rule that
-    holds a folder by it is :mod:`daemon.heldfolder`'s)."""
+    """Which folder a name meant when it was accepted: its device and inode, and the drop
+    root's inode then (the rule that holds a folder by it is :mod:`daemon.heldfolder`'s)."""
 
     device: int
     inode: int
+    root: int | None = None  # None: not known (batches taken in before it was recorded)
 
     @classmethod
-    def of(cls, st: os.stat_result) -> Identity:
-        return cls(st.st_dev, st.st_ino)
+    def of(cls, st: os.stat_result, root: os.stat_result | None = None) -> Identity:
+        return cls(st.st_dev, st.st_ino, None if root is None else root.st_ino)
+
+    def same(self, other: Identity) -> bool:
+        """Whether ``other`` is this folder. A folder swapped under the name has another inode
+        in the same drop root. The device number is not compared, and a drop root that is
+        itself another (its inode changed too) means the share was mounted again: an NFS or
+        sshfs outage brings the same folders back under new numbers (sshfs numbers inodes
+        afresh at every mount)."""
+        if self.inode == other.inode:
+            return True
+        return None not in (self.root, other.root) and self.root != other.root
 
 
 @dataclass(frozen=True)

@@ -149,4 +149,13 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         ALTER TABLE batches ADD COLUMN folder_inode INTEGER
         """,
     ),
+    # The drop root's inode when the folder's identity was taken: a network share mounted
+    # again (sshfs numbers inodes afresh at every mount) changes both, a folder replaced under
+    # its name only the folder's. NULL for batches taken in before.
+    (
+        6,
+        """
+        ALTER TABLE batches ADD COLUMN root_inode INTEGER
+        """,
+    ),
 )

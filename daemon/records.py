@@ -35,6 +35,7 @@ class Batch:
     finished_at: float | None
     folder_device: int | None = None  # the folder's identity when the batch was taken in
     folder_inode: int | None = None
+    root_inode: int | None = None  # the drop root's inode then (a share mounted again: another)
 
     @property
     def path(self) -> Path:
@@ -45,7 +46,7 @@ class Batch:
         """The batch folder it was taken in from (None for batches recorded before)."""
         if self.folder_device is None or self.folder_inode is None:
             return None
-        return Identity(self.folder_device, self.folder_inode)
+        return Identity(self.folder_device, self.folder_inode, self.root_inode)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class NewBatch:
     run_dir: str
     folder_device: int | None = None
     folder_inode: int | None = None
+    root_inode: int | None = None
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ def staged(tmp_path: Path) -> Path:
 
 def _drop(staged: Path, folder: Path) -> Identity:
     shutil.copytree(staged, folder)
-    return Identity.of(os.stat(folder))
+    return Identity.of(os.stat(folder), os.stat(folder.parent))
 
 
 def _replace(staged: Path, folder: Path, away: Path) -> Identity:

@@ -159,13 +159,15 @@ class BatchStore(StoreBase):
 
     def set_manifest_stat(self, batch_id: int, stat: str, identity: Identity | None = None) -> None:
         """The manifest's stat signature; with ``identity``, the folder it is in (a folder
-        dropped again with the same manifest)."""
+        dropped again with the same manifest, or seen again after its share was mounted
+        again) and the drop root's inode then."""
         with self.atomic():
             self.db.execute("UPDATE batches SET manifest_stat = ? WHERE id = ?", [stat, batch_id])
             if identity is not None:
                 self.db.execute(
-                    "UPDATE batches SET folder_device = ?, folder_inode = ? WHERE id = ?",
-                    [identity.device, identity.inode, batch_id],
+                    "UPDATE batches SET folder_device = ?, folder_inode = ?, root_inode = ? "
+                    "WHERE id = ?",
+                    [identity.device, identity.inode, identity.root, batch_id],
                 )
 
     def transition_batch(

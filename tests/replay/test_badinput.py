@@ -258,8 +258,8 @@ def test_a_batch_folder_replaced_mid_run_is_a_new_batch_and_its_images_are_never
         "cancelled by watchd (the batch folder was replaced; superseded by revision 2)"
     )
     assert "the batch folder was replaced: revision 2 replaces 1" in events
-    assert (second.state, second.identity) == (BatchState.DONE, Identity.of(os.stat(folder)))
-    assert first.identity == Identity.of(os.stat(moved)) != second.identity
+    assert (second.state, second.identity) == (BatchState.DONE, Identity.of(os.stat(folder), os.stat(folder.parent)))
+    assert first.identity == Identity.of(os.stat(moved), os.stat(moved.parent)) != second.identity
     old_read, new_read = _inputs_read(moved), _inputs_read(folder)
     assert old_read and old_read <= _digests(old) and not old_read & _digests(new)
     assert new_read == _digests(new)
