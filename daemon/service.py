@@ -43,7 +43,7 @@ from daemon.records import Batch, Job
 from daemon.states import JobState
 from daemon.store import Store
 from daemon.waitroom import Schedule, WaitRoom
-from daemon.watcher import FolderTouched, RootLost, Watcher, WatchEvent, scan_root
+from daemon.watcher import FolderTouched, RootLost, Wake, Watcher, WatchEvent, scan_root
 
 log = structlog.get_logger("watchd")
 
@@ -95,6 +95,7 @@ class Service:
                 max(config.intake.max_check_seconds, config.intake.check_seconds),
             ),
             self.store.manifest_text,
+            lambda batch: self.events.put(Wake()),
         )
         self.metrics = Metrics()
         mailer = Mailer.from_config(config.mail)

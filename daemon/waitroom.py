@@ -49,10 +49,17 @@ class _Looked:
 
 class WaitRoom:
     def __init__(
-        self, timing: readiness.Timing, schedule: Schedule, text: Callable[[int], str]
+        self,
+        timing: readiness.Timing,
+        schedule: Schedule,
+        text: Callable[[int], str],
+        wake: Callable[[Batch], None] = lambda batch: None,
     ) -> None:
-        """``text``: a batch's manifest text, by id (the store's; read once per batch)."""
+        """``text``: a batch's manifest text, by id (the store's; read once per batch);
+        ``wake``: called from the checking thread when a batch's check is done (the loop
+        picks its result up at once instead of at the next tick)."""
         self.text = text
+        self.wake = wake
         self.timing = timing
         self.schedule = schedule
         self._manifests: dict[int, Manifest] = {}
@@ -91,10 +98,14 @@ class WaitRoom:
             return readiness.NotReady(exc.problems, "manifest refused"), True
         if manifest is None:
             return None, False
-        looked = self._looked(batch, manifest, now)
-        if looked is None:
-            return None, False
-        return self._judge(batch, manifest, looked, now)
+        for _ in range(2):  # a check, then (if it finds the batch ready) the verification
+            looked = self._looked(batch, manifest, now)
+            if looked is None:
+                return None, False
+            verdict = self._judge(batch, manifest, looked, now)
+            if verdict is not None:
+                return verdict
+        return None, False
 
     def _looked(self, batch: Batch, manifest: Manifest, now: float) -> _Looked | None:
         """A check's result if one is ready: a large batch's runs off the loop thread, so the
@@ -114,7 +125,9 @@ class WaitRoom:
             return self._look(batch.path, manifest, memory)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="watchd-inputs")
-        self._looking[batch.id] = self._pool.submit(self._look, batch.path, manifest, memory)
+        future = self._pool.submit(self._look, batch.path, manifest, memory)
+        future.add_done_callback(lambda _: self.wake(batch))
+        self._looking[batch.id] = future
         return None
 
     def _look(self, folder: Path, manifest: Manifest, memory: inputs.Memory | None) -> _Looked:
@@ -130,7 +143,9 @@ class WaitRoom:
 
     def _judge(
         self, batch: Batch, manifest: Manifest, looked: _Looked, now: float
-    ) -> tuple[readiness.Verdict | None, bool]:
+    ) -> tuple[readiness.Verdict, bool] | None:
+        """The verdict on what a check saw, or None when it found the batch ready without
+        looking at everything: then the verification is due at once."""
         previous = self._settle.get(batch.id)
         verdict = readiness.assess(
             manifest, looked.seen, previous, batch.updated_at, now, self.timing
@@ -139,7 +154,7 @@ class WaitRoom:
         if isinstance(verdict, readiness.Ready) and not looked.verified:
             self._memory.pop(batch.id)  # one look at everything before it is queued
             self._next_check[batch.id] = now
-            return None, False
+            return None
         changed = False
         if isinstance(verdict, readiness.Waiting):
             self._settle[batch.id] = verdict.settle

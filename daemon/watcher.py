@@ -53,7 +53,13 @@ class RootLost:
     root: Path
 
 
-WatchEvent = FolderTouched | RootLost
+@dataclass(frozen=True)
+class Wake:
+    """Not the filesystem's: work the loop waits for is ready (a check of a batch's inputs,
+    done off the loop thread); the loop picks it up at once instead of at its next tick."""
+
+
+WatchEvent = FolderTouched | RootLost | Wake
 
 
 @dataclass(frozen=True, slots=True)
