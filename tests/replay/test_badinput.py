@@ -258,8 +258,11 @@ def test_a_batch_folder_replaced_mid_run_is_a_new_batch_and_its_images_are_never
         "cancelled by watchd (the batch folder was replaced; superseded by revision 2)"
     )
     assert "the batch folder was replaced: revision 2 replaces 1" in events
-    assert (second.state, second.identity) == (BatchState.DONE, Identity.of(os.stat(folder), os.stat(folder.parent)))
-    assert first.identity == Identity.of(os.stat(moved), os.stat(moved.parent)) != second.identity
+    assert (second.state, second.identity) == (
+        BatchState.DONE,
+        Identity.of(os.stat(folder), os.stat(folder.parent)),
+    )
+    assert first.identity == Identity.of(os.stat(moved), os.stat(drop_root)) != second.identity
     old_read, new_read = _inputs_read(moved), _inputs_read(folder)
     assert old_read and old_read <= _digests(old) and not old_read & _digests(new)
     assert new_read == _digests(new)
@@ -375,10 +378,10 @@ def test_a_manifest_the_service_cannot_read_fails_visibly_and_is_taken_in_once_r
     assert "State:     FAILED" in status and "watchctl retry" not in status
     assert (
         "manifest.toml: cannot be read by the watchd service: Permission denied — make it "
-        "readable for the service (e.g. chmod a+r manifest.toml); it is read again at the next "
-        "rescan"
-    ) in status
-    assert (first.state, first.reason) == (BatchState.FAILED, "manifest refused")
+        "readable for the service (e.g. chmod a+r manifest.toml, or the ACLs of "
+        "docs/install.md, step 3); watchd reads it again every 30 s"
+    ) in status.replace("\n", " ").replace("  ", " ")
+    assert (first.state, first.reason) == (BatchState.FAILED, "unreadable by watchd")
     assert second.kind == "inference" and second.revision == 2
 
 
