@@ -74,7 +74,8 @@ class Listing:
 
     mtime_ns: int
     listed_ns: int
-    names: Mapping[str, int]  # name → file type bits (stat.S_IFREG, S_IFLNK, S_IFDIR, ...)
+    names: frozenset[str]  # names only: a type would cost a stat per entry where the
+    # filesystem's listing gives none (sshfs); each input's own stat says what it is
 
 
 @dataclass(frozen=True)
@@ -144,19 +145,17 @@ class _Looker:
                 seen[i] = self._one(files[i], spelt, names)
         return tuple(s for s in seen if s is not None)
 
-    def _one(self, listed: InputFile, parent: str, names: Mapping[str, int] | None) -> FileSeen:
+    def _one(self, listed: InputFile, parent: str, names: frozenset[str] | None) -> FileSeen:
         if names is None:  # a folder on the way is a link, or cannot be listed: the full rule
             return self.remember(look(self.real_folder, listed.path), listed.size)
         name = _spelt(posixpath.basename(listed.path), names)
         if name is None:
             return FileSeen(listed.path, Presence.MISSING)
-        relative = posixpath.join(parent, name)
-        if names[name] != stat.S_IFREG:  # a link or something else: the full rule judges it
-            return self.remember(look(self.real_folder, relative), listed.size)
-        return self.stat(relative, listed.size)
+        return self.stat(posixpath.join(parent, name), listed.size)
 
     def stat(self, relative: str, size: int | None) -> FileSeen:
-        """One regular file found by a listing: its stat, unless it was seen complete."""
+        """One input found by a listing: its stat, unless it was seen complete (a link or
+        anything but a regular file: the full rule judges it)."""
         if not self.verify and relative in self.memory.complete:
             return self.remember(self.memory.last[relative], size)
         try:
@@ -175,22 +174,22 @@ class _Looker:
             self.last[seen.path] = seen
         return seen
 
-    def _spelt_names(self, parent: str) -> tuple[str, Mapping[str, int] | None]:
+    def _spelt_names(self, parent: str) -> tuple[str, frozenset[str] | None]:
         """The folder's name as spelt on disk (the manifest's, or its other Unicode
         normalisation) and its names, as :meth:`_names` gives them."""
         for spelling in _spellings(parent):
             names = self._names(spelling)
-            if names != {}:
+            if names != frozenset():
                 return spelling, names
-        return parent, {}
+        return parent, frozenset()
 
-    def _names(self, parent: str) -> Mapping[str, int] | None:
-        """The names in one folder of the batch folder (``""``: itself) by their types, or
-        None where a folder on the way is a link or cannot be read; {} if it does not exist."""
+    def _names(self, parent: str) -> frozenset[str] | None:
+        """The names in one folder of the batch folder (``""``: itself), or None where a
+        folder on the way is a link or cannot be read; none if it does not exist."""
         try:
             fd = _open_below(self.real_folder, parent)
         except FileNotFoundError:
-            return {}
+            return frozenset()
         except OSError:
             return None
         try:
@@ -200,8 +199,7 @@ class _Looker:
                 self.listings[parent] = known
                 return known.names
             listed_ns = time.time_ns()
-            with os.scandir(fd) as entries:
-                names = {e.name: patterns.entry_type(e) for e in entries}
+            names = frozenset(os.listdir(fd))
         except OSError:
             return None
         finally:
@@ -226,7 +224,7 @@ def _open_below(real_folder: str, relative: str) -> int:
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _spelt(name: str, names: Mapping[str, int]) -> str | None:
+def _spelt(name: str, names: frozenset[str]) -> str | None:
     """The name as it is spelt in the folder: itself, or its other Unicode normalisation."""
     return next((n for n in _spellings(name) if n in names), None)
 
