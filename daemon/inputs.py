@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import posixpath
 import stat
-import time
 import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -67,30 +66,16 @@ class InputsSeen:
 
 
 @dataclass(frozen=True)
-class Listing:
-    """The names of one folder of inputs and their types, with the folder's mtime when it was
-    listed; reused while the mtime stays and was older than the listing by a margin (a name
-    added within the mtime's granularity would otherwise go unseen)."""
-
-    mtime_ns: int
-    listed_ns: int
-    names: frozenset[str]  # names only: a type would cost a stat per entry where the
-    # filesystem's listing gives none (sshfs); each input's own stat says what it is
-
-
-@dataclass(frozen=True)
 class Memory:
     """What the earlier checks of one batch learnt, so that the next looks only at what may
-    have changed: each input's last stat, the inputs seen complete (at their listed size, or
-    unchanged between two looks where no size is listed: not stat'ed again), and the listings
-    of the folders that hold listed inputs."""
+    have changed: each input's last stat and the inputs seen complete (at their listed size,
+    or unchanged between two looks where no size is listed: not stat'ed again). The folders
+    are listed at every check: a listing is one call per some hundred names, and a folder's
+    mtime cannot say whether a listing is still true where the client caches both (NFS,
+    sshfs: a listing kept for an mtime may be older than it)."""
 
     last: Mapping[str, FileSeen] = field(default_factory=dict)
     complete: frozenset[str] = frozenset()
-    listings: Mapping[str, Listing] = field(default_factory=dict)
-
-
-LISTING_MARGIN_NS = 2_000_000_000  # a folder changed this recently is listed again regardless
 
 
 def observe(folder: Path, manifest: Manifest, max_entries: int = MAX_PATTERN_ENTRIES) -> InputsSeen:
@@ -102,8 +87,8 @@ def observe(folder: Path, manifest: Manifest, max_entries: int = MAX_PATTERN_ENT
 def check(
     folder: Path, manifest: Manifest, max_entries: int, memory: Memory | None
 ) -> tuple[InputsSeen, Memory]:
-    """Like :func:`observe`, metadata-light: one listing per folder of listed inputs (none
-    while the folder is unchanged) and one stat per input not yet seen complete; ``memory``
+    """Like :func:`observe`, metadata-light: one listing per folder of listed inputs and one
+    stat per input not yet seen complete; ``memory``
     None looks at everything again (the verification before a batch is queued). What is
     seen, and what the next check may take from it."""
     try:
@@ -129,10 +114,9 @@ class _Looker:
         self.real_folder, self.memory, self.verify = real_folder, memory, verify
         self.last: dict[str, FileSeen] = {}
         self.complete: set[str] = set()
-        self.listings: dict[str, Listing] = {}
 
     def learnt(self) -> Memory:
-        return Memory(dict(self.last), frozenset(self.complete), dict(self.listings))
+        return Memory(dict(self.last), frozenset(self.complete))
 
     def listed(self, files: Sequence[InputFile]) -> tuple[FileSeen, ...]:
         by_folder: dict[str, list[int]] = {}
@@ -193,19 +177,11 @@ class _Looker:
         except OSError:
             return None
         try:
-            mtime = os.fstat(fd).st_mtime_ns
-            known = None if self.verify else self.memory.listings.get(parent)
-            if known and known.mtime_ns == mtime and known.listed_ns - mtime > LISTING_MARGIN_NS:
-                self.listings[parent] = known
-                return known.names
-            listed_ns = time.time_ns()
-            names = frozenset(os.listdir(fd))
+            return frozenset(os.listdir(fd))
         except OSError:
             return None
         finally:
             os.close(fd)
-        self.listings[parent] = Listing(mtime, listed_ns, names)
-        return names
 
 
 def _open_below(real_folder: str, relative: str) -> int:
