@@ -88,9 +88,7 @@ def _print_status(data: dict[str, Any]) -> None:
             note += f", lease: pid {root['lease']['pid']} on {shown(root['lease']['host'])}"
         console.print(f"root {root['index']}: {shown(root['path'])}{note}")
     if data["active"]:
-        rows = [
-            {**r, "progress": f"{r['jobs_done']}/{r['jobs_total']} jobs"} for r in data["active"]
-        ]
+        rows = [{**r, "progress": progress(r)} for r in data["active"]]
         columns = ("id", "folder", "kind", "state", "progress", "reason")
         console.print(_records("Active", columns, rows))
     if data["recent_failures"]:
@@ -315,3 +313,11 @@ def _job(store: Store, named: str) -> Job:
 def _short(iso: str | None) -> str:
     """2026-11-21T10:04:05+00:00 → 2026-11-21 10:04:05 (UTC, as every time watchctl shows)."""
     return (iso or "").replace("T", " ").removesuffix("+00:00")
+
+
+def progress(row: dict[str, Any]) -> str:
+    """A batch's progress: images done for inference (its jobs are few and long), and jobs."""
+    jobs = f"{row['jobs_done']}/{row['jobs_total']} jobs"
+    if row.get("images_total"):
+        return f"{row['images_done']:,}/{row['images_total']:,} images, {jobs}"
+    return jobs

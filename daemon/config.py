@@ -11,6 +11,7 @@ import enum
 import re
 import tomllib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -86,8 +87,23 @@ class IntakeSection(_Section):
 
 
 class PlannerSection(_Section):
-    shard_size: Annotated[int, Field(ge=1, le=100_000)] = 64
+    # 0: an inference batch is split into as many jobs as run side by side (the executor's
+    # width), each of at most max_shard_size images; N: jobs of N images.
+    shard_size: Annotated[int, Field(ge=0, le=100_000)] = 0
+    max_shard_size: Annotated[int, Field(ge=1, le=1_000_000)] = 2000
     max_attempts: Annotated[int, Field(ge=1, le=20)] = 3
+
+
+@dataclass(frozen=True)
+class JobShapes:
+    """GPUs and tasks jobs get when their manifest's ``[resources]`` does not say."""
+
+    training_gpus: int = 0
+    training_tasks: int = 1
+    inference_gpus: int = 0
+
+
+NO_SITE_SHAPES = JobShapes()  # one training task, no GPU
 
 
 class LocalExecutorSection(_Section):
@@ -96,6 +112,18 @@ class LocalExecutorSection(_Section):
     python: str = ""  # interpreter that runs the pipelines; empty: the daemon's own
     max_tasks: Annotated[int, Field(ge=1, le=64)] = 2  # DDP processes one training job may start
     max_gpus: Annotated[int, Field(ge=0, le=64)] = 0  # GPUs a manifest may ask for, per job
+    # GPUs an inference job uses when its manifest does not say: 0 runs it on the CPU; N > 0
+    # lets it use the machine's GPUs (local jobs are not given GPUs of their own: each sees
+    # every GPU and runs on the first, so keep max_parallel to what one GPU holds)
+    inference_gpus: Annotated[int, Field(ge=0, le=64)] = 0
+
+    @pydantic.model_validator(mode="after")
+    def _inference_gpus_within_bounds(self) -> LocalExecutorSection:
+        if self.inference_gpus > self.max_gpus:
+            raise ValueError(
+                f"inference_gpus = {self.inference_gpus} is above max_gpus = {self.max_gpus}"
+            )
+        return self
 
 
 Minutes = Annotated[int, Field(ge=1, le=365 * 24 * 60)]
@@ -124,6 +152,7 @@ class SlurmExecutorSection(_Section):
     memory_mb: MegaBytes = 4096
     max_memory_mb: MegaBytes = 64 * 1024
     gpus: Count = 0  # GPUs of a training job (--gres=gpu:N)
+    inference_gpus: Count = 0  # GPUs of each inference task (--gres=gpu:N); 0: on the CPU
     max_gpus: Count = 8
     tasks: Annotated[int, Field(ge=1, le=1024)] = 1  # tasks of a training job (srun, DDP)
     max_tasks: Annotated[int, Field(ge=1, le=1024)] = 1
@@ -142,14 +171,15 @@ class SlurmExecutorSection(_Section):
     @pydantic.model_validator(mode="after")
     def _defaults_within_bounds(self) -> SlurmExecutorSection:
         pairs = [
-            ("time_minutes", self.time_minutes, self.max_time_minutes),
-            ("memory_mb", self.memory_mb, self.max_memory_mb),
-            ("gpus", self.gpus, self.max_gpus),
-            ("tasks", self.tasks, self.max_tasks),
+            ("time_minutes", self.time_minutes, "max_time_minutes", self.max_time_minutes),
+            ("memory_mb", self.memory_mb, "max_memory_mb", self.max_memory_mb),
+            ("gpus", self.gpus, "max_gpus", self.max_gpus),
+            ("inference_gpus", self.inference_gpus, "max_gpus", self.max_gpus),
+            ("tasks", self.tasks, "max_tasks", self.max_tasks),
         ]
-        for name, value, bound in pairs:
+        for name, value, bound_name, bound in pairs:
             if value > bound:
-                raise ValueError(f"{name} = {value} is above max_{name} = {bound}")
+                raise ValueError(f"{name} = {value} is above {bound_name} = {bound}")
         return self
 
 
@@ -164,11 +194,11 @@ class ExecutorSection(_Section):
         return self.slurm.cpus_per_task if self.kind == "slurm" else self.local.cpus_per_job
 
     @property
-    def training_shape(self) -> tuple[int, int]:
-        """GPUs and tasks a training job gets when its manifest does not say."""
+    def job_shapes(self) -> JobShapes:
+        """GPUs and tasks jobs get when their manifest does not say."""
         if self.kind == "slurm":
-            return self.slurm.gpus, self.slurm.tasks
-        return 0, 1
+            return JobShapes(self.slurm.gpus, self.slurm.tasks, self.slurm.inference_gpus)
+        return JobShapes(inference_gpus=self.local.inference_gpus)
 
     @property
     def result_grace_seconds(self) -> float:

@@ -16,6 +16,7 @@ attempt may still run.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,17 +25,20 @@ from pathlib import Path
 import structlog
 
 from daemon import jobspec, resources
+from daemon.config import NO_SITE_SHAPES, JobShapes
 from daemon.errors import ExecutorUnavailable
 from daemon.executors import Accepted, Deferred, Executor, Handover, Phase, Refused, Submission
 from daemon.heldfolder import HeldFolder
 from daemon.jobplan import job_spec
 from daemon.jobspec import (
     LOG_FILE,
+    PROGRESS_FILE,
     RESULT_FILE,
     SPEC_FILE,
     ErrorKind,
     JobResult,
     JobSpec,
+    Pipeline,
     Resources,
 )
 from daemon.manifest import Manifest
@@ -45,6 +49,7 @@ from daemon.store import Store
 
 log = structlog.get_logger("watchd.dispatch")
 
+PROGRESS_SECONDS = 10.0  # a running inference job's progress file is read at most this often
 FINISHED_HANDLE = "finished"  # an attempt found finished before it was recorded as submitted
 
 
@@ -66,7 +71,7 @@ class Dispatcher:
         registry_dir: str,
         cpus: int,
         result_grace: float = 0.0,
-        training_shape: tuple[int, int] = (0, 1),
+        shapes: JobShapes = NO_SITE_SHAPES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``result_grace``: how long a job that ended without a result is given for its result
@@ -76,10 +81,11 @@ class Dispatcher:
         self.executor = executor
         self.registry_dir = registry_dir
         self.cpus = cpus
-        self.training_shape = training_shape
+        self.shapes = shapes
         self.result_grace = result_grace
         self.clock = clock
         self._no_result_since: dict[int, float] = {}
+        self._progress_due: dict[int, float] = {}  # job id → when its progress is read next
         self._said: dict[str, str] = {}  # the last warning of each kind, not to repeat it
 
     def _warn(self, event: str, error: str, **fields: object) -> None:
@@ -113,7 +119,22 @@ class Dispatcher:
                 if result is None:
                     note = end_note(status.reason, batch_dir, job_dir)
             seen[job.id] = JobSeen(job.id, status.phase, status.exit_code, result, note)
+            if status.phase is Phase.RUNNING:
+                self._progress(job)
+            else:
+                self._progress_due.pop(job.id, None)
         return seen
+
+    def _progress(self, job: Job) -> None:
+        """Record a running inference job's images done, read from its progress file at most
+        every PROGRESS_SECONDS (a read on the share per running job, not per image)."""
+        now = self.clock()
+        if job.pipeline is not Pipeline.INFER or now < self._progress_due.get(job.id, 0.0):
+            return
+        self._progress_due[job.id] = now + PROGRESS_SECONDS
+        done = read_progress(*self._folders(job))
+        if done is not None and done != job.images_done:
+            self.store.job_progress(job.id, max(0, min(done, job.images)))
 
     def _result_may_come(self, job_id: int) -> bool:
         since = self._no_result_since.setdefault(job_id, self.clock())
@@ -133,7 +154,7 @@ class Dispatcher:
         for job, batch, manifest in work:
             if job.id in cancelling:
                 continue  # its earlier attempt may still run until the cancel is delivered
-            gpus, tasks = resources.shape(manifest.resources, job.pipeline, *self.training_shape)
+            gpus, tasks = resources.shape(manifest.resources, job.pipeline, self.shapes)
             given = Resources(cpus=self.cpus, gpus=gpus, tasks=tasks)
             inputs = self.store.job_inputs(job.id)
             spec = job_spec(job, batch, manifest, inputs, self.registry_dir, given)
@@ -267,6 +288,16 @@ def read_result(batch_dir: Path, job_dir: Path) -> JobResult | None:
     try:
         with HeldFolder.inside(batch_dir, job_dir) as held, held.open_read(RESULT_FILE) as file:
             return JobResult.from_json(file.read().decode("utf-8"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def read_progress(batch_dir: Path, job_dir: Path) -> int | None:
+    """The images done that a job's progress file says (it lies in the owner's folder: read
+    by the rule, a few bytes at most), or None."""
+    try:
+        with HeldFolder.inside(batch_dir, job_dir) as held, held.open_read(PROGRESS_FILE) as file:
+            return int(json.loads(file.read(4096))["done"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -8,6 +8,8 @@ by the sweep job, and every batch ends with a report job. Jobs are named after t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
 
 from daemon.jobspec import InputFile, JobSpec, Pipeline, Resources, Shard
 from daemon.manifest import Manifest
@@ -15,11 +17,41 @@ from daemon.manifest_schema import Kind, Role
 from daemon.records import Batch, Job, NewJob
 from daemon.sweep import trial_params
 
+MIN_SIZED_SHARD = 16  # images: a smaller batch gets fewer jobs than the executor's width
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How an inference batch is split into jobs (``[planner]``). ``size`` 0: into ``width``
+    jobs (those that run side by side), each of at most ``max_size`` images, so that each job
+    pays its start (interpreter, torch, the model: seconds, tens on a cold cluster share) once
+    for as many images as it can, and a retry or resume redoes at most ``max_size``; ``size``
+    N: jobs of N images."""
+
+    size: int = 0
+    max_size: int = 2000
+    width: int | None = None  # None: no limit (then jobs of max_size)
+
+    def slices(self, count: int) -> list[slice]:
+        """The images of each job, in order: ``count`` images in parts that differ by one at
+        most; at least one (empty) part."""
+        if self.size:
+            jobs = -(-count // self.size)
+        else:
+            jobs = -(-count // self.max_size)
+            if self.width:
+                jobs = max(jobs, min(self.width, -(-count // MIN_SIZED_SHARD)))
+        jobs = max(1, jobs)
+        if self.size:
+            return [slice(i * self.size, (i + 1) * self.size) for i in range(jobs)]
+        bounds = [i * count // jobs for i in range(jobs + 1)]
+        return [slice(a, b) for a, b in pairwise(bounds)]
+
 
 def compute_jobs(
-    batch: Batch, manifest: Manifest, inputs: Sequence[InputFile], shard_size: int, executor: str
+    batch: Batch, manifest: Manifest, inputs: Sequence[InputFile], shards: Sharding, executor: str
 ) -> tuple[NewJob, ...]:
-    """A training batch is one job; an inference batch is shards of ``shard_size`` images; a
+    """A training batch is one job; an inference batch is shards (see :class:`Sharding`); a
     sweep batch is one training job per trial (one group: one job array under Slurm)."""
     prefix = f"b{batch.id:06d}"
     if manifest.kind is Kind.TRAINING:
@@ -40,19 +72,13 @@ def compute_jobs(
             for i, params in enumerate(trials)
         )
     images = [f for f in inputs if f.role == Role.IMAGE.value]
-    count = max(1, -(-len(images) // shard_size))
-    return tuple(
-        NewJob(
-            f"{prefix}-infer-{i:04d}",
-            Pipeline.INFER,
-            0,
-            i,
-            count,
-            tuple(images[i * shard_size : (i + 1) * shard_size]),
-            executor,
-        )
-        for i in range(count)
-    )
+    parts = shards.slices(len(images))
+    jobs = [
+        NewJob(f"{prefix}-infer-{i:04d}", Pipeline.INFER, 0, i, len(parts),
+               tuple(images[part]), executor)
+        for i, part in enumerate(parts)
+    ]  # fmt: skip
+    return tuple(jobs)
 
 
 def next_stage_job(

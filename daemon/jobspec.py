@@ -26,6 +26,7 @@ from typing import Any
 SPEC_VERSION = 1
 SPEC_FILE = "spec.json"
 RESULT_FILE = "result.json"
+PROGRESS_FILE = "progress.json"  # an inference job's images done so far: {"done": n, "total": m}
 LOG_FILE = "log.txt"
 JOBS_DIR = "jobs"  # under a run folder: one folder per job
 

@@ -73,6 +73,8 @@ class InferenceParams(_Strict):
     tile_size: Annotated[int, Field(ge=64, le=8192)] = 512
     tile_overlap: Annotated[int, Field(ge=0, le=1024)] = 64
     max_whole_pixels: Annotated[int, Field(ge=1, le=2**31)] = 2048 * 2048
+    gpu_batch_size: Annotated[int, Field(ge=1, le=1024)] = 16  # on a GPU (pipelines/device.py)
+    mixed_precision: bool = True  # on a GPU, where the masks equal full precision's
 
     @pydantic.field_validator("tile_overlap")
     @classmethod

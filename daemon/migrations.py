@@ -158,4 +158,13 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         ALTER TABLE batches ADD COLUMN root_inode INTEGER
         """,
     ),
+    # An inference job's images, and those done as its progress file last said: a batch's
+    # progress in images (its shards are few and long: jobs done say little).
+    (
+        7,
+        """
+        ALTER TABLE jobs ADD COLUMN images INTEGER NOT NULL DEFAULT 0;
+        ALTER TABLE jobs ADD COLUMN images_done INTEGER NOT NULL DEFAULT 0
+        """,
+    ),
 )

@@ -44,7 +44,13 @@ def liveness(
 
 
 def batch_summary(batch: Batch, jobs: Sequence[Job]) -> dict[str, Any]:
-    return batch_row(batch, Counter(j.state for j in jobs))
+    """A batch with its jobs counted by state and, for inference, its images done."""
+    done = sum(j.images if j.state is JobState.SUCCEEDED else j.images_done for j in jobs)
+    return {
+        **batch_row(batch, Counter(j.state for j in jobs)),
+        "images_done": done,
+        "images_total": sum(j.images for j in jobs),
+    }
 
 
 def batch_row(batch: Batch, jobs: Mapping[JobState, int]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from daemon.executors import Phase
-from daemon.jobplan import compute_jobs, next_stage_job
+from daemon.jobplan import Sharding, compute_jobs, next_stage_job
 from daemon.jobspec import ErrorKind, JobResult, Pipeline, Problem, summarised
 from daemon.manifest import Manifest
 from daemon.readiness import NotReady, Ready, Verdict
@@ -42,7 +42,7 @@ class BatchView:
 
 @dataclass(frozen=True)
 class Policy:
-    shard_size: int
+    shards: Sharding
     max_attempts: int
     executor: str
 
@@ -115,6 +115,17 @@ class PauseRoot:
 
 
 Action = MoveBatch | MoveJob | PlanJobs | Submit | Cancel | ResolveIntent | PauseRoot
+
+
+def opens_work(actions: Iterable[Action]) -> bool:
+    """Whether these actions may let the next plan do more at once: jobs planned (to submit)
+    or a job ended or retried (the next stage, a retry, a free slot). The loop then plans
+    again without waiting for its tick; a job seen running asks for nothing. (Each of these
+    happens once per job or stage, so plans asked for this way end.)"""
+    return any(
+        isinstance(a, PlanJobs) or (isinstance(a, MoveJob) and a.target is not JobState.RUNNING)
+        for a in actions
+    )
 
 
 def plan(snapshot: Snapshot) -> list[Action]:
@@ -267,9 +278,7 @@ def _plan_waiting(view: BatchView, policy: Policy) -> list[Action]:
         return []
     actions: list[Action] = [MoveBatch(batch.id, BatchState.QUEUED, "inputs complete")]
     if not view.jobs:
-        jobs = compute_jobs(
-            batch, view.manifest, verdict.inputs, policy.shard_size, policy.executor
-        )
+        jobs = compute_jobs(batch, view.manifest, verdict.inputs, policy.shards, policy.executor)
         return [*actions, PlanJobs(batch.id, jobs)]
     return actions + [
         MoveJob(j.id, JobState.PENDING, "retry asked by operator", fresh=True)

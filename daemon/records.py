@@ -91,6 +91,8 @@ class Job:
     # ``attempts`` when an operator last started the job afresh (retry, requeue): attempts keep
     # counting, so every submission has its own number; the retry budget counts from here.
     attempts_base: int = 0
+    images: int = 0  # an inference job's images
+    images_done: int = 0  # … done, as its progress file said when last read
 
     @property
     def tries(self) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from daemon.config import LocalExecutorSection, SlurmExecutorSection
+from daemon.config import NO_SITE_SHAPES, JobShapes, LocalExecutorSection, SlurmExecutorSection
 from daemon.jobspec import Pipeline, Problem
 from daemon.manifest import MANIFEST_NAME, ResourceRequest
 
@@ -45,27 +45,26 @@ def allocation(
 ) -> Allocation:
     """The site's defaults overridden by ``request``, capped at the bounds.
 
-    A training job gets the site's GPUs and tasks unless the manifest asks otherwise; each
-    inference shard gets the GPUs the manifest asks for (none by default) and one task; the
-    report job gets one task and no GPU.
+    The GPUs and tasks are :func:`shape`'s.
     """
     time_minutes = min(request.time_minutes or site.time_minutes, site.max_time_minutes)
     memory_mb = min(request.memory_mb or site.memory_mb, site.max_memory_mb)
-    gpus, tasks = shape(request, pipeline, site.gpus, site.tasks)
+    gpus, tasks = shape(request, pipeline, JobShapes(site.gpus, site.tasks, site.inference_gpus))
     return Allocation(time_minutes, memory_mb, min(gpus, site.max_gpus), min(tasks, site.max_tasks))
 
 
 def shape(
-    request: ResourceRequest, pipeline: Pipeline, training_gpus: int = 0, training_tasks: int = 1
+    request: ResourceRequest, pipeline: Pipeline, site: JobShapes = NO_SITE_SHAPES
 ) -> tuple[int, int]:
     """GPUs and tasks of one job: a training job (a sweep's trials too) gets the site's
     training defaults unless the manifest asks otherwise; each inference shard the GPUs the
-    manifest asks for (none by default) and one task; the other jobs one task, no GPU."""
+    manifest asks for, else the site's ``inference_gpus``, and one task; the other jobs one
+    task, no GPU."""
     if pipeline is Pipeline.TRAIN:
-        gpus = training_gpus if request.gpus is None else request.gpus
-        return gpus, request.tasks or training_tasks
+        gpus = site.training_gpus if request.gpus is None else request.gpus
+        return gpus, request.tasks or site.training_tasks
     if pipeline is Pipeline.INFER:
-        return request.gpus or 0, 1
+        return site.inference_gpus if request.gpus is None else request.gpus, 1
     return 0, 1
 
 

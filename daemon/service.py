@@ -31,12 +31,13 @@ from daemon.dispatch import Dispatcher
 from daemon.endings import Endings
 from daemon.executors import Executor
 from daemon.intake import Deferred, Intake
+from daemon.jobplan import Sharding
 from daemon.jobspec import Problem
 from daemon.mailer import Mailer
 from daemon.manifest import Manifest
 from daemon.metrics import Metrics
 from daemon.notify import Notifier
-from daemon.planner import BatchView, PauseRoot, Policy, Snapshot, plan
+from daemon.planner import BatchView, PauseRoot, Policy, Snapshot, opens_work, plan
 from daemon.pulse import Pulse, roots_info
 from daemon.readiness import NotReady
 from daemon.records import Batch, Job
@@ -70,7 +71,7 @@ class Service:
         self.store = Store.open(config.daemon.database)
         self.dispatch = Dispatcher(
             self.store, executor, str(config.registry.path), config.executor.cpus_per_job,
-            config.executor.result_grace_seconds, config.executor.training_shape,
+            config.executor.result_grace_seconds, config.executor.job_shapes,
         )  # fmt: skip
         self.events: queue.Queue[WatchEvent] = queue.Queue()
         self.watcher = Watcher(
@@ -84,7 +85,9 @@ class Service:
             on_batch=self._taken,
             limits=_site_limits(config),
         )
-        self.policy = Policy(config.planner.shard_size, config.planner.max_attempts, executor.name)
+        planner = config.planner
+        shards = Sharding(planner.shard_size, planner.max_shard_size, executor.width())
+        self.policy = Policy(shards, planner.max_attempts, executor.name)
         self.timing = readiness.Timing(config.intake.settle_seconds, config.intake.timeout_seconds)
         self.waitroom = WaitRoom(
             self.timing,
@@ -128,6 +131,7 @@ class Service:
 
     def start(self) -> None:
         now = self.clock()
+        self.executor.wake_on_end(lambda: self.events.put(Wake()))
         self.pulse.started_at = now
         modes = self.watcher.start()
         for path, mode in modes.items():
@@ -238,7 +242,10 @@ class Service:
             self.catch_up(now)
         self.dispatch.deliver_cancels()  # before any submission: a retried job may wait on one
         snapshot = self._snapshot(now)
-        self.actor.carry_out(plan(snapshot), now)
+        actions = plan(snapshot)
+        self.actor.carry_out(actions, now)
+        if opens_work(actions):
+            self.events.put(Wake())  # the next stage, retry or job goes out now, not in a tick
         self._write_statuses(now)
         self.endings.follow(now)
         self._release_ended(now)

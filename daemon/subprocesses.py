@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from daemon.errors import CommandFailed
@@ -144,3 +146,67 @@ def reap(pid: int, grace: float) -> None:
     signal_group(pid, signal.SIGKILL)
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, 0)
+
+
+class ExitWatch:
+    """Calls ``wake`` as soon as one of the watched processes ends, from a thread of its own.
+
+    A process is watched through a pidfd (Linux 5.3+), which becomes readable when it exits
+    and works for a process started by an earlier daemon as for a child; nothing is reaped
+    here (:func:`exited` does that where the status is read). Without pidfds (an old kernel,
+    a seccomp filter) ``watch`` does nothing and the caller sees ends at its next poll."""
+
+    def __init__(self, wake: Callable[[], None]) -> None:
+        self._wake = wake
+        self._poller = select.poll()
+        self._fds: dict[int, int] = {}  # pidfd → pid
+        self._lock = threading.Lock()
+        self._nudge_read, self._nudge_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._poller.register(self._nudge_read, select.POLLIN)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="job-exits", daemon=True)
+        self._thread.start()
+
+    def watch(self, pid: int) -> None:
+        try:
+            fd = os.pidfd_open(pid)
+        except (OSError, AttributeError):
+            return  # gone already (the caller's poll sees it), or no pidfds here
+        with self._lock:
+            if self._closed:
+                os.close(fd)
+                return
+            self._fds[fd] = pid
+            self._poller.register(fd, select.POLLIN)
+        os.write(self._nudge_write, b"x")  # the thread polls the new fd from now on
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        os.write(self._nudge_write, b"x")
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            ready = [fd for fd, _ in self._poller.poll()]
+            with self._lock:
+                if self._closed:
+                    break
+                ended = [fd for fd in ready if fd in self._fds]
+                for fd in ended:
+                    self._poller.unregister(fd)
+                    del self._fds[fd]
+                    os.close(fd)
+            if self._nudge_read in ready:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._nudge_read, 4096)
+            if ended:
+                self._wake()
+        with self._lock:
+            for fd in self._fds:
+                os.close(fd)
+            self._fds.clear()
+        os.close(self._nudge_read)
+        os.close(self._nudge_write)

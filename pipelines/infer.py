@@ -34,12 +34,16 @@ folder of masks is held once for the job's life (:class:`MaskFolders`), not reop
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import resource
 import stat
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
@@ -49,12 +53,13 @@ from scipy import ndimage
 
 from daemon.checksums import sha256_of_stream
 from daemon.heldfolder import HeldFolder, parts_of
-from daemon.jobspec import InputFile, JobSpec, Pipeline, Problem
+from daemon.jobspec import JOBS_DIR, PROGRESS_FILE, InputFile, JobSpec, Pipeline, Problem
 from daemon.version import code_version
 from models import registry
 from models.registry import ModelError, ModelVersion
 from models.unet import UNet
 from pipelines.bounds import stored
+from pipelines.device import Placement, choose_device
 from pipelines.images import checksum_problem, held_still, open_item, reading, write_mask
 from pipelines.job import InputError, log, run_folder, run_job
 from pipelines.layout import MASKS_DIR, PARTS_DIR, ledger_name, table_csv, table_name
@@ -63,7 +68,9 @@ from pipelines.reader import read_ahead
 from pipelines.tiles import TiledResult, segment_tiled
 
 _EIGHT_CONNECTED = np.ones((3, 3), dtype=bool)
+ON_CPU = Placement("cpu", 1, False, "")
 _PROGRESS_EVERY_S = 30.0
+_PROGRESS_SAY_S = 5.0
 _FINISHING_AHEAD = 4  # images whose masks wait for the finisher, at most …
 _FINISHING_PIXELS = 2048 * 2048  # … and pixels: one large image at a time
 
@@ -115,19 +122,57 @@ def load_model(spec: JobSpec) -> tuple[UNet, ModelVersion]:
 
 
 @torch.inference_mode()
-def predict(net: UNet, images: np.ndarray) -> np.ndarray:
-    """Sigmoid probabilities (N, H, W) for a stack of grey images (N, H, W)."""
+def predict(net: UNet, images: np.ndarray, where: Placement = ON_CPU) -> np.ndarray:
+    """Sigmoid probabilities (N, H, W) for a stack of grey images (N, H, W), on the CPU or
+    on the GPU ``where`` names (from pinned memory, copied asynchronously; in half precision
+    under autocast when ``where.mixed_precision``)."""
     tensor = torch.from_numpy(np.ascontiguousarray(images))[:, None]
-    logits = net(tensor.contiguous(memory_format=torch.channels_last))
-    return torch.sigmoid(logits)[:, 0].numpy()
+    if not where.cuda:
+        logits = net(tensor.contiguous(memory_format=torch.channels_last))
+        return torch.sigmoid(logits)[:, 0].numpy()
+    on_device = tensor.pin_memory().to(where.device, non_blocking=True)
+    with torch.autocast("cuda", dtype=torch.float16, enabled=where.mixed_precision):
+        logits = net(on_device.contiguous(memory_format=torch.channels_last))
+    return torch.sigmoid(logits.float())[:, 0].cpu().numpy()
+
+
+def placed(net: UNet, spec: JobSpec) -> tuple[UNet, Placement]:
+    """The net moved where this job runs it (see :mod:`pipelines.device`)."""
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    where = choose_device(spec.resources.gpus, os.environ, cuda, spec.params)
+    log.info("inference on %s, %d image(s) at once: %s", where.device, where.batch_size,
+             where.reason)  # fmt: skip
+    return net.to(where.device), where
+
+
+def precision_check(net: UNet, images: np.ndarray, where: Placement, params: Any) -> Placement:
+    """Half precision only where it changes no mask: the first batch's masks in half and in
+    full precision compared; full precision from then on if one pixel differs."""
+    if not (where.cuda and where.mixed_precision):
+        return where
+    full = replace(where, mixed_precision=False)
+    threshold, min_area = float(params["threshold"]), int(params["min_object_area"])
+    masks = [
+        [clean_mask(p, threshold, min_area)[0] for p in predict(net, images, w)]
+        for w in (where, full)
+    ]
+    if all(np.array_equal(a, b) for a, b in zip(*masks, strict=True)):
+        log.info("mixed precision: the first %d masks equal full precision's", len(images))
+        return where
+    log.info("mixed precision changes masks of the first batch: full precision")
+    return full
 
 
 class Progress:
-    """Logs "done/total images" at most every 30 s, and at the end."""
+    """Logs "done/total images" at most every 30 s, and at the end; gives the shard's images
+    done (those the ledger had included) to ``say`` at most every 5 s, and at the end: the
+    daemon's progress per image."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, say: Callable[[int], None], done_before: int = 0) -> None:
         self.total, self.started, self.done = total, time.monotonic(), 0
-        self.last = self.started
+        self.last = self.said = self.started
+        self.say, self.before = say, done_before
+        say(done_before)
 
     def tick(self, count: int = 1) -> None:
         self.done += count
@@ -136,6 +181,9 @@ class Progress:
             self.last = now
             per_image = (now - self.started) / max(self.done, 1)
             log.info("%d/%d images (%.3f s/image)", self.done, self.total, per_image)
+        if now - self.said > _PROGRESS_SAY_S or self.done == self.total:
+            self.said = now
+            self.say(self.before + self.done)
 
 
 class TiledProgress:
@@ -189,11 +237,13 @@ class Segmenter:
         self, spec: JobSpec, batch: HeldFolder, net: UNet, provenance: dict[str, Any],
         ledger: Ledger, masks: MaskFolders,
     ) -> None:  # fmt: skip
-        self.spec, self.net, self.provenance, self.ledger = spec, net, provenance, ledger
+        self.spec, self.provenance, self.ledger = spec, provenance, ledger
         self.batch = batch  # the inputs are read through it
         params = spec.params
         self.threshold, self.min_area = float(params["threshold"]), int(params["min_object_area"])
-        self.batch_size = int(params.get("batch_size", 1))
+        self.net, self.where = placed(net, spec)
+        self.checked = not self.where.cuda  # half precision checked against full, on a GPU
+        self.batch_size = self.where.batch_size
         self.masks = masks
         self.rows: dict[str, dict[str, Any]] = {}
         self.pending: list[tuple[InputFile, str, np.ndarray]] = []
@@ -215,8 +265,13 @@ class Segmenter:
         if not self.pending:
             return
         stack = np.stack([pixels for _, _, pixels in self.pending])
+        if not self.checked:
+            self.where, self.checked = (
+                precision_check(self.net, stack, self.where, self.spec.params),
+                True,
+            )
         for (item, digest, pixels), probabilities in zip(
-            self.pending, predict(self.net, stack), strict=True
+            self.pending, predict(self.net, stack, self.where), strict=True
         ):
             while self.finishing and (
                 len(self.finishing) >= _FINISHING_AHEAD
@@ -278,8 +333,10 @@ class Segmenter:
     ) -> TiledResult:
         params = self.spec.params
         log.info("%s: tiled inference", item.path)
+        # (half precision is used for windows only once whole images showed it changes no mask)
+        where = self.where if self.checked else replace(self.where, mixed_precision=False)
         return segment_tiled(
-            source, folder, target, lambda tiles: predict(self.net, tiles), self.threshold,
+            source, folder, target, lambda tiles: predict(self.net, tiles, where), self.threshold,
             self.min_area, int(params.get("tile_size", 512)), int(params.get("tile_overlap", 64)),
             self.batch_size, TiledProgress(item.path),
         )  # fmt: skip
@@ -291,11 +348,10 @@ class Segmenter:
 
 
 def segment(
-    spec: JobSpec, segmenter: Segmenter, items: list[InputFile]
+    spec: JobSpec, segmenter: Segmenter, items: list[InputFile], progress: Progress
 ) -> tuple[dict[str, dict[str, Any]], list[Problem]]:
     """Segment every item, writing its mask; return the table rows and the input problems."""
     problems: list[Problem] = []
-    progress = Progress(len(items))
     max_pixels = int(spec.params.get("max_whole_pixels", 2048 * 2048))
     reader = read_ahead(segmenter.batch, items, max_pixels, spec.resources.cpus)
     for loaded in reader:
@@ -343,8 +399,9 @@ def _infer(
     started, cpu_started = time.monotonic(), _cpu_seconds()
     todo = [item for item in items if item.path not in resumed]
     segmenter = Segmenter(spec, batch, net, provenance, ledger, masks)
+    progress = Progress(len(todo), _progress_file(spec, run, len(items)), len(resumed))
     try:
-        rows, problems = segment(spec, segmenter, todo)
+        rows, problems = segment(spec, segmenter, todo, progress)
     finally:
         segmenter.close()
         ledger.close()
@@ -366,6 +423,20 @@ def _infer(
         "seconds_per_image": round((time.monotonic() - started) / max(len(rows), 1), 4),
         "cpu_seconds_per_image": round((_cpu_seconds() - cpu_started) / max(len(rows), 1), 4),
     }
+
+
+def _progress_file(spec: JobSpec, run: HeldFolder, total: int) -> Callable[[int], None]:
+    """Writes the job's progress file (what the daemon reads for ``watchctl``); a write that
+    fails is logged and the work goes on."""
+    name = f"{JOBS_DIR}/{spec.job_name}/{PROGRESS_FILE}"
+
+    def say(done: int) -> None:
+        try:
+            run.write_text(name, json.dumps({"done": done, "total": total}))
+        except OSError as exc:
+            log.warning("progress not written: %s", exc)
+
+    return say
 
 
 def _cpu_seconds() -> float:

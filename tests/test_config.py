@@ -7,8 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from daemon.config import ObserverMode, load_config
+from daemon.config import JobShapes, LocalExecutorSection, ObserverMode, load_config
 from daemon.errors import ConfigError
+from daemon.jobspec import Pipeline
+from daemon.manifest import ResourceRequest
+from daemon.resources import local_bounds, problems, shape
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,7 +41,7 @@ colour = "red"
 path = "d"
 observer = "sometimes"
 [planner]
-shard_size = 0
+shard_size = -1
 """,
     )
     with pytest.raises(ConfigError) as info:
@@ -55,7 +58,7 @@ shard_size = 0
         p.startswith("roots[0].observer: Input should be 'auto', 'inotify' or 'polling'")
         for p in problems
     )
-    assert "planner.shard_size: Input should be greater than or equal to 1 (got 0)" in problems
+    assert "planner.shard_size: Input should be greater than or equal to 0 (got -1)" in problems
     assert str(info.value).startswith(f"{path}: 4 problem(s)")
 
 
@@ -86,10 +89,6 @@ def test_a_root_listed_twice_is_refused(tmp_path: Path) -> None:
 
 
 def test_the_local_executor_bounds_what_a_manifest_may_ask() -> None:
-    from daemon.config import LocalExecutorSection
-    from daemon.jobspec import Pipeline
-    from daemon.manifest import ResourceRequest
-    from daemon.resources import local_bounds, problems, shape
 
     bounds = local_bounds(LocalExecutorSection())
     assert problems(ResourceRequest(tasks=2, time_minutes=600), bounds) == []
@@ -103,6 +102,24 @@ def test_the_local_executor_bounds_what_a_manifest_may_ask() -> None:
     assert shape(ResourceRequest(tasks=2), Pipeline.TRAIN) == (0, 2)
     assert shape(ResourceRequest(tasks=2, gpus=1), Pipeline.INFER) == (1, 1)
     assert shape(ResourceRequest(gpus=1), Pipeline.REPORT) == (0, 1)
+
+
+def test_inference_runs_on_the_sites_inference_gpus_unless_its_manifest_says(
+    tmp_path: Path,
+) -> None:
+    site = JobShapes(training_gpus=4, inference_gpus=1)
+    assert shape(ResourceRequest(), Pipeline.INFER, site) == (1, 1)
+    assert shape(ResourceRequest(gpus=0), Pipeline.INFER, site) == (0, 1)  # the CPU, asked for
+    assert shape(ResourceRequest(), Pipeline.TRAIN, site) == (4, 1)
+    assert shape(ResourceRequest(), Pipeline.REPORT, site) == (0, 1)
+    path = tmp_path / "config.toml"
+    path.write_text('[executor.local]\ninference_gpus = 1\n[[roots]]\npath = "d"\n')
+    with pytest.raises(ConfigError) as refused:
+        load_config(path)
+    assert "inference_gpus = 1 is above max_gpus = 0" in str(refused.value)
+    path.write_text('[executor]\nkind = "slurm"\n[executor.slurm]\ninference_gpus = 1\n'
+                    '[[roots]]\npath = "d"\n')  # fmt: skip
+    assert load_config(path).executor.job_shapes == JobShapes(0, 1, 1)
 
 
 def test_a_lease_shorter_than_three_heartbeats_is_refused(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -57,6 +58,30 @@ def test_a_first_submission_starts_the_job(tmp_path: Path) -> None:
         time.sleep(0.05)
     assert status.phase is Phase.ENDED and status.exit_code == 0
     assert (job_dir / "log.txt").read_text().strip() == "ran"
+
+
+def test_a_jobs_end_wakes_the_loop_at_once_and_is_then_polled(tmp_path: Path) -> None:
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "nap.py").write_text("import time; time.sleep(0.5)\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "lib")}
+    executor = LocalExecutor(max_parallel=2, env=env)
+    woken = threading.Event()
+    executor.wake_on_end(woken.set)
+    handles = []
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+        (accepted,) = executor.submit([Submission(1, name, "nap", tmp_path / name, env=env)])
+        assert isinstance(accepted, Accepted)
+        handles.append(accepted.handle)
+    try:
+        assert not woken.is_set()
+        assert woken.wait(30), "no wake when the jobs ended"
+        deadline = time.monotonic() + 30
+        while any(s.phase is Phase.RUNNING for s in executor.poll(handles).values()):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        executor.close()
 
 
 def planted(job_dir: Path, kind: str, target: Path) -> None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import tomli_w
 
 from daemon.executors import Phase
+from daemon.jobplan import Sharding
 from daemon.jobspec import ErrorKind, InputFile, JobError, JobResult, Pipeline, Problem, Resources
 from daemon.manifest import parse_manifest
 from daemon.planner import (
@@ -21,13 +23,14 @@ from daemon.planner import (
     ResolveIntent,
     Snapshot,
     Submit,
+    opens_work,
     plan,
 )  # fmt: skip
 from daemon.readiness import NotReady, Ready
 from daemon.records import Batch, Intent, Job
 from daemon.states import BatchState, JobState
 
-POLICY = Policy(shard_size=2, max_attempts=3, executor="local")
+POLICY = Policy(Sharding(size=2), max_attempts=3, executor="local")
 
 
 SWEEP = {"method": "grid", "space": {"learning_rate": [0.01, 0.001], "width": [8, 16]}}
@@ -115,6 +118,34 @@ def test_a_ready_inference_batch_is_queued_as_shards() -> None:
     ]
     assert [len(j.inputs) for j in planned.jobs] == [2, 2, 1]
     assert {j.shard_count for j in planned.jobs} == {3}
+
+
+@pytest.mark.parametrize(
+    ("images", "sharding", "sizes"),
+    [
+        (1500, Sharding(width=2), [750, 750]),  # one job per slot: each starts once
+        (7, Sharding(width=4), [7]),  # too few images to be worth a second start
+        (40, Sharding(width=4), [13, 13, 14]),  # at least MIN_SIZED_SHARD images a job
+        (5000, Sharding(max_size=2000, width=2), [1666, 1667, 1667]),  # a retry redoes ≤ 2000
+        (55_000, Sharding(width=50), [1100] * 50),  # a Slurm array throttled at %50
+        (4500, Sharding(max_size=2000, width=None), [1500, 1500, 1500]),  # no throttle
+        (5, Sharding(size=2, width=8), [2, 2, 1]),  # a fixed size wins
+        (0, Sharding(width=2), [0]),
+    ],
+)
+def test_shards_are_sized_from_the_work_and_the_jobs_that_run_side_by_side(
+    images: int, sharding: Sharding, sizes: list[int]
+) -> None:
+    parts = sharding.slices(images)
+    assert [len(range(images)[part]) for part in parts] == sizes
+    assert [i for part in parts for i in range(images)[part]] == list(range(images))
+
+
+def test_a_finished_job_or_planned_jobs_ask_for_the_next_plan_at_once() -> None:
+    assert opens_work([MoveJob(1, JobState.SUCCEEDED, "finished", 0)])
+    assert opens_work([PlanJobs(1, ())])
+    assert not opens_work([MoveJob(1, JobState.RUNNING, "started")])
+    assert not opens_work([MoveBatch(1, BatchState.RUNNING, "job started")])
 
 
 def test_a_training_batch_is_one_job_with_images_and_masks() -> None:

@@ -3,12 +3,15 @@ migration 3 (intents on drop roots, attempts counted on)."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from pathlib import Path
 
 import pytest
 
-from daemon.jobspec import InputFile, Pipeline
+from daemon import cli_read, overview
+from daemon.dispatch import read_progress
+from daemon.jobspec import PROGRESS_FILE, InputFile, Pipeline
 from daemon.migrations import MIGRATIONS
 from daemon.records import Batch, JobChange, NewBatch, NewJob
 from daemon.states import BatchState, JobState
@@ -160,3 +163,46 @@ def test_a_batch_recorded_before_migration_5_has_no_folder_identity(tmp_path: Pa
         assert (batch.folder_device, batch.folder_inode, batch.identity) == (None, None, None)
     finally:
         store.close()
+
+
+def test_a_batchs_progress_counts_the_images_of_its_inference_jobs(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "watchd.sqlite")
+    try:
+        batch = a_batch(store, "inference")
+        images = tuple(InputFile(f"images/{i}.png", i) for i in range(5))
+        one, two = store.create_jobs(batch.id, [
+            NewJob("b1-infer-0000", Pipeline.INFER, 0, 0, 2, images[:3], "local"),
+            NewJob("b1-infer-0001", Pipeline.INFER, 0, 1, 2, images[3:], "local"),
+        ], 1.0)  # fmt: skip
+        (report,) = store.create_jobs(
+            batch.id, [NewJob("b1-report", Pipeline.REPORT, 1, 0, 1, (), "local",
+                              inherit_inputs=True)], 2.0)  # fmt: skip
+        assert (one.images, two.images, report.images) == (3, 2, 0)
+        store.job_progress(one.id, 2)
+        for state in (JobState.SUBMITTED, JobState.RUNNING, JobState.SUCCEEDED):
+            store.transition_job(two.id, state, "test", 3.0)
+        row = overview.batch_summary(store.batch(batch.id), store.jobs([batch.id]))
+        assert (row["images_done"], row["images_total"], row["jobs_done"]) == (4, 5, 1)
+        assert cli_read.progress(row) == "4/5 images, 1/3 jobs"
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("planted", ["link", "fifo", "huge", "garbage"])
+def test_a_progress_file_planted_by_the_owner_is_not_believed(tmp_path: Path, planted: str) -> None:
+    job_dir = tmp_path / "batch" / "results" / "run" / "jobs" / "b1-infer-0000"
+    job_dir.mkdir(parents=True)
+    target = job_dir / PROGRESS_FILE
+    (tmp_path / "elsewhere.json").write_text('{"done": 5}')
+    if planted == "link":
+        target.symlink_to(tmp_path / "elsewhere.json")
+    elif planted == "fifo":
+        os.mkfifo(target)
+    elif planted == "huge":
+        target.write_text('{"done": 5, "x": "' + "x" * 10_000 + '"}')
+    else:
+        target.write_text("not json")
+    assert read_progress(tmp_path / "batch", job_dir) is None
+    target.unlink()
+    target.write_text('{"done": 5, "total": 9}')
+    assert read_progress(tmp_path / "batch", job_dir) == 5

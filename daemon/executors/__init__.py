@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -105,6 +105,14 @@ class Executor(Protocol):
     def slots(self) -> int | None:
         """How many jobs may run at once (None: the executor queues without limit); 0 while it
         takes no submissions at all (its cluster does not answer), so none are prepared."""
+
+    def width(self) -> int | None:
+        """How many jobs of one batch run side by side at most (local: ``max_parallel``;
+        Slurm: the array throttle, None without one): the planner sizes shards to it."""
+
+    def wake_on_end(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` (from any thread) when a job may have ended, so that the loop polls
+        at once instead of at its next tick; an executor that cannot tell does nothing."""
 
     def submit(self, submissions: Sequence[Submission]) -> list[Handover]:
         """Start these jobs (or find them already started): what became of each, in order."""

@@ -17,12 +17,13 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from daemon.executors import Accepted, Check, Deferred, Handover, Phase, Refused, Status, Submission
 from daemon.heldfolder import HeldFolder, UnsafeEntry
 from daemon.jobspec import LOG_FILE
 from daemon.subprocesses import (
+    ExitWatch,
     exited,
     find_process,
     process_start_ticks,
@@ -50,16 +51,29 @@ class LocalExecutor:
         self.env = dict(env or {})
         self._children: dict[str, int] = {}  # handle → pid of the jobs this executor started
         self._ending: list[int] = []  # children cancelled, not yet seen to exit
+        self._exits: ExitWatch | None = None
 
     def slots(self) -> int | None:
         return self.max_parallel
+
+    def width(self) -> int | None:
+        return self.max_parallel
+
+    def wake_on_end(self, wake: Callable[[], None]) -> None:
+        """A job's end wakes the loop at once: the next job starts without waiting a tick."""
+        self._exits = ExitWatch(wake)
+
+    def _watch(self, handle: str) -> str:
+        if self._exits is not None:
+            self._exits.watch(_pid(handle))
+        return handle
 
     def submit(self, submissions: Sequence[Submission]) -> list[Handover]:
         return [self._hand_over(s) for s in submissions]
 
     def _hand_over(self, sub: Submission) -> Handover:
         adopted = self._adopt(sub)
-        return Accepted(adopted) if adopted else self._start(sub)
+        return Accepted(self._watch(adopted)) if adopted else self._start(sub)
 
     def _start(self, sub: Submission) -> Handover:
         command = [self.python, "-m", sub.module, str(sub.job_dir)]
@@ -73,7 +87,7 @@ class LocalExecutor:
         except OSError as exc:
             reason = f"cannot start {sub.name}: {exc}"
             return Deferred(reason) if exc.errno in PASSING else Refused(reason)
-        return Accepted(handle)
+        return Accepted(self._watch(handle))
 
     def _started(self, held: HeldFolder, pid: int, command: list[str]) -> str:
         """Keep the started child and write its ``launch.json`` (if that cannot be written,
@@ -135,6 +149,8 @@ class LocalExecutor:
             reap(pid, CANCEL_GRACE_SECONDS)
         self._ending.clear()
         self._children.clear()
+        if self._exits is not None:
+            self._exits.close()
 
     def self_test(self) -> list[Check]:
         if not os.access(self.python, os.X_OK):

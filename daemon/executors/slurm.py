@@ -95,6 +95,12 @@ class SlurmExecutor:
         shut: the daemon then prepares no submissions it could not hand over."""
         return None if self.gate.open else 0
 
+    def width(self) -> int | None:
+        return self.site.array_throttle or None
+
+    def wake_on_end(self, wake: Callable[[], None]) -> None:
+        """Nothing: ends are learnt from the status query, at most one per ``poll_seconds``."""
+
     # -- submitting --------------------------------------------------------------------------
 
     def submit(self, submissions: Sequence[Submission]) -> list[Handover]:

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from daemon.errors import IllegalTransition, NotFound
-from daemon.jobspec import InputFile
+from daemon.jobspec import InputFile, Pipeline
 from daemon.records import Job, JobChange, NewJob
 from daemon.states import JobState, job_can_move
 from daemon.store.base import StoreBase
@@ -30,6 +30,7 @@ class JobStore(StoreBase):
                     if new.inherit_inputs
                     else json.dumps([asdict(f) for f in new.inputs]),
                     "params": json.dumps(dict(new.params), sort_keys=True),
+                    "images": len(new.inputs) if new.pipeline is Pipeline.INFER else 0,
                     "batch_id": batch_id,
                     "state": JobState.PENDING.value,
                     "created_at": now,
@@ -107,6 +108,12 @@ class JobStore(StoreBase):
         if limit is not None:
             sql = f"SELECT * FROM ({sql} DESC LIMIT {int(limit)}) ORDER BY id"
         return [_job(r) for r in self.db.query(sql, params)]
+
+    def job_progress(self, job_id: int, images_done: int) -> None:
+        """Record how many of its images a running inference job has done (no event: it is
+        not a change of state)."""
+        with self.atomic():
+            self.db.execute("UPDATE jobs SET images_done = ? WHERE id = ?", [images_done, job_id])
 
     def job_inputs(self, job_id: int) -> tuple[InputFile, ...]:
         row = self.db.execute("SELECT inputs FROM jobs WHERE id = ?", [job_id]).fetchone()

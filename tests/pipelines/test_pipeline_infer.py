@@ -14,7 +14,7 @@ import numpy as np
 import tifffile
 from PIL import Image
 
-from daemon.jobspec import ErrorKind, InputFile, ModelRef, Pipeline, Shard
+from daemon.jobspec import PROGRESS_FILE, ErrorKind, InputFile, ModelRef, Pipeline, Shard
 from pipelines.images import decode
 
 if TYPE_CHECKING:
@@ -46,6 +46,15 @@ def read_mask(path: Path) -> np.ndarray:
         return tifffile.imread(path)
     with Image.open(path) as image:
         return np.asarray(image)
+
+
+def test_each_shard_leaves_its_progress_for_the_daemon_all_images_done(
+    inferred: InferredBatch,
+) -> None:
+    for job in inferred.shards:
+        progress = json.loads((job.spec.job_dir / PROGRESS_FILE).read_text())
+        images = [i for i in job.spec.inputs if i.role == "image"]
+        assert progress == {"done": len(images), "total": len(images)}
 
 
 def test_each_shard_writes_masks_at_the_inputs_paths_in_their_format(

@@ -1,0 +1,256 @@
+"""Benchmark: how fast a dropped inference batch comes back, against what the machine can compute.
+
+A batch of ``--images`` synthetic ``--size``² images is dropped (images first, the manifest
+renamed in last) into a running daemon with its default configuration (local executor,
+``max_parallel`` 2, one thread per job). Measured from the daemon's own events: queued → done
+(every mask, the table and the report written) and manifest → done, as images per second.
+
+The machine's limit is the bare forward pass of the same model over the same images already
+decoded in memory (channels-last, inference mode, batch 1): the better of one process with
+``--cpus`` threads and ``--cpus`` processes with one thread each, measured between the runs.
+
+The old code (``--old``, a checkout of the code before the change) and the new one run in this
+invocation, interleaved, ``--rounds`` times each, against the same images and model (an
+untrained U-Net of the demo's shape: the timing is a trained one's).
+
+``--resume`` then drops one more batch on the new code, kills the daemon and its jobs (SIGKILL,
+as a node that dies) when about half the images are done, starts it again and counts the
+images segmented twice (ledger lines beyond one per image).
+
+    .venv/bin/python scripts/bench_batch.py --old ../wt-old [--images 1500] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tomli_w
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import synth
+from bench_share import Daemon, _commit
+
+from models import registry
+from models.unet import UNet
+from pipelines.images import decode
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "spheroid-unet"
+
+
+@dataclass
+class BatchDaemon(Daemon):
+    """A daemon on a local drop root with the defaults of its own code; only the paths set."""
+
+    registry: Path = Path()
+
+    def config(self, **intake: object) -> Path:
+        document = {
+            "daemon": {"state_dir": str(self.state)},
+            "roots": [{"path": str(self.mount)}],
+            "registry": {"path": str(self.registry)},
+            "jobs": {"wandb_mode": "disabled"},
+        }
+        path = self.state / "config.toml"
+        path.write_text(tomli_w.dumps(document))
+        return path
+
+    def state_at(self, folder: str, state: str) -> float | None:
+        rows = self.query(
+            "SELECT min(e.at) FROM events e JOIN batches b ON e.batch_id = b.id"
+            " WHERE b.folder = ? AND e.job_id IS NULL AND e.to_state = ?",
+            folder, state,
+        )  # fmt: skip
+        return float(rows[0][0]) if rows and rows[0][0] is not None else None  # type: ignore[arg-type]
+
+    def jobs(self, folder: str) -> int:
+        rows = self.query(
+            "SELECT count(*) FROM jobs j JOIN batches b ON j.batch_id = b.id WHERE b.folder = ?",
+            folder,
+        )
+        return int(rows[0][0]) if rows else 0  # type: ignore[call-overload]
+
+
+def drop(template: Path, root: Path, name: str) -> tuple[Path, float]:
+    """Copy the images in, then rename the manifest into place: (folder, when it landed)."""
+    folder = root / name
+    shutil.copytree(template / "images", folder / "images")
+    text = (template / "manifest.toml").read_text()
+    (folder / ".manifest.toml.part").write_text(text)
+    landed = time.time()
+    os.rename(folder / ".manifest.toml.part", folder / "manifest.toml")
+    return folder, landed
+
+
+def wait_done(daemon: BatchDaemon, name: str, timeout: float) -> float:
+    deadline = time.monotonic() + timeout
+    while (done := daemon.state_at(name, "done")) is None:
+        if daemon.state_at(name, "failed") is not None:
+            raise SystemExit(f"{daemon.name}: {name} failed; see {daemon.state}/daemon.log")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{daemon.name}: {name} not done in {timeout:.0f} s")
+        time.sleep(0.2)
+    return done
+
+
+def _forward(net: UNet, images: list[np.ndarray], threads: int) -> float:
+    """Seconds for the bare forward pass (plus sigmoid) over ``images``, one at a time."""
+    torch.set_num_threads(threads)
+    net = net.to(memory_format=torch.channels_last)
+    with torch.inference_mode():
+        for image in images[:2]:  # warm-up: the first calls allocate
+            net(torch.from_numpy(image)[None, None].contiguous(memory_format=torch.channels_last))
+        started = time.perf_counter()
+        for image in images:
+            stack = torch.from_numpy(image)[None, None]
+            torch.sigmoid(net(stack.contiguous(memory_format=torch.channels_last)))
+    return time.perf_counter() - started
+
+
+def _forward_part(args: tuple[dict[str, object], list[np.ndarray]]) -> float:
+    state, images = args
+    net = UNet()
+    net.load_state_dict(state)  # type: ignore[arg-type]
+    return _forward(net.eval(), images, 1)
+
+
+def limit(net: UNet, images: list[np.ndarray], cpus: int) -> tuple[float, float]:
+    """Images/s of the bare forward pass: (one process × ``cpus`` threads, ``cpus`` processes
+    × one thread, each over its share of the images, timed from the first start to the last
+    end of the forward passes)."""
+    threaded = len(images) / _forward(net, images, cpus)
+    parts = [images[i::cpus] for i in range(cpus)]
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    with multiprocessing.get_context("spawn").Pool(cpus) as pool:
+        seconds = pool.map(_forward_part, [(state, part) for part in parts])
+    return threaded, len(images) / max(seconds)
+
+
+def one_run(daemon: BatchDaemon, template: Path, name: str, images: int) -> dict[str, float]:
+    _, landed = drop(template, daemon.mount, name)
+    done = wait_done(daemon, name, 3600)
+    queued = daemon.state_at(name, "queued") or landed
+    return {
+        "queued_to_done": images / (done - queued),
+        "manifest_to_done": images / (done - landed),
+        "seconds": done - queued,
+        "jobs": daemon.jobs(name),
+    }
+
+
+def resume(daemon: BatchDaemon, template: Path, images: int) -> str:
+    """Kill the daemon and its jobs halfway through a batch, start it again: images redone."""
+    name = "resume"
+    folder, _ = drop(template, daemon.mount, name)
+    ledger = folder / "results"
+    while _ledger_lines(ledger)[0] < images // 2:
+        time.sleep(0.2)
+    jobs = subprocess.run(["pgrep", "-f", "pipelines.infer"], capture_output=True, text=True)
+    assert daemon.process is not None
+    daemon.process.kill()
+    for pid in jobs.stdout.split():
+        os.killpg(int(pid), signal.SIGKILL)  # each job leads its own session
+    daemon.process.wait()
+    before = _ledger_lines(ledger)[0]
+    daemon.start()
+    wait_done(daemon, name, 3600)
+    lines, distinct = _ledger_lines(ledger)
+    return (
+        f"killed with {before:,} of {images:,} images in the ledger; after the restart "
+        f"{distinct:,} images done, {lines - distinct} segmented twice"
+    )
+
+
+def _ledger_lines(results: Path) -> tuple[int, int]:
+    """(lines, distinct inputs) over every shard's ledger below ``results``."""
+    lines, paths = 0, set()
+    for shard in results.glob("*/ledger/*.jsonl"):
+        for line in shard.read_text().splitlines():
+            try:
+                paths.add(json.loads(line)["path"])
+            except (ValueError, KeyError):
+                continue  # a torn last line
+            lines += 1
+    return lines, len(paths)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--old", type=Path, required=True, help="a checkout of the old code")
+    parser.add_argument("--images", type=int, default=1500)
+    parser.add_argument("--size", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--cpus", type=int, default=2)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="watchd-bench-batch-"))
+    torch.manual_seed(0)
+    net = UNet().eval()
+    registry.register(work / "registry", MODEL, net.state_dict(),
+                      {"architecture": net.architecture()})  # fmt: skip
+    template = work / "template"
+    files = synth.make_batch(template, "inference", args.images, args.size, seed=7)
+    subprocess.run(
+        [str(REPO / ".venv/bin/watchctl"), "manifest", str(template), "--kind", "inference",
+         "--model", MODEL, "--owner", "Bench"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    decoded = [decode(p.read_bytes()) for p in files]
+    print(f"old: {args.old.resolve()} ({_commit(args.old)}); new: {REPO} ({_commit(REPO)})")
+    print(f"{args.images:,} images {args.size}², {args.cpus} cores, work in {work}")
+    daemons = [
+        BatchDaemon(name, code, work / name, work / name / "drop", work / name / "state",
+                    registry=work / "registry")
+        for name, code in (("old", args.old.resolve()), ("new", REPO))
+    ]  # fmt: skip
+    limits: list[float] = []
+    rates: dict[str, list[dict[str, float]]] = {d.name: [] for d in daemons}
+    try:
+        for d in daemons:
+            d.mount.mkdir(parents=True)
+            d.start()
+        for round_ in range(args.rounds):
+            for d in daemons:
+                threaded, processes = limit(net, decoded, args.cpus)
+                limits.append(max(threaded, processes))
+                print(f"limit: {threaded:.1f} images/s (1 process × {args.cpus} threads), "
+                      f"{processes:.1f} ({args.cpus} processes × 1 thread)")  # fmt: skip
+                run = one_run(d, template, f"round-{round_}", args.images)
+                rates[d.name].append(run)
+                print(f"{d.name}: {run['jobs']:.0f} jobs, queued → done {run['seconds']:.1f} s = "
+                      f"{run['queued_to_done']:.1f} images/s; manifest → done "
+                      f"{run['manifest_to_done']:.1f} images/s")  # fmt: skip
+        threaded, processes = limit(net, decoded, args.cpus)
+        limits.append(max(threaded, processes))
+        best = statistics.median(limits)
+        print(f"machine limit (median of {len(limits)}): {best:.1f} images/s")
+        for name, runs in rates.items():
+            queued = statistics.median(r["queued_to_done"] for r in runs)
+            landed = statistics.median(r["manifest_to_done"] for r in runs)
+            print(f"{name}: efficiency queued → done {queued / best:.2f}, "
+                  f"manifest → done {landed / best:.2f} (medians of {len(runs)})")  # fmt: skip
+        if args.resume:
+            print(f"resume: {resume(daemons[1], template, args.images)}")
+    finally:
+        for d in daemons:
+            d.stop()
+    print(f"logs: {work}/*/state/daemon.log")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
