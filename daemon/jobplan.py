@@ -23,10 +23,11 @@ MIN_SIZED_SHARD = 16  # images: a smaller batch gets fewer jobs than the executo
 @dataclass(frozen=True)
 class Sharding:
     """How an inference batch is split into jobs (``[planner]``). ``size`` 0: into ``width``
-    jobs (those that run side by side), each of at most ``max_size`` images, so that each job
-    pays its start (interpreter, torch, the model: seconds, tens on a cold cluster share) once
-    for as many images as it can, and a retry or resume redoes at most ``max_size``; ``size``
-    N: jobs of N images."""
+    jobs (those that run side by side), or a multiple of it (whole waves: no slot idles at
+    the end) where jobs would be larger than ``max_size`` images; so each job pays its start
+    (interpreter, torch, the model: seconds, tens on a cold cluster share) once for as many
+    images as it can, and a retry or resume redoes at most ``max_size``. A batch of fewer
+    than MIN_SIZED_SHARD images per slot gets fewer jobs. ``size`` N: jobs of N images."""
 
     size: int = 0
     max_size: int = 2000
@@ -40,7 +41,8 @@ class Sharding:
         else:
             jobs = -(-count // self.max_size)
             if self.width:
-                jobs = max(jobs, min(self.width, -(-count // MIN_SIZED_SHARD)))
+                waves = -(-jobs // self.width)
+                jobs = max(jobs, min(self.width * waves, -(-count // MIN_SIZED_SHARD)))
         jobs = max(1, jobs)
         if self.size:
             return [slice(i * self.size, (i + 1) * self.size) for i in range(jobs)]

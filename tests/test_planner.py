@@ -126,7 +126,7 @@ def test_a_ready_inference_batch_is_queued_as_shards() -> None:
         (1500, Sharding(width=2), [750, 750]),  # one job per slot: each starts once
         (7, Sharding(width=4), [7]),  # too few images to be worth a second start
         (40, Sharding(width=4), [13, 13, 14]),  # at least MIN_SIZED_SHARD images a job
-        (5000, Sharding(max_size=2000, width=2), [1666, 1667, 1667]),  # a retry redoes ≤ 2000
+        (5000, Sharding(max_size=2000, width=2), [1250] * 4),  # ≤ 2000 a retry; whole waves
         (55_000, Sharding(width=50), [1100] * 50),  # a Slurm array throttled at %50
         (4500, Sharding(max_size=2000, width=None), [1500, 1500, 1500]),  # no throttle
         (5, Sharding(size=2, width=8), [2, 2, 1]),  # a fixed size wins
