@@ -79,6 +79,15 @@ class InputFile:
     sha256: str | None = None
     role: str = "image"  # "image" or "mask" (ground truth, training only)
 
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as JSON takes them: ``dataclasses.asdict`` copies deeply and costs some
+        20 µs an input, a second for the 55,000 inputs of one batch."""
+        return {"path": self.path, "size": self.size, "sha256": self.sha256, "role": self.role}
+
+
+def inputs_json(inputs: Sequence[InputFile]) -> list[dict[str, Any]]:
+    return [item.as_dict() for item in inputs]
+
 
 @dataclass(frozen=True)
 class ModelRef:
@@ -159,7 +168,8 @@ class JobSpec:
         return job_dir(self.run_dir, self.job_name)
 
     def to_json(self) -> str:
-        data = dataclasses.asdict(self)
+        data = dataclasses.asdict(dataclasses.replace(self, inputs=()))
+        data["inputs"] = inputs_json(self.inputs)
         data["pipeline"] = self.pipeline.value
         data["params"] = dict(self.params)
         return json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False)

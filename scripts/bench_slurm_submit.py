@@ -12,7 +12,7 @@ from the measured rate, and said so).
 
 Usage (as root)::
 
-    .venv/bin/python scripts/bench_slurm_submit.py [--images 55000] [--shard-size 64]
+    .venv/bin/python scripts/bench_slurm_submit.py [--images 55000] [--shard-size 0]
         [--throttle 50] [--client cli|pyslurm] [--baseline-jobs 1000]
 """
 
@@ -95,7 +95,7 @@ def naive_baseline(env: dict[str, str], base: Path, jobs: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=55_000)
-    parser.add_argument("--shard-size", type=int, default=64)
+    parser.add_argument("--shard-size", type=int, default=0, help="0: sized (the default)")
     parser.add_argument("--throttle", type=int, default=50)
     parser.add_argument("--client", choices=("cli", "pyslurm"), default="cli")
     parser.add_argument("--baseline-jobs", type=int, default=1000)
@@ -109,8 +109,8 @@ def run(args: argparse.Namespace, conf: Path, base: Path) -> int:
     folder = root / "plate 55k"
     print(f"generating {args.images:,} images ...", flush=True)
     made = make_images(folder, args.images)
-    shards = -(-args.images // args.shard_size)
-    print(f"  {made:.1f} s; {shards:,} shards of {args.shard_size}")
+    sizing = f"shards of {args.shard_size}" if args.shard_size else "shards sized to the throttle"
+    print(f"  {made:.1f} s; {sizing}")
     config = slurm_config(
         base, root, base / "registry", conf, args.client,
         intake={"settle_seconds": 0.0, "check_seconds": 0.1},

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from daemon.errors import IllegalTransition, NotFound
-from daemon.jobspec import InputFile, Pipeline
+from daemon.jobspec import InputFile, Pipeline, inputs_json
 from daemon.records import Job, JobChange, NewJob
 from daemon.states import JobState, job_can_move
 from daemon.store.base import StoreBase
@@ -24,11 +24,11 @@ class JobStore(StoreBase):
             ids = []
             for new in jobs:
                 row = {
-                    **asdict(new),
+                    **asdict(replace(new, inputs=())),
                     "pipeline": new.pipeline.value,
                     "inputs": self._inherited_inputs(batch_id)
                     if new.inherit_inputs
-                    else json.dumps([asdict(f) for f in new.inputs]),
+                    else json.dumps(inputs_json(new.inputs)),
                     "params": json.dumps(dict(new.params), sort_keys=True),
                     "images": len(new.inputs) if new.pipeline is Pipeline.INFER else 0,
                     "batch_id": batch_id,
