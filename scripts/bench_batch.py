@@ -7,17 +7,24 @@ renamed in last) into a running daemon with its default configuration (local exe
 
 The machine's limit is the bare forward pass of the same model over the same images already
 decoded in memory (channels-last, inference mode, batch 1): the better of one process with
-``--cpus`` threads and ``--cpus`` processes with one thread each, measured between the runs.
+``--cpus`` threads and ``--cpus`` processes with one thread each, over the first
+``--limit-images`` of them, measured before each run and after the last.
 
 The old code (``--old``, a checkout of the code before the change) and the new one run in this
 invocation, interleaved, ``--rounds`` times each, against the same images and model (an
 untrained U-Net of the demo's shape: the timing is a trained one's).
 
+``--slurm``: the daemons send the jobs to the local test cluster (scripts/slurm-cluster) through
+the CLI client, the array throttled to ``--cpus`` tasks and a status query at most every 2 s;
+every sbatch, squeue, scancel and scontrol they run is counted (through a folder of wrappers
+first on their PATH).
+
 ``--resume`` then drops one more batch on the new code, kills the daemon and its jobs (SIGKILL,
 as a node that dies) when about half the images are done, starts it again and counts the
-images segmented twice (ledger lines beyond one per image).
+images segmented twice (ledger lines beyond one per image). Local executor only.
 
     .venv/bin/python scripts/bench_batch.py --old ../wt-old [--images 1500] [--rounds 2]
+    .venv/bin/python scripts/bench_batch.py --old ../wt-old --slurm --images 10000 --rounds 1
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import synth
 from bench_share import Daemon, _commit
+from slurm_scenario import start_cluster
 
 from models import registry
 from models.unet import UNet
@@ -50,6 +58,7 @@ from pipelines.images import decode
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "spheroid-unet"
+ARCHITECTURE = {"depth": 3, "width": 16}  # what the demo trains (the training defaults)
 
 
 @dataclass
@@ -57,14 +66,17 @@ class BatchDaemon(Daemon):
     """A daemon on a local drop root with the defaults of its own code; only the paths set."""
 
     registry: Path = Path()
+    slurm: dict[str, object] | None = None  # [executor.slurm] when the jobs go to Slurm
 
     def config(self, **intake: object) -> Path:
-        document = {
+        document: dict[str, object] = {
             "daemon": {"state_dir": str(self.state)},
             "roots": [{"path": str(self.mount)}],
             "registry": {"path": str(self.registry)},
             "jobs": {"wandb_mode": "disabled"},
         }
+        if self.slurm is not None:
+            document["executor"] = {"kind": "slurm", "slurm": self.slurm}
         path = self.state / "config.toml"
         path.write_text(tomli_w.dumps(document))
         return path
@@ -83,6 +95,29 @@ class BatchDaemon(Daemon):
             folder,
         )
         return int(rows[0][0]) if rows else 0  # type: ignore[call-overload]
+
+
+SLURM_COMMANDS = ("sbatch", "squeue", "scancel", "scontrol", "sacct")
+
+
+def counting_path(folder: Path) -> str:
+    """A folder of wrappers that log each Slurm command run to ``calls.log`` and run the real
+    one, as PATH for a daemon: its Slurm calls, counted from outside."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in SLURM_COMMANDS:
+        real = shutil.which(name)
+        if real is None:
+            continue
+        wrapper = folder / name
+        wrapper.write_text(f'#!/bin/sh\necho {name} >> "{folder}/calls.log"\nexec {real} "$@"\n')
+        wrapper.chmod(0o755)
+    return f"{folder}:{os.environ.get('PATH', '')}"
+
+
+def slurm_calls(folder: Path) -> dict[str, int]:
+    log = folder / "calls.log"
+    names = log.read_text().split() if log.exists() else []
+    return {name: names.count(name) for name in SLURM_COMMANDS if name in names}
 
 
 def drop(template: Path, root: Path, name: str) -> tuple[Path, float]:
@@ -123,7 +158,7 @@ def _forward(net: UNet, images: list[np.ndarray], threads: int) -> float:
 
 def _forward_part(args: tuple[dict[str, object], list[np.ndarray]]) -> float:
     state, images = args
-    net = UNet()
+    net = UNet(**ARCHITECTURE)
     net.load_state_dict(state)  # type: ignore[arg-type]
     return _forward(net.eval(), images, 1)
 
@@ -195,11 +230,14 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cpus", type=int, default=2)
+    parser.add_argument("--limit-images", type=int, default=500)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--slurm", action="store_true", help="jobs to the local test cluster")
     args = parser.parse_args()
+    slurm_conf = start_cluster() if args.slurm else None
     work = Path(tempfile.mkdtemp(prefix="watchd-bench-batch-"))
     torch.manual_seed(0)
-    net = UNet().eval()
+    net = UNet(**ARCHITECTURE).eval()
     registry.register(work / "registry", MODEL, net.state_dict(),
                       {"architecture": net.architecture()})  # fmt: skip
     template = work / "template"
@@ -209,14 +247,21 @@ def main() -> int:
          "--model", MODEL, "--owner", "Bench"],
         check=True, capture_output=True,
     )  # fmt: skip
-    decoded = [decode(p.read_bytes()) for p in files]
+    decoded = [decode(p.read_bytes()) for p in files[: args.limit_images]]
     print(f"old: {args.old.resolve()} ({_commit(args.old)}); new: {REPO} ({_commit(REPO)})")
-    print(f"{args.images:,} images {args.size}², {args.cpus} cores, work in {work}")
+    where = f"Slurm test cluster ({slurm_conf}), throttle %{args.cpus}" if args.slurm else "local"
+    print(f"{args.images:,} images {args.size}², {args.cpus} cores, {where}; work in {work}")
     daemons = [
         BatchDaemon(name, code, work / name, work / name / "drop", work / name / "state",
                     registry=work / "registry")
         for name, code in (("old", args.old.resolve()), ("new", REPO))
     ]  # fmt: skip
+    if slurm_conf is not None:
+        for d in daemons:
+            d.env = {"PATH": counting_path(work / d.name / "bin"), "SLURM_CONF": str(slurm_conf)}
+            d.slurm = {"client": "cli", "slurm_conf": str(slurm_conf), "python": sys.executable,
+                       "array_throttle": args.cpus, "poll_seconds": 2.0,
+                       "result_grace_seconds": 0.0, "memory_mb": 3072}  # fmt: skip
     limits: list[float] = []
     rates: dict[str, list[dict[str, float]]] = {d.name: [] for d in daemons}
     try:
@@ -243,7 +288,13 @@ def main() -> int:
             landed = statistics.median(r["manifest_to_done"] for r in runs)
             print(f"{name}: efficiency queued → done {queued / best:.2f}, "
                   f"manifest → done {landed / best:.2f} (medians of {len(runs)})")  # fmt: skip
-        if args.resume:
+        if slurm_conf is not None:
+            for d in daemons:
+                calls = slurm_calls(work / d.name / "bin")
+                listed = ", ".join(f"{name} {n}" for name, n in calls.items())
+                print(f"{d.name}: Slurm commands run over {args.rounds} batch(es) and the "
+                      f"start: {sum(calls.values())} ({listed})")  # fmt: skip
+        if args.resume and slurm_conf is None:
             print(f"resume: {resume(daemons[1], template, args.images)}")
     finally:
         for d in daemons:

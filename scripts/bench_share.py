@@ -29,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomli_w
@@ -49,6 +49,7 @@ class Daemon:
     mount: Path  # its root, through the mount
     state: Path
     process: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] = field(default_factory=dict)  # over the environment, for the daemon
 
     def config(self, **intake: object) -> Path:
         document = {
@@ -66,7 +67,7 @@ class Daemon:
         self.state.mkdir(parents=True, exist_ok=True)
         code = f"import sys; sys.argv = ['watchd', 'run', '--config', {str(self.config())!r}];"
         code += " from daemon.cli import watchd_main; watchd_main()"
-        env = {**os.environ, "PYTHONPATH": str(self.code)}
+        env = {**os.environ, **self.env, "PYTHONPATH": str(self.code)}
         with open(self.state / "daemon.log", "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-c", code], cwd=self.code, env=env, stdout=log, stderr=log
