@@ -13,7 +13,7 @@ from typing import Any
 
 from daemon import visible
 from daemon.claims import Holder
-from daemon.records import Batch, Event, Heartbeat, Intent, Job, RootRecord
+from daemon.records import Batch, Event, Heartbeat, Intent, Job, RootRecord, images_progress
 from daemon.states import BatchState, JobState
 
 
@@ -45,11 +45,11 @@ def liveness(
 
 def batch_summary(batch: Batch, jobs: Sequence[Job]) -> dict[str, Any]:
     """A batch with its jobs counted by state and, for inference, its images done."""
-    done = sum(j.images if j.state is JobState.SUCCEEDED else j.images_done for j in jobs)
+    done, images = images_progress(jobs)
     return {
         **batch_row(batch, Counter(j.state for j in jobs)),
         "images_done": done,
-        "images_total": sum(j.images for j in jobs),
+        "images_total": images,
     }
 
 

@@ -3,7 +3,7 @@ values, as the store returns them; nothing here touches the database."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,6 +98,13 @@ class Job:
     def tries(self) -> int:
         """Attempts since the operator's last fresh start (what the retry budget counts)."""
         return self.attempts - self.attempts_base
+
+
+def images_progress(jobs: Sequence[Job]) -> tuple[int, int]:
+    """(images done, images) over a batch's inference jobs: a succeeded job's images all, a
+    running one's as its progress file last said."""
+    done = sum(j.images if j.state is JobState.SUCCEEDED else j.images_done for j in jobs)
+    return done, sum(j.images for j in jobs)
 
 
 @dataclass(frozen=True)

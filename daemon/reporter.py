@@ -22,7 +22,7 @@ from daemon.intake import inside_root
 from daemon.jobspec import Problem
 from daemon.manifest import MANIFEST_NAME, STATUS_NAME, parse_manifest
 from daemon.readiness import Timing
-from daemon.records import Batch, Event, Job, RootRecord
+from daemon.records import Batch, Event, Job, RootRecord, images_progress
 from daemon.states import BatchState, JobState
 from daemon.store import Store
 from daemon.visible import visible
@@ -149,7 +149,9 @@ def _progress(jobs: Sequence[Job]) -> str:
     running = sum(1 for j in jobs if j.state.live)
     failed = sum(1 for j in jobs if j.state is JobState.FAILED)
     text = f"{done} of {len(jobs)} jobs done, {running} running"
-    return text + (f", {failed} failed" if failed else "")
+    text += f", {failed} failed" if failed else ""
+    images_done, images = images_progress(jobs)
+    return f"{images_done:,} of {images:,} images; {text}" if images else text
 
 
 def _event_line(event: Event) -> str:

@@ -381,8 +381,11 @@ class Service:
         live = [j for j in jobs if j.state.live]
         slots = self.executor.slots()
         free = None if slots is None else slots - len(live)
+        seen = self.dispatch.observe(live)
+        self._dirty |= self.dispatch.progressed  # the owner's status file says images done
+        self.dispatch.progressed.clear()
         return Snapshot(
-            now, views, self.dispatch.observe(live), intents, free, self.policy, self._submitting,
+            now, views, seen, intents, free, self.policy, self._submitting,
             self.paused,
         )  # fmt: skip
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from daemon.jobspec import Problem
-from daemon.records import Batch, Event
+from daemon.jobspec import Pipeline, Problem
+from daemon.records import Batch, Event, Job
 from daemon.reporter import StatusInput, render
-from daemon.states import BatchState
+from daemon.states import BatchState, JobState
 
 NOW = 1_800_000_000.0
 
@@ -64,3 +64,18 @@ def test_inputs_incomplete_at_the_timeout_are_looked_at_again_until_one_more_tim
         "Next step: copy what is missing: until 2027-01-15 09:00:00 watchd checks the inputs "
         "again as soon as they change; after that, ask an operator to run `watchctl retry 7`."
     ) in text
+
+
+def test_a_running_inference_batch_says_its_images_done_as_well_as_its_jobs() -> None:
+    def job(i: int, state: JobState, images: int, done: int, pipeline: Pipeline) -> Job:
+        return Job(i, 7, f"b000007-{i}", pipeline, 0, i, 2, state, 1, "local", None, None, None,
+                   "", NOW, NOW, NOW, None, images=images, images_done=done)  # fmt: skip
+
+    jobs = (job(1, JobState.SUCCEEDED, 750, 0, Pipeline.INFER),
+            job(2, JobState.RUNNING, 750, 320, Pipeline.INFER))  # fmt: skip
+    text = render(StatusInput(batch(state=BatchState.RUNNING, reason="jobs submitted"), jobs,
+                              (), (), 5.0, 3600.0), NOW)  # fmt: skip
+    assert "Progress:  1,070 of 1,500 images; 1 of 2 jobs done, 1 running" in text
+    training = (job(1, JobState.RUNNING, 0, 0, Pipeline.TRAIN),)
+    text = render(StatusInput(batch(state=BatchState.RUNNING), training, (), (), 5.0, 3600.0), NOW)
+    assert "Progress:  0 of 1 jobs done, 1 running" in text
