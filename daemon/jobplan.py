@@ -17,7 +17,10 @@ from daemon.manifest_schema import Kind, Role
 from daemon.records import Batch, Job, NewJob
 from daemon.sweep import trial_params
 
-MIN_SIZED_SHARD = 16  # images: a smaller batch gets fewer jobs than the executor's width
+# Images a sized job gets at least (a smaller batch gets fewer jobs than the executor's width):
+# the fixed size of before, so sizing only ever makes jobs larger. A job on a cluster pays
+# 10-30 s to start (Python and torch from a cold shared filesystem); 64 images take ~20 s.
+MIN_SIZED_SHARD = 64
 
 
 @dataclass(frozen=True)
@@ -26,8 +29,8 @@ class Sharding:
     jobs (those that run side by side), or a multiple of it (whole waves: no slot idles at
     the end) where jobs would be larger than ``max_size`` images; so each job pays its start
     (interpreter, torch, the model: seconds, tens on a cold cluster share) once for as many
-    images as it can, and a retry or resume redoes at most ``max_size``. A batch of fewer
-    than MIN_SIZED_SHARD images per slot gets fewer jobs. ``size`` N: jobs of N images."""
+    images as it can, and a retry or resume redoes at most ``max_size``. No job gets fewer
+    than MIN_SIZED_SHARD images unless the batch has fewer. ``size`` N: jobs of N images."""
 
     size: int = 0
     max_size: int = 2000
@@ -42,7 +45,7 @@ class Sharding:
             jobs = -(-count // self.max_size)
             if self.width:
                 waves = -(-jobs // self.width)
-                jobs = max(jobs, min(self.width * waves, -(-count // MIN_SIZED_SHARD)))
+                jobs = max(jobs, min(self.width * waves, count // MIN_SIZED_SHARD))
         jobs = max(1, jobs)
         if self.size:
             return [slice(i * self.size, (i + 1) * self.size) for i in range(jobs)]

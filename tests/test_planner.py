@@ -125,7 +125,9 @@ def test_a_ready_inference_batch_is_queued_as_shards() -> None:
     [
         (1500, Sharding(width=2), [750, 750]),  # one job per slot: each starts once
         (7, Sharding(width=4), [7]),  # too few images to be worth a second start
-        (40, Sharding(width=4), [13, 13, 14]),  # at least MIN_SIZED_SHARD images a job
+        (200, Sharding(width=4), [66, 67, 67]),  # at least MIN_SIZED_SHARD (64) images a job
+        (1000, Sharding(width=50), [66, 67, 67] * 5),  # fewer jobs than jobs of 64 made
+        (127, Sharding(width=2), [127]),
         (5000, Sharding(max_size=2000, width=2), [1250] * 4),  # ≤ 2000 a retry; whole waves
         (55_000, Sharding(width=50), [1100] * 50),  # a Slurm array throttled at %50
         (4500, Sharding(max_size=2000, width=None), [1500, 1500, 1500]),  # no throttle
