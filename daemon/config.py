@@ -168,6 +168,11 @@ class SlurmExecutorSection(_Section):
     # fails it with Slurm's message, and its batch with it.
     max_refusals: Annotated[int, Field(ge=1, le=100)] = 3
 
+    @property
+    def shapes(self) -> JobShapes:
+        """GPUs and tasks of its jobs when their manifest does not say."""
+        return JobShapes(self.gpus, self.tasks, self.inference_gpus)
+
     @pydantic.model_validator(mode="after")
     def _defaults_within_bounds(self) -> SlurmExecutorSection:
         pairs = [
@@ -197,7 +202,7 @@ class ExecutorSection(_Section):
     def job_shapes(self) -> JobShapes:
         """GPUs and tasks jobs get when their manifest does not say."""
         if self.kind == "slurm":
-            return JobShapes(self.slurm.gpus, self.slurm.tasks, self.slurm.inference_gpus)
+            return self.slurm.shapes
         return JobShapes(inference_gpus=self.local.inference_gpus)
 
     @property

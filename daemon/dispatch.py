@@ -86,7 +86,7 @@ class Dispatcher:
         self.clock = clock
         self._no_result_since: dict[int, float] = {}
         self._progress_due: dict[int, float] = {}  # job id → when its progress is read next
-        self.progressed: set[int] = set()  # batches whose images done changed: status to write
+        self._progressed: set[int] = set()  # batches whose images done changed since asked
         self._said: dict[str, str] = {}  # the last warning of each kind, not to repeat it
 
     def _warn(self, event: str, error: str, **fields: object) -> None:
@@ -126,6 +126,12 @@ class Dispatcher:
                 self._progress_due.pop(job.id, None)
         return seen
 
+    def take_progressed(self) -> set[int]:
+        """The batches whose images done changed since the last call (their status files say
+        it), forgotten here."""
+        taken, self._progressed = self._progressed, set()
+        return taken
+
     def _progress(self, job: Job) -> None:
         """Record a running inference job's images done, read from its progress file at most
         every PROGRESS_SECONDS (a read on the share per running job, not per image)."""
@@ -136,7 +142,7 @@ class Dispatcher:
         done = read_progress(*self._folders(job))
         if done is not None and done != job.images_done:
             self.store.job_progress(job.id, max(0, min(done, job.images)))
-            self.progressed.add(job.batch_id)
+            self._progressed.add(job.batch_id)
 
     def _result_may_come(self, job_id: int) -> bool:
         since = self._no_result_since.setdefault(job_id, self.clock())

@@ -40,15 +40,13 @@ class Sharding:
         """The images of each job, in order: ``count`` images in parts that differ by one at
         most; at least one (empty) part."""
         if self.size:
-            jobs = -(-count // self.size)
-        else:
-            jobs = -(-count // self.max_size)
-            if self.width:
-                waves = -(-jobs // self.width)
-                jobs = max(jobs, min(self.width * waves, count // MIN_SIZED_SHARD))
+            fixed = range(max(1, -(-count // self.size)))
+            return [slice(i * self.size, (i + 1) * self.size) for i in fixed]
+        jobs = -(-count // self.max_size)
+        if self.width:
+            waves = -(-jobs // self.width)
+            jobs = max(jobs, min(self.width * waves, count // MIN_SIZED_SHARD))
         jobs = max(1, jobs)
-        if self.size:
-            return [slice(i * self.size, (i + 1) * self.size) for i in range(jobs)]
         bounds = [i * count // jobs for i in range(jobs + 1)]
         return [slice(a, b) for a, b in pairwise(bounds)]
 

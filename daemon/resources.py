@@ -49,7 +49,7 @@ def allocation(
     """
     time_minutes = min(request.time_minutes or site.time_minutes, site.max_time_minutes)
     memory_mb = min(request.memory_mb or site.memory_mb, site.max_memory_mb)
-    gpus, tasks = shape(request, pipeline, JobShapes(site.gpus, site.tasks, site.inference_gpus))
+    gpus, tasks = shape(request, pipeline, site.shapes)
     return Allocation(time_minutes, memory_mb, min(gpus, site.max_gpus), min(tasks, site.max_tasks))
 
 

@@ -382,8 +382,7 @@ class Service:
         slots = self.executor.slots()
         free = None if slots is None else slots - len(live)
         seen = self.dispatch.observe(live)
-        self._dirty |= self.dispatch.progressed  # the owner's status file says images done
-        self.dispatch.progressed.clear()
+        self._dirty |= self.dispatch.take_progressed()  # the status files say images done
         return Snapshot(
             now, views, seen, intents, free, self.policy, self._submitting,
             self.paused,
