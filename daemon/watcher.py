@@ -31,9 +31,9 @@ from watchdog.observers.inotify_c import (
 )
 from watchdog.observers.polling import PollingObserverVFS
 
-from daemon.config import ObserverMode, RootSection
-from daemon.manifest import MANIFEST_NAME
-from daemon.mounts import choose_mode, filesystem_type
+from daemon.core.manifest import MANIFEST_NAME
+from daemon.site.config import ObserverMode, RootSection
+from daemon.site.mounts import choose_mode, filesystem_type
 
 log = structlog.get_logger("watchd.watcher")
 

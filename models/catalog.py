@@ -40,8 +40,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from daemon.atomicfile import write_text
-from daemon.checksums import sha256_of
+from daemon.contract.atomicfile import write_text
+from daemon.contract.checksums import sha256_of
 
 WEIGHTS_FILE = "weights.pt"
 METADATA_FILE = "metadata.json"

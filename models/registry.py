@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from daemon.atomicfile import write_bytes
+from daemon.contract.atomicfile import write_bytes
 from models.catalog import (
     WEIGHTS_FILE,
     BestRule,

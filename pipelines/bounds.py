@@ -21,7 +21,7 @@ from typing import BinaryIO
 
 import tifffile
 
-from daemon.jobspec import InputFile, Problem
+from daemon.contract.jobspec import InputFile, Problem
 from pipelines.job import InputError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -31,7 +31,7 @@ from lightning.pytorch.plugins.environments import LightningEnvironment
 from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
-from daemon.heldfolder import HeldFolder
+from daemon.contract.heldfolder import HeldFolder
 from models.segmenter import UNetModule
 from pipelines.job import log, process_rank
 from pipelines.layout import CURVE_COLUMNS, METRICS_FILE, WANDB_DIR

@@ -4,15 +4,15 @@ Inputs are PNG or TIFF, 8- or 16-bit, grey or RGB(A) (converted to grey with the
 luma weights), returned as float32 in [0, 1] scaled by the integer range (255 or 65535). The
 format is recognised from the file's content, not its name. Each file is read once: the
 sha256 named in the manifest is checked on those same bytes. Files are opened only by the rule
-of :mod:`daemon.safeopen`: an input swapped for a link out of the batch folder, or for a FIFO,
-after the batch was accepted is refused, never read. Whatever is wrong with a file becomes an
+of :mod:`daemon.contract.safeopen`: an input swapped for a link out of the batch folder, or for a
+FIFO, after the batch was accepted is refused, never read. Whatever is wrong with a file becomes an
 :class:`InputError` with one :class:`Problem` naming it, never a traceback, including an error
 reading it (permission denied, an I/O error on that file); only an error that says the share
 itself is gone escapes, so the job is retried (:func:`reading`). What is read is bounded by the
 image's header and by the file (:func:`read_bounded`): a sparse file is refused unread.
 
 Masks are written in the format of the input's file name (PNG or TIFF), uint8 0/255,
-atomically, into a folder held by the rule of :mod:`daemon.heldfolder`.
+atomically, into a folder held by the rule of :mod:`daemon.contract.heldfolder`.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import numpy as np
 import tifffile
 from PIL import Image
 
-from daemon.heldfolder import HeldFolder
-from daemon.jobspec import InputFile, Problem
-from daemon.safeopen import Folder, Presence, RefusedInput, open_input
+from daemon.contract.heldfolder import HeldFolder
+from daemon.contract.jobspec import InputFile, Problem
+from daemon.contract.safeopen import Folder, Presence, RefusedInput, open_input
 from pipelines.bounds import (
     PNG_MAGIC,
     TIFF_ERRORS,
@@ -100,8 +100,8 @@ def reading(item: InputFile) -> Iterator[None]:
 
 
 def open_item(batch_dir: Folder, item: InputFile) -> BinaryIO:
-    """Open ``item`` by the batch folder's rule (:mod:`daemon.safeopen`): a regular file inside
-    the folder, checked as it is opened. A missing, refused or unreadable input is an
+    """Open ``item`` by the batch folder's rule (:mod:`daemon.contract.safeopen`): a regular file
+    inside the folder, checked as it is opened. A missing, refused or unreadable input is an
     :class:`InputError` (see :func:`reading`)."""
     try:
         with reading(item):

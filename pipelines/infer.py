@@ -51,10 +51,10 @@ import numpy as np
 import torch
 from scipy import ndimage
 
-from daemon.checksums import sha256_of_stream
-from daemon.heldfolder import HeldFolder, parts_of
-from daemon.jobspec import JOBS_DIR, PROGRESS_FILE, InputFile, JobSpec, Pipeline, Problem
-from daemon.version import code_version
+from daemon.contract.checksums import sha256_of_stream
+from daemon.contract.heldfolder import HeldFolder, parts_of
+from daemon.contract.jobspec import JOBS_DIR, PROGRESS_FILE, InputFile, JobSpec, Pipeline, Problem
+from daemon.contract.version import code_version
 from models import registry
 from models.registry import ModelError, ModelVersion
 from models.unet import UNet

@@ -13,8 +13,8 @@ In a job of several processes (DDP ranks, see :mod:`pipelines.fitting`) only ran
 result.json; the work function returns None on the other ranks.
 
 Every write a job makes under the batch folder goes through :func:`run_folder`, the run folder
-held from the batch folder down (:mod:`daemon.heldfolder`): a link, FIFO or file that the owner
-planted where the job needs a folder is refused (:class:`UnsafeEntry`, kind INPUT, naming the
+held from the batch folder down (:mod:`daemon.contract.heldfolder`): a link, FIFO or file that the
+owner planted where the job needs a folder is refused (:class:`UnsafeEntry`, kind INPUT, naming the
 entry), never followed; one planted at a file name the job writes is replaced by the job's own
 file (the link itself, never its target). result.json is written the same way.
 
@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from daemon.heldfolder import FolderReplaced, HeldFolder, UnsafeEntry
-from daemon.jobspec import (
+from daemon.contract.heldfolder import FolderReplaced, HeldFolder, UnsafeEntry
+from daemon.contract.jobspec import (
     JOBS_DIR,
     RESULT_FILE,
     SPEC_FILE,
@@ -50,7 +50,7 @@ from daemon.jobspec import (
     Pipeline,
     Problem,
 )
-from daemon.version import code_version
+from daemon.contract.version import code_version
 from models.registry import ModelError
 
 log = logging.getLogger("pipelines")

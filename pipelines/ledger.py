@@ -7,8 +7,8 @@ an operator's requeue) takes an image's row from the ledger instead of segmentin
 all of these still hold: same path, same input bytes (the manifest's sha256, or the file's),
 same model, same parameters, and the mask is still there. A torn last line (the job was killed
 while appending) is ignored: that image is simply done again. The ledger is read and appended
-through the held run folder (:mod:`daemon.heldfolder`): a link, FIFO or hard link planted at its
-name is not read, and is replaced by the ledger's own file when the first line is appended.
+through the held run folder (:mod:`daemon.contract.heldfolder`): a link, FIFO or hard link planted
+at its name is not read, and is replaced by the ledger's own file when the first line is appended.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import stat
 from collections.abc import Mapping
 from typing import IO, Any
 
-from daemon.checksums import sha256_of_stream
-from daemon.heldfolder import HeldFolder, UnsafeEntry
-from daemon.jobspec import InputFile
-from daemon.safeopen import Folder, RefusedInput, open_input
+from daemon.contract.checksums import sha256_of_stream
+from daemon.contract.heldfolder import HeldFolder, UnsafeEntry
+from daemon.contract.jobspec import InputFile
+from daemon.contract.safeopen import Folder, RefusedInput, open_input
 from pipelines.layout import LEDGER_DIR
 
 log = logging.getLogger("pipelines")

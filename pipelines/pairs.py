@@ -15,8 +15,8 @@ from pathlib import PurePosixPath
 
 import numpy as np
 
-from daemon.jobspec import InputFile, Problem
-from daemon.safeopen import Folder
+from daemon.contract.jobspec import InputFile, Problem
+from daemon.contract.safeopen import Folder
 from pipelines.images import read_image, where
 from pipelines.job import InputError
 

@@ -25,8 +25,8 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
-from daemon.jobspec import InputFile, Problem
-from daemon.safeopen import Folder
+from daemon.contract.jobspec import InputFile, Problem
+from daemon.contract.safeopen import Folder
 from pipelines.images import check_suffix, read_bounded
 from pipelines.job import InputError
 

@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from daemon.heldfolder import HeldFolder
-from daemon.jobspec import JOBS_DIR, RESULT_FILE, JobResult, JobSpec, Pipeline
-from daemon.safeopen import RefusedInput, open_input
-from daemon.version import code_version
+from daemon.contract.heldfolder import HeldFolder
+from daemon.contract.jobspec import JOBS_DIR, RESULT_FILE, JobResult, JobSpec, Pipeline
+from daemon.contract.safeopen import RefusedInput, open_input
+from daemon.contract.version import code_version
 from pipelines import figures
 from pipelines.images import UnreadableImage, decode
 from pipelines.job import log, run_folder, run_job

@@ -29,8 +29,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from daemon.heldfolder import HeldFolder
-from daemon.jobspec import JobSpec, Pipeline
+from daemon.contract.heldfolder import HeldFolder
+from daemon.contract.jobspec import JobSpec, Pipeline
 from models import registry
 from models.unet import UNet
 from pipelines import train

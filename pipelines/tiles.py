@@ -11,8 +11,8 @@ Each band is thresholded and labelled (8-connected); components crossing a band 
 joined with a union-find that also adds up their areas and intensities. The mask goes to a
 tiled TIFF through an iterator of tiles. Components smaller than ``min_area`` are removed in a
 second pass over that mask (skipped when nothing is that small). The mask is written into a
-held folder (:mod:`daemon.heldfolder`): first pass to a temporary name, read back through the
-folder for the second pass, renamed into place. Peak memory is about
+held folder (:mod:`daemon.contract.heldfolder`): first pass to a temporary name, read back through
+the folder for the second pass, renamed into place. Peak memory is about
 ``window × width`` floats for the blend plus the tile cache, whatever the image's height.
 """
 
@@ -29,7 +29,7 @@ import numpy as np
 import tifffile
 from scipy import ndimage
 
-from daemon.heldfolder import HeldFolder, temporary_name
+from daemon.contract.heldfolder import HeldFolder, temporary_name
 
 TILE = 256  # the mask's TIFF tiles (and the band height of the statistics)
 _EIGHT = np.ones((3, 3), dtype=bool)

@@ -11,7 +11,7 @@
 
 Every file is written through the run folder held from the batch folder down
 (:func:`pipelines.job.run_folder`); W&B, which writes only by path, is given the held training
-folder's own path (:meth:`daemon.heldfolder.HeldFolder.proc_path`).
+folder's own path (:meth:`daemon.contract.heldfolder.HeldFolder.proc_path`).
 
 Lightning's own checkpointing is off: the best weights (lowest val_loss) are kept in memory
 and the registry publishes them. With ``tasks`` > 1 the fit runs as DDP; only rank 0 publishes
@@ -41,9 +41,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from daemon.heldfolder import HeldFolder
-from daemon.jobspec import JobSpec, Pipeline
-from daemon.version import code_version
+from daemon.contract.heldfolder import HeldFolder
+from daemon.contract.jobspec import JobSpec, Pipeline
+from daemon.contract.version import code_version
 from models import registry
 from models.registry import BestRule
 from models.unet import UNet

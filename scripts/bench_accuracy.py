@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jobrun
 import synth
 
-from daemon.jobspec import ModelRef, Pipeline
+from daemon.contract.jobspec import ModelRef, Pipeline
 from pipelines.images import decode
 
 MODEL = "bench-unet"

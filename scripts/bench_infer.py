@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jobrun
 import synth
 
-from daemon.jobspec import ModelRef, Pipeline
+from daemon.contract.jobspec import ModelRef, Pipeline
 from models import registry
 from models.unet import UNet
 from pipelines.images import decode

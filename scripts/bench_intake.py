@@ -28,9 +28,9 @@ from pathlib import Path
 
 import tomli_w
 
-from daemon import logs
-from daemon.config import load_config
-from daemon.states import BatchState
+from daemon.core.states import BatchState
+from daemon.site import logs
+from daemon.site.config import load_config
 from daemon.store import Store
 from daemon.watcher import scan_root
 
@@ -169,7 +169,7 @@ def catch_up(folders: int, images: int, base: Path, repeat: int) -> None:
 def service_catch_up(base: Path, root: Path) -> None:
     """The daemon's own catch-up: first sighting (records every batch), then a rescan."""
     from daemon.executors import make_executor
-    from daemon.service import Service
+    from daemon.loop.service import Service
 
     config = load_config(write_config(base, root, "inotify"))
     service = Service(config, make_executor(config, os.environ))

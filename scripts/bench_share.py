@@ -66,7 +66,7 @@ class Daemon:
     def start(self) -> None:
         self.state.mkdir(parents=True, exist_ok=True)
         code = f"import sys; sys.argv = ['watchd', 'run', '--config', {str(self.config())!r}];"
-        code += " from daemon.cli import watchd_main; watchd_main()"
+        code += " from daemon.watchd import watchd_main; watchd_main()"
         env = {**os.environ, **self.env, "PYTHONPATH": str(self.code)}
         with open(self.state / "daemon.log", "ab") as log:
             self.process = subprocess.Popen(

@@ -33,12 +33,12 @@ from PIL import Image
 from replay import Replay
 from slurm_scenario import batches_and_jobs, drill_ground, slurm_config
 
+from daemon.core.manifest import MANIFEST_NAME
+from daemon.core.states import BatchState, JobState
 from daemon.executors.slurm import SlurmExecutor, choose_client, job_environment
 from daemon.executors.slurm_api import JobRecord, JobRequest, SlurmClient, Versions
 from daemon.executors.slurm_cli import CliClient
-from daemon.manifest import MANIFEST_NAME
-from daemon.service import Service
-from daemon.states import BatchState, JobState
+from daemon.loop.service import Service
 
 T = TypeVar("T")
 

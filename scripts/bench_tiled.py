@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jobrun
 import synth
 
-from daemon.jobspec import InputFile, ModelRef, Pipeline
+from daemon.contract.jobspec import InputFile, ModelRef, Pipeline
 
 MODEL = "bench-unet"
 CELL = 128  # one droplet

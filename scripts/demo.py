@@ -22,9 +22,9 @@ import numpy as np
 import synth
 from PIL import Image
 
-from daemon.config import Config, load_config
-from daemon.records import Batch
-from daemon.states import BatchState
+from daemon.core.records import Batch
+from daemon.core.states import BatchState
+from daemon.site.config import Config, load_config
 from daemon.store import Store
 
 REPO = Path(__file__).resolve().parent.parent

@@ -39,12 +39,12 @@ import tomli_w
 from PIL import Image
 from replay import Replay, copy_slowly, manifest_text
 
-from daemon import logs
-from daemon.config import Config, load_config
-from daemon.manifest import STATUS_NAME
-from daemon.manifest_schema import Kind
-from daemon.records import Batch
-from daemon.states import BatchState
+from daemon.core.manifest import STATUS_NAME
+from daemon.core.manifest_schema import Kind
+from daemon.core.records import Batch
+from daemon.core.states import BatchState
+from daemon.site import logs
+from daemon.site.config import Config, load_config
 from daemon.store import Store
 
 BIN = Path(sys.executable).parent

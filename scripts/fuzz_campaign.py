@@ -49,9 +49,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from daemon import logs
-from daemon.config import Config
-from daemon.records import Batch
+from daemon.core.records import Batch
+from daemon.site import logs
+from daemon.site.config import Config
 from daemon.store import Store
 
 T = TypeVar("T")

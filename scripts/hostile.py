@@ -214,7 +214,7 @@ def build(
 
 
 def run_stamps(start: float, seconds: int) -> list[str]:
-    """The run-folder stamps of the seconds from ``start`` on, as daemon/intake.py names run
+    """The run-folder stamps of the seconds from ``start`` on, as daemon/loop/intake.py names run
     folders today (UTC second, then the manifest's sha256 prefix)."""
     moments = (dt.datetime.fromtimestamp(start + s, dt.UTC) for s in range(-1, seconds))
     return sorted({m.strftime("%Y%m%dT%H%M%SZ") for m in moments})
@@ -222,7 +222,7 @@ def run_stamps(start: float, seconds: int) -> list[str]:
 
 def level_paths(run: str, level: str, batches: int) -> Iterator[str]:
     """The paths of a LEVEL in a run, for every job the first ``batches`` batches would have
-    (named as daemon/jobplan.py names them: one inference shard and the report each)."""
+    (named as daemon/core/jobplan.py names them: one inference shard and the report each)."""
     if level == "run":
         yield run
     elif level in ("masks", "ledger", "parts", "jobs"):

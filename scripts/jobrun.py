@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from daemon.checksums import sha256_of
-from daemon.jobspec import (
+from daemon.contract.checksums import sha256_of
+from daemon.contract.jobspec import (
     LOG_FILE,
     RESULT_FILE,
     SPEC_FILE,

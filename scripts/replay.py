@@ -16,12 +16,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from daemon import manifest_writer
-from daemon.config import Config
+from daemon.cli import manifest_writer
+from daemon.core.manifest import MANIFEST_NAME
+from daemon.core.manifest_schema import Kind
 from daemon.executors import Executor, make_executor
-from daemon.manifest import MANIFEST_NAME
-from daemon.manifest_schema import Kind
-from daemon.service import Service
+from daemon.loop.service import Service
+from daemon.site.config import Config
 
 
 @dataclass(frozen=True, order=True)

@@ -41,11 +41,11 @@ from slurm_scenario import (
     train_model,
 )
 
-from daemon.config import Config
+from daemon.core.records import Batch, Job
+from daemon.core.states import BatchState, JobState
 from daemon.executors.slurm import make_slurm_executor
-from daemon.records import Batch, Job
-from daemon.service import Service
-from daemon.states import BatchState, JobState
+from daemon.loop.service import Service
+from daemon.site.config import Config
 
 IMAGES = 8  # per batch: 4 shards of 2
 

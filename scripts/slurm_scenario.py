@@ -24,10 +24,10 @@ import synth
 import tomli_w
 from replay import Replay, copy_slowly, manifest_text
 
-from daemon import logs
-from daemon.config import Config, load_config
-from daemon.manifest_schema import Kind
-from daemon.records import Batch, Job
+from daemon.core.manifest_schema import Kind
+from daemon.core.records import Batch, Job
+from daemon.site import logs
+from daemon.site.config import Config, load_config
 from daemon.store import Store
 
 REPO = Path(__file__).resolve().parent.parent

@@ -39,10 +39,10 @@ import tomli_w
 from fault_campaign import MODEL, train_seed_model
 from replay import manifest_text
 
-from daemon import logs
-from daemon.config import Config, load_config
-from daemon.manifest_schema import Kind
-from daemon.states import BatchState
+from daemon.core.manifest_schema import Kind
+from daemon.core.states import BatchState
+from daemon.site import logs
+from daemon.site.config import Config, load_config
 from daemon.store import Store
 
 BIN = Path(sys.executable).parent

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.claims import (
+from daemon.site.claims import (
     LEASE_NAME,
     AnotherDaemon,
     Holder,
@@ -21,7 +21,7 @@ from daemon.claims import (
     judge,
     read_lease,
 )
-from daemon.subprocesses import process_start_ticks
+from daemon.site.subprocesses import process_start_ticks
 
 NOW = 1_800_000_000.0
 LEASE = 120.0

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from daemon.config import JobShapes, LocalExecutorSection, ObserverMode, load_config
-from daemon.errors import ConfigError
-from daemon.jobspec import Pipeline
-from daemon.manifest import ResourceRequest
-from daemon.resources import local_bounds, problems, shape
+from daemon.contract.errors import ConfigError
+from daemon.contract.jobspec import Pipeline
+from daemon.core.manifest import ResourceRequest
+from daemon.executors.resources import local_bounds, problems, shape
+from daemon.site.config import JobShapes, LocalExecutorSection, ObserverMode, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 

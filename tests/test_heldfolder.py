@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.heldfolder import (
+from daemon.contract.heldfolder import (
     FolderReplaced,
     HeldFolder,
     UnsafeEntry,

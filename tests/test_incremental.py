@@ -11,13 +11,14 @@ from pathlib import Path
 
 import tomli_w
 
-from daemon import inputs
-from daemon.inputs import Presence, check
-from daemon.manifest import parse_manifest
-from daemon.readiness import Ready, Timing, Waiting
-from daemon.records import Batch
-from daemon.states import BatchState
-from daemon.waitroom import INLINE_INPUTS, Schedule, WaitRoom
+from daemon.contract.safeopen import Presence
+from daemon.core.manifest import parse_manifest
+from daemon.core.readiness import Ready, Timing, Waiting
+from daemon.core.records import Batch
+from daemon.core.states import BatchState
+from daemon.loop import inputs
+from daemon.loop.inputs import check
+from daemon.loop.waitroom import INLINE_INPUTS, Schedule, WaitRoom
 
 TIMING = Timing(settle_seconds=1.0, timeout_seconds=1000.0)
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import synth
 
-from daemon.intake import Intake
-from daemon.jobspec import Identity
-from daemon.manifest_schema import Kind
-from daemon.manifest_writer import ManifestRequest, build
-from daemon.records import Batch
-from daemon.states import BatchState
+from daemon.cli.manifest_writer import ManifestRequest, build
+from daemon.contract.jobspec import Identity
+from daemon.core.manifest_schema import Kind
+from daemon.core.records import Batch
+from daemon.core.states import BatchState
+from daemon.loop.intake import Intake
 from daemon.store import Store
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.heldfolder import UnsafeEntry
-from daemon.joblog import BLOCK, Follower, LogFile, Tail, tail
+from daemon.cli.joblog import BLOCK, Follower, LogFile, Tail, tail
+from daemon.contract.heldfolder import UnsafeEntry
 
 
 def at(folder: Path) -> LogFile:

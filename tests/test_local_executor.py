@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.executors import Accepted, Phase, Refused, Submission
+from daemon.core.states import Phase
+from daemon.executors import Accepted, Refused, Submission
 from daemon.executors.local import LAUNCH_FILE, LocalExecutor
 
 

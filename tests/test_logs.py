@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
-from daemon import logs
+from daemon.site import logs
 
 TITLE = 'Plate\n{"level": "error"}\x1b]0;owned\x07\u202e'
 

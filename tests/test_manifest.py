@@ -8,10 +8,10 @@ import tomli_w
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.errors import ManifestError
-from daemon.jobspec import InputFile
-from daemon.manifest import check_relative_path, pairing_problems, parse_manifest
-from daemon.manifest_schema import InferenceParams, Kind, TrainingParams
+from daemon.contract.errors import ManifestError
+from daemon.contract.jobspec import InputFile
+from daemon.core.manifest import check_relative_path, pairing_problems, parse_manifest
+from daemon.core.manifest_schema import InferenceParams, Kind, TrainingParams
 
 
 def doc(**overrides: object) -> bytes:
@@ -279,7 +279,7 @@ def test_the_documented_examples_are_valid(name: str) -> None:
 def test_the_published_schema_matches_the_parser() -> None:
     import json
 
-    from daemon.manifest_schema import ManifestModel
+    from daemon.core.manifest_schema import ManifestModel
 
     published = json.loads((REPO / "docs" / "manifest.schema.json").read_text())
     assert published == ManifestModel.model_json_schema()
@@ -497,7 +497,7 @@ def test_ordinary_email_addresses_are_accepted(email: str) -> None:
 def test_an_accepted_email_is_one_address_to_the_mail_library(text: str) -> None:
     from email.message import EmailMessage
 
-    from daemon.manifest_schema import is_one_address
+    from daemon.core.manifest_schema import is_one_address
 
     if is_one_address(text):
         message = EmailMessage()
@@ -517,7 +517,7 @@ def nested_lists(depth: int, leaf: str) -> object:
 def test_the_text_scan_sees_the_nesting_the_parser_builds_whatever_the_strings_hold(
     depth: int, leaf: str
 ) -> None:
-    from daemon.nesting import document_nests_deeper, text_nests_deeper
+    from daemon.core.nesting import document_nests_deeper, text_nests_deeper
 
     document = {"x": nested_lists(depth, leaf), "y": {"z": leaf}}
     text = tomli_w.dumps(document)

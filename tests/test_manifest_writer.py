@@ -8,11 +8,11 @@ from pathlib import Path
 
 import synth
 
-from daemon.inputs import observe
-from daemon.manifest import parse_manifest
-from daemon.manifest_schema import Kind
-from daemon.manifest_writer import ManifestRequest, compose
-from daemon.readiness import Ready, Timing, assess
+from daemon.cli.manifest_writer import ManifestRequest, compose
+from daemon.core.manifest import parse_manifest
+from daemon.core.manifest_schema import Kind
+from daemon.core.readiness import Ready, Timing, assess
+from daemon.loop.inputs import observe
 
 LIMIT = 2048  # bytes: a listing of 24 files with checksums does not fit
 

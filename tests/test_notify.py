@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from daemon.notify import Notifier, watchdog_seconds
+from daemon.loop.notify import Notifier, watchdog_seconds
 
 WATCHD = Path(sys.executable).with_name("watchd")
 

@@ -12,10 +12,11 @@ import tomli_w
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.inputs import Presence, observe
-from daemon.manifest import parse_manifest
-from daemon.patterns import MAX_DEPTH, Bound, expand
-from daemon.readiness import NotReady, Timing, assess
+from daemon.contract.safeopen import Presence
+from daemon.core.manifest import parse_manifest
+from daemon.core.readiness import NotReady, Timing, assess
+from daemon.loop.inputs import observe
+from daemon.loop.patterns import MAX_DEPTH, Bound, expand
 
 
 def manifest_with(*globs: str):

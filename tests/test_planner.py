@@ -7,11 +7,18 @@ from dataclasses import replace
 import pytest
 import tomli_w
 
-from daemon.executors import Phase
-from daemon.jobplan import Sharding
-from daemon.jobspec import ErrorKind, InputFile, JobError, JobResult, Pipeline, Problem, Resources
-from daemon.manifest import parse_manifest
-from daemon.planner import (
+from daemon.contract.jobspec import (
+    ErrorKind,
+    InputFile,
+    JobError,
+    JobResult,
+    Pipeline,
+    Problem,
+    Resources,
+)
+from daemon.core.jobplan import Sharding
+from daemon.core.manifest import parse_manifest
+from daemon.core.planner import (
     BatchView,
     Cancel,
     JobSeen,
@@ -26,9 +33,9 @@ from daemon.planner import (
     opens_work,
     plan,
 )  # fmt: skip
-from daemon.readiness import NotReady, Ready
-from daemon.records import Batch, Intent, Job
-from daemon.states import BatchState, JobState
+from daemon.core.readiness import NotReady, Ready
+from daemon.core.records import Batch, Intent, Job
+from daemon.core.states import BatchState, JobState, Phase
 
 POLICY = Policy(Sharding(size=2), max_attempts=3, executor="local")
 
@@ -368,7 +375,7 @@ def test_a_sweep_batch_becomes_one_training_job_per_trial_with_its_own_params() 
 def test_a_trial_spec_merges_its_params_over_the_manifest_and_carries_its_resources() -> None:
     from dataclasses import replace
 
-    from daemon.jobplan import job_spec
+    from daemon.core.jobplan import job_spec
 
     m = manifest("sweep")
     trial = replace(job(7, JobState.PENDING, pipeline=Pipeline.TRAIN),

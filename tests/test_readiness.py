@@ -9,9 +9,9 @@ from pathlib import Path
 
 import tomli_w
 
-from daemon.inputs import observe
-from daemon.manifest import parse_manifest
-from daemon.readiness import NotReady, Ready, Timing, Waiting, assess
+from daemon.core.manifest import parse_manifest
+from daemon.core.readiness import NotReady, Ready, Timing, Waiting, assess
+from daemon.loop.inputs import observe
 
 TIMING = Timing(settle_seconds=5.0, timeout_seconds=100.0)
 

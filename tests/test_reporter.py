@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from daemon.jobspec import Pipeline, Problem
-from daemon.records import Batch, Event, Job
-from daemon.reporter import StatusInput, render
-from daemon.states import BatchState, JobState
+from daemon.contract.jobspec import Pipeline, Problem
+from daemon.core.records import Batch, Event, Job
+from daemon.core.states import BatchState, JobState
+from daemon.loop.reporter import StatusInput, render
 
 NOW = 1_800_000_000.0
 

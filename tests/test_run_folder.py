@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.intake import make_run_dir
+from daemon.loop.intake import make_run_dir
 
 SHA = "0123456789abcdef" * 4
 NOW = 1_790_000_000.0
@@ -30,7 +30,7 @@ def test_a_name_that_exists_already_is_never_taken_as_the_daemons(
 ) -> None:
     """The owner guessed the random part (here: the draw is forced): another name is drawn."""
     draws = iter(["aaaaaaaa", "aaaaaaaa", "bbbbbbbb"])
-    monkeypatch.setattr("daemon.intake.secrets.token_hex", lambda _n: next(draws))
+    monkeypatch.setattr("daemon.loop.intake.secrets.token_hex", lambda _n: next(draws))
     planted = tmp_path / "plate" / "results" / "19700101T000000Z-01234567-aaaaaaaa"
     planted.mkdir(parents=True)
     (planted / "jobs").mkdir()

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon.heldfolder import HeldFolder
-from daemon.inputs import look
-from daemon.safeopen import Presence, RefusedInput, _checked, open_input, real_folder
+from daemon.contract.heldfolder import HeldFolder
+from daemon.contract.safeopen import Presence, RefusedInput, _checked, open_input, real_folder
+from daemon.loop.inputs import look
 
 DATA = b"\x89PNG pretend image bytes"
 

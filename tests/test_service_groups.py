@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from daemon.acting import _transactions
-from daemon.jobspec import Pipeline
-from daemon.planner import Cancel, MoveBatch, MoveJob, PlanJobs, ResolveIntent, Submit
-from daemon.records import NewBatch, NewJob
-from daemon.states import BatchState, JobState
+from daemon.contract.jobspec import Pipeline
+from daemon.core.planner import Cancel, MoveBatch, MoveJob, PlanJobs, ResolveIntent, Submit
+from daemon.core.records import NewBatch, NewJob
+from daemon.core.states import BatchState, JobState
+from daemon.loop.acting import _transactions
 from daemon.store import Store
 
 

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daemon.errors import IllegalTransition
-from daemon.jobspec import Pipeline
-from daemon.records import NewBatch, NewJob
-from daemon.states import (
+from daemon.contract.errors import IllegalTransition
+from daemon.contract.jobspec import Pipeline
+from daemon.core.records import NewBatch, NewJob
+from daemon.core.states import (
     BATCH_TRANSITIONS,
     JOB_TRANSITIONS,
     BatchState,

@@ -1,4 +1,4 @@
-"""The status file is written by the rule of daemon.heldfolder: a link or FIFO planted at its
+"""The status file is written by the rule of daemon.contract.heldfolder: a link or FIFO planted at its
 name is replaced, never followed; its clean-up removes only the temporaries it makes itself."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon.heldfolder import UnsafeEntry, temporary_name
-from daemon.manifest import STATUS_NAME
-from daemon.reporter import write
+from daemon.contract.heldfolder import UnsafeEntry, temporary_name
+from daemon.core.manifest import STATUS_NAME
+from daemon.loop.reporter import write
 
 
 def test_the_clean_up_removes_a_stray_of_its_own_and_never_an_input(tmp_path: Path) -> None:

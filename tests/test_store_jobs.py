@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from daemon import cli_read, overview
-from daemon.dispatch import read_progress
-from daemon.jobspec import PROGRESS_FILE, InputFile, Pipeline
-from daemon.migrations import MIGRATIONS
-from daemon.records import Batch, JobChange, NewBatch, NewJob
-from daemon.states import BatchState, JobState
+from daemon.cli import overview
+from daemon.cli import read as cli_read
+from daemon.contract.jobspec import PROGRESS_FILE, InputFile, Pipeline
+from daemon.core.records import Batch, JobChange, NewBatch, NewJob
+from daemon.core.states import BatchState, JobState
+from daemon.loop.dispatch import read_progress
 from daemon.store import Store
+from daemon.store.migrations import MIGRATIONS
 
 INPUTS = (InputFile("images/a.png", 1), InputFile("masks/a.png", 1, role="mask"),
           InputFile("images/b.png", 2))  # fmt: skip

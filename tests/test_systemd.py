@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.config import load_config, parse_config
+from daemon.site.config import load_config, parse_config
 
 REPO = Path(__file__).resolve().parent.parent
 UNIT = REPO / "systemd" / "watchd.service"

@@ -8,7 +8,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from daemon.visible import hidden_characters, to_json, visible
+from daemon.core.visible import hidden_characters, to_json, visible
 
 
 def test_control_and_formatting_characters_are_shown_as_their_escapes() -> None:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from watchdog.utils.dirsnapshot import DirectorySnapshot
 
-from daemon.config import ObserverMode, RootSection
-from daemon.mounts import choose_mode, mount_of, parse_mounts
+from daemon.site.config import ObserverMode, RootSection
+from daemon.site.mounts import choose_mode, mount_of, parse_mounts
 from daemon.watcher import FolderTouched, ManifestListing, RootLost, Watcher, scan_root
 
 

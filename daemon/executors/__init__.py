@@ -8,27 +8,18 @@ answer (:data:`Handover`): one job the executor refuses never keeps the others b
 
 from __future__ import annotations
 
-import enum
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from daemon.heldfolder import HeldFolder
-from daemon.manifest import ResourceRequest
+from daemon.contract.heldfolder import HeldFolder
+from daemon.core.manifest import ResourceRequest
+from daemon.core.states import Phase
 
 if TYPE_CHECKING:
-    from daemon.config import Config
-
-
-class Phase(enum.Enum):
-    """What the executor says of a job it was given."""
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    ENDED = "ended"
-    UNKNOWN = "unknown"  # no record of it: forgotten by the executor, or never started
+    from daemon.site.config import Config
 
 
 @dataclass(frozen=True)
@@ -49,8 +40,8 @@ class Submission:
     batch_dir: Path | None = None  # the batch folder of job_dir (None: job_dir is trusted)
 
     def held_job_dir(self) -> HeldFolder:
-        """The job's folder held by the rule of :mod:`daemon.heldfolder`, from its batch folder
-        (a planted link or FIFO on the way raises UnsafeEntry, an OSError)."""
+        """The job's folder held by the rule of :mod:`daemon.contract.heldfolder`, from its batch
+        folder (a planted link or FIFO on the way raises UnsafeEntry, an OSError)."""
         if self.batch_dir is None:
             return HeldFolder.open(self.job_dir)
         return HeldFolder.inside(self.batch_dir, self.job_dir)

@@ -18,7 +18,7 @@ from typing import TypeVar
 import structlog
 import tenacity
 
-from daemon.errors import ExecutorUnavailable
+from daemon.contract.errors import ExecutorUnavailable
 
 log = structlog.get_logger("watchd.slurm")
 

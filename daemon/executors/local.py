@@ -5,7 +5,7 @@ Each job runs in its own session, so it outlives a daemon that is stopped or kil
 ``launch.json`` in the job directory lets a restarted daemon find a job it started before.
 
 The job's folder is in its owner's batch folder: its log is opened by the daemon, by the rule
-of :mod:`daemon.heldfolder`, and handed to the child; a link, FIFO or hard link planted as
+of :mod:`daemon.contract.heldfolder`, and handed to the child; a link, FIFO or hard link planted as
 ``log.txt`` refuses the job (with that reason), never redirects or blocks it.
 """
 
@@ -19,10 +19,11 @@ import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
-from daemon.executors import Accepted, Check, Deferred, Handover, Phase, Refused, Status, Submission
-from daemon.heldfolder import HeldFolder, UnsafeEntry
-from daemon.jobspec import LOG_FILE
-from daemon.subprocesses import (
+from daemon.contract.heldfolder import HeldFolder, UnsafeEntry
+from daemon.contract.jobspec import LOG_FILE
+from daemon.core.states import Phase
+from daemon.executors import Accepted, Check, Deferred, Handover, Refused, Status, Submission
+from daemon.site.subprocesses import (
     ExitWatch,
     exited,
     find_process,

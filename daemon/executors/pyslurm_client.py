@@ -22,10 +22,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from daemon.errors import CommandFailed, ExecutorUnavailable, SubmissionError
+from daemon.contract.errors import CommandFailed, ExecutorUnavailable, SubmissionError
 from daemon.executors.slurm_api import JobRecord, JobRequest, Versions
 from daemon.executors.slurm_cli import TRANSIENT
-from daemon.subprocesses import run
+from daemon.site.subprocesses import run
 
 DEFAULT_CONF = Path("/etc/slurm/slurm.conf")
 PROBE = "import pyslurm; print(pyslurm.__version__)"

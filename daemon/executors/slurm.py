@@ -28,24 +28,16 @@ from pathlib import Path
 
 import structlog
 
-from daemon.config import SlurmExecutorSection
-from daemon.errors import ExecutorUnavailable, SubmissionError, WatchdError
-from daemon.executors import (
-    Accepted,
-    Check,
-    Deferred,
-    Handover,
-    Phase,
-    Refused,
-    Status,
-    Submission,
-)
+from daemon.contract.errors import ExecutorUnavailable, SubmissionError, WatchdError
+from daemon.contract.heldfolder import HeldFolder
+from daemon.core.states import Phase
+from daemon.executors import Accepted, Check, Deferred, Handover, Refused, Status, Submission
 from daemon.executors import slurm_launch as launching
 from daemon.executors.gate import Gate
 from daemon.executors.slurm_api import JobRecord, SlurmClient, describe, phase_of, release
 from daemon.executors.slurm_cli import CliClient
 from daemon.executors.slurm_launch import HANDLE_PREFIX, Launch
-from daemon.heldfolder import HeldFolder
+from daemon.site.config import SlurmExecutorSection
 
 log = structlog.get_logger("watchd.slurm")
 
@@ -190,7 +182,8 @@ class SlurmExecutor:
 
     def _write_files(self, launch: Launch) -> Path:
         """Write the tasks file and the script under the batch folder, by the rule of
-        :mod:`daemon.heldfolder` (a link planted on the way or at a name raises UnsafeEntry)."""
+        :mod:`daemon.contract.heldfolder` (a link planted on the way or at a name raises
+        UnsafeEntry)."""
         with HeldFolder.inside(launch.batch_dir, launch.files, create=True) as held:
             held.write_text(f"{launch.key}.tasks", launching.tasks_text(launch))
             held.write_text(f"{launch.key}.sh", launching.job_script(launch, self.python))
@@ -276,7 +269,7 @@ def _found(launch: Launch, adopted: Adopted) -> dict[int, str]:
 
 def _tasks_file(launch: Launch, key: str) -> str:
     """The text of launch ``key``'s tasks file beside ``launch``'s (read by the rule of
-    :mod:`daemon.heldfolder`), or '' if there is none to read."""
+    :mod:`daemon.contract.heldfolder`), or '' if there is none to read."""
     try:
         with (
             HeldFolder.inside(launch.batch_dir, launch.files) as held,

@@ -2,7 +2,7 @@
 the command-line tools (:mod:`daemon.executors.slurm_cli`, any Slurm release) and pyslurm
 (:mod:`daemon.executors.pyslurm_client`, locked to one release).
 
-A client says what it could not do with the errors of :mod:`daemon.errors`:
+A client says what it could not do with the errors of :mod:`daemon.contract.errors`:
 ``ExecutorUnavailable`` when the controller cannot be reached or asks to try again later (the
 executor backs off and tries again), ``SubmissionError`` when Slurm refused the request itself.
 Every client counts the calls it makes to Slurm, by kind, in ``counts`` (submit, jobs, cancel,
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from daemon.executors import Phase
+from daemon.core.states import Phase
 
 
 @dataclass(frozen=True)

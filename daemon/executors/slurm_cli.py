@@ -1,7 +1,7 @@
 """The Slurm client over Slurm's command-line tools: sbatch, squeue, scancel, scontrol, sinfo.
 
 Works with any Slurm release. The text in and out of the tools is made and read by pure
-functions (tested with strings); commands run through :mod:`daemon.subprocesses`, as argument
+functions (tested with strings); commands run through :mod:`daemon.site.subprocesses`, as argument
 lists, never through a shell.
 """
 
@@ -11,9 +11,9 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
-from daemon.errors import CommandFailed, ExecutorUnavailable, SubmissionError
+from daemon.contract.errors import CommandFailed, ExecutorUnavailable, SubmissionError
 from daemon.executors.slurm_api import JobRecord, JobRequest, Versions, exit_status
-from daemon.subprocesses import run
+from daemon.site.subprocesses import run
 
 # One line per job or array task: id|array id|state|reason|wait status|comment. The comment is
 # last: it is split off whole whatever it holds.

@@ -4,8 +4,8 @@
 script on the compute node as the daemon's user. A shell's ``>>log.txt`` would follow a link
 planted there by the batch folder's owner (and append to any file the daemon's user may write,
 the model registry's included) or block on a FIFO; here the job folder is held from the batch
-folder and ``log.txt`` opened by :mod:`daemon.heldfolder` (no link, FIFO or hard link), made
-the job's stdout and stderr, and the job's working folder is that held folder. A log that may
+folder and ``log.txt`` opened by :mod:`daemon.contract.heldfolder` (no link, FIFO or hard link),
+made the job's stdout and stderr, and the job's working folder is that held folder. A log that may
 not be opened ends the task with exit status 3 before the job starts: the daemon sees it end
 without a result.
 """
@@ -18,8 +18,8 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 
-from daemon.heldfolder import HeldFolder
-from daemon.jobspec import LOG_FILE
+from daemon.contract.heldfolder import HeldFolder
+from daemon.contract.jobspec import LOG_FILE
 
 REFUSED = 3
 

@@ -11,7 +11,7 @@ compute nodes see:
 Slurm's own output file goes to /dev/null: slurmstepd opens it by path and would follow a link
 that the batch folder's owner planted under ``results/``. The script hands over at once to
 :mod:`daemon.executors.slurm_job`, which opens the job's ``log.txt`` by the rule of
-:mod:`daemon.heldfolder` and runs the job with its output there.
+:mod:`daemon.contract.heldfolder` and runs the job with its output there.
 
 KEY is a digest of the job directories and attempts, and the job's comment is
 ``watchd:<name>:<KEY>``: a restarted daemon, or one whose submit timed out after Slurm accepted
@@ -29,12 +29,12 @@ from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path
 
-from daemon.config import SlurmExecutorSection
-from daemon.errors import SubmissionError
+from daemon.contract.errors import SubmissionError
+from daemon.contract.jobspec import Pipeline
 from daemon.executors import Submission
+from daemon.executors.resources import Allocation, allocation
 from daemon.executors.slurm_api import JobRequest
-from daemon.jobspec import Pipeline
-from daemon.resources import Allocation, allocation
+from daemon.site.config import SlurmExecutorSection
 
 HANDLE_PREFIX = "slurm:"
 COMMENT_PREFIX = "watchd:"

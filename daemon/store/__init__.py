@@ -2,14 +2,14 @@
 
 WAL mode, so ``watchctl`` reads while the daemon writes; writes take ``BEGIN IMMEDIATE`` so two
 writers queue instead of deadlocking. Every state change is checked against the transition
-table in :mod:`daemon.states` and written in one transaction with its audit event.
+table in :mod:`daemon.core.states` and written in one transaction with its audit event.
 Migrations are versioned and recorded in the same transaction that applies them.
 
 :class:`Store` is one handle put together from one part per thing stored: batches
 (:mod:`.batches`), jobs (:mod:`.jobs`), the audit log and operators' intents (:mod:`.events`),
 and what the daemon keeps about its own running: drop roots, undelivered cancels, the heartbeat
 (:mod:`.operations`). They share the connection, the write transaction and the audit append
-(:mod:`.base`) and the row decoders (:mod:`.rows`); the schema is :mod:`daemon.migrations`.
+(:mod:`.base`) and the row decoders (:mod:`.rows`); the schema is :mod:`daemon.store.migrations`.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import sqlite_utils
 
-from daemon.errors import NotFound
-from daemon.migrations import MIGRATIONS
+from daemon.contract.errors import NotFound
 from daemon.store.batches import BatchStore
 from daemon.store.events import EventStore
 from daemon.store.jobs import JobStore
+from daemon.store.migrations import MIGRATIONS
 from daemon.store.operations import OperationStore
 from daemon.store.rows import _casefold
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import sqlite_utils
 
-from daemon.records import Batch
+from daemon.core.records import Batch
 
 
 class StoreBase(abc.ABC):

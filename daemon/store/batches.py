@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 
-from daemon.errors import IllegalTransition, NotFound
-from daemon.jobspec import Identity, Problem
-from daemon.records import Batch, NewBatch
-from daemon.states import TERMINAL_BATCH_STATES, BatchState, batch_can_move
+from daemon.contract.errors import IllegalTransition, NotFound
+from daemon.contract.jobspec import Identity, Problem
+from daemon.core.records import Batch, NewBatch
+from daemon.core.states import TERMINAL_BATCH_STATES, BatchState, batch_can_move
 from daemon.store.base import StoreBase
 from daemon.store.rows import _BATCH_COLUMNS, _batch, _casefold, _dump_problems, _storable
 

@@ -3,8 +3,8 @@ the daemon to do (the loop applies intents; nothing else changes state for an op
 
 from __future__ import annotations
 
-from daemon.errors import NotFound
-from daemon.records import Event, Intent
+from daemon.contract.errors import NotFound
+from daemon.core.records import Event, Intent
 from daemon.store.base import StoreBase
 from daemon.store.rows import _event
 

@@ -7,10 +7,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
-from daemon.errors import IllegalTransition, NotFound
-from daemon.jobspec import InputFile, Pipeline, inputs_json
-from daemon.records import Job, JobChange, NewJob
-from daemon.states import JobState, job_can_move
+from daemon.contract.errors import IllegalTransition, NotFound
+from daemon.contract.jobspec import InputFile, Pipeline, inputs_json
+from daemon.core.records import Job, JobChange, NewJob
+from daemon.core.states import JobState, job_can_move
 from daemon.store.base import StoreBase
 from daemon.store.rows import _JOB_COLUMNS, _job, _storable
 

@@ -7,7 +7,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import asdict
 
-from daemon.records import Heartbeat, RootRecord
+from daemon.core.records import Heartbeat, RootRecord
 from daemon.store.base import StoreBase
 
 

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from daemon.jobspec import Pipeline, Problem
-from daemon.records import Batch, Event, Job
-from daemon.states import BatchState, JobState
+from daemon.contract.jobspec import Pipeline, Problem
+from daemon.core.records import Batch, Event, Job
+from daemon.core.states import BatchState, JobState
 
 _BATCH_COLUMNS = ", ".join(Batch.__dataclass_fields__)  # all but the manifest's text
 _JOB_COLUMNS = ", ".join(

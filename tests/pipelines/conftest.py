@@ -20,7 +20,7 @@ from typing import Any
 import jobrun
 import pytest
 
-from daemon.jobspec import (
+from daemon.contract.jobspec import (
     LOG_FILE,
     RESULT_FILE,
     SPEC_FILE,

@@ -14,8 +14,8 @@ import pytest
 import tifffile
 from PIL import Image
 
-from daemon.heldfolder import HeldFolder
-from daemon.jobspec import InputFile
+from daemon.contract.heldfolder import HeldFolder
+from daemon.contract.jobspec import InputFile
 from pipelines.images import (
     UnreadableImage,
     decode,
@@ -201,7 +201,7 @@ def _peak_rss_mb(batch_dir: Path, relative: str, max_pixels: int) -> tuple[float
     problem, or "read")."""
     code = (
         "import resource, sys\n"
-        "from daemon.jobspec import InputFile\n"
+        "from daemon.contract.jobspec import InputFile\n"
         "from pipelines.images import read_bounded\n"
         "from pipelines.job import InputError\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"

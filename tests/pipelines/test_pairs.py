@@ -7,7 +7,7 @@ from types import ModuleType
 
 import pytest
 
-from daemon.jobspec import InputFile
+from daemon.contract.jobspec import InputFile
 from pipelines.job import InputError
 from pipelines.pairs import load_dataset, pair_inputs, split
 

@@ -14,7 +14,7 @@ import numpy as np
 import tifffile
 from PIL import Image
 
-from daemon.jobspec import PROGRESS_FILE, ErrorKind, InputFile, ModelRef, Pipeline, Shard
+from daemon.contract.jobspec import PROGRESS_FILE, ErrorKind, InputFile, ModelRef, Pipeline, Shard
 from pipelines.images import decode
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """Real jobs in batch folders whose owner planted links and FIFOs under ``results/`` first.
 
-The rule (:mod:`daemon.heldfolder`, :func:`pipelines.job.run_folder`): nothing outside the
+The rule (:mod:`daemon.contract.heldfolder`, :func:`pipelines.job.run_folder`): nothing outside the
 batch folder is ever written. A link, FIFO or file planted where a job needs a folder fails the
 job with an INPUT problem naming it; one planted at a file name the job writes is replaced by
 the job's own file (the link itself, never its target).
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from daemon.jobspec import ErrorKind, InputFile, ModelRef, Pipeline, Shard
+from daemon.contract.jobspec import ErrorKind, InputFile, ModelRef, Pipeline, Shard
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from daemon.jobspec import ErrorKind, InputFile, Pipeline
+from daemon.contract.jobspec import ErrorKind, InputFile, Pipeline
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from daemon.jobspec import SPEC_FILE, ErrorKind, Identity, ModelRef, Pipeline, Shard
+from daemon.contract.jobspec import SPEC_FILE, ErrorKind, Identity, ModelRef, Pipeline, Shard
 
 if TYPE_CHECKING:
     from collections.abc import Callable

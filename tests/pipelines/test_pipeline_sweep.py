@@ -8,7 +8,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from daemon.jobspec import ModelRef, Pipeline, Shard
+from daemon.contract.jobspec import ModelRef, Pipeline, Shard
 from models import registry
 
 if TYPE_CHECKING:

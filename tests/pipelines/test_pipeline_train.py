@@ -10,7 +10,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from daemon.jobspec import SPEC_FILE, ErrorKind, InputFile, ModelRef, Pipeline, Resources
+from daemon.contract.jobspec import SPEC_FILE, ErrorKind, InputFile, ModelRef, Pipeline, Resources
 from models import registry
 
 if TYPE_CHECKING:

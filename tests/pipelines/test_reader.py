@@ -11,7 +11,7 @@ import pytest
 import tifffile
 from PIL import Image
 
-from daemon.jobspec import InputFile
+from daemon.contract.jobspec import InputFile
 from pipelines.images import read_image_hashed
 from pipelines.reader import CHUNK, read_ahead
 

@@ -11,7 +11,7 @@ import pytest
 from browser import chromium, render
 from PIL import Image
 
-from daemon.jobspec import Pipeline
+from daemon.contract.jobspec import Pipeline
 
 if TYPE_CHECKING:
     from collections.abc import Callable

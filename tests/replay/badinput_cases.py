@@ -21,7 +21,7 @@ import tifffile
 import tomli_w
 from replay import manifest_text
 
-from daemon.manifest_schema import Kind
+from daemon.core.manifest_schema import Kind
 
 MODEL = "spheroid-unet"
 

@@ -12,8 +12,8 @@ import synth
 import tomli_w
 from replay import Replay, copy_slowly, manifest_text
 
-from daemon.config import Config, load_config
-from daemon.manifest_schema import Kind
+from daemon.core.manifest_schema import Kind
+from daemon.site.config import Config, load_config
 
 MODEL = "spheroid-unet"
 TINY_TRAINING = {"epochs": 2, "batch_size": 4, "depth": 2, "width": 8, "learning_rate": 0.01}

@@ -33,12 +33,12 @@ from conftest import MODEL, write_config
 from replay import Replay, at, copy_slowly, manifest_text, write_atomically
 from test_crash import wait_for
 
-from daemon.config import Config
-from daemon.jobspec import Identity
-from daemon.manifest import STATUS_NAME
-from daemon.manifest_schema import Kind
-from daemon.records import Batch
-from daemon.states import BatchState, JobState
+from daemon.contract.jobspec import Identity
+from daemon.core.manifest import STATUS_NAME
+from daemon.core.manifest_schema import Kind
+from daemon.core.records import Batch
+from daemon.core.states import BatchState, JobState
+from daemon.site.config import Config
 from daemon.store import Store
 
 BIN = Path(sys.executable).parent
@@ -75,7 +75,7 @@ def outcome(tmp_path_factory: pytest.TempPathFactory, trained_registry: Path) ->
         images(root / name, 3)
         from replay import manifest_text
 
-        from daemon.manifest_schema import Kind
+        from daemon.core.manifest_schema import Kind
 
         (root / name / "manifest.toml").write_bytes(
             manifest_text(root / name, Kind.INFERENCE, model=MODEL, version="latest")

@@ -18,11 +18,11 @@ import synth
 from conftest import MODEL, write_config
 from replay import Replay
 
-from daemon.config import Config
-from daemon.jobspec import Pipeline, Problem
-from daemon.manifest import parse_manifest
-from daemon.records import NewBatch, NewJob
-from daemon.states import BatchState
+from daemon.contract.jobspec import Pipeline, Problem
+from daemon.core.manifest import parse_manifest
+from daemon.core.records import NewBatch, NewJob
+from daemon.core.states import BatchState
+from daemon.site.config import Config
 from daemon.store import Store
 
 BIN = Path(sys.executable).parent

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from test_replay import assert_outputs_complete
 
-from daemon.config import Config
-from daemon.states import BatchState, JobState
+from daemon.core.states import BatchState, JobState
+from daemon.site.config import Config
 from daemon.store import Store
 
 WATCHD = str(Path(sys.executable).parent / "watchd")

@@ -22,10 +22,10 @@ from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import AuthResult, LoginPassword
 from replay import Replay, Step, copy_slowly
 
-from daemon.config import Config
-from daemon.records import Batch, NewBatch
-from daemon.service import Service
-from daemon.states import BatchState
+from daemon.core.records import Batch, NewBatch
+from daemon.core.states import BatchState
+from daemon.loop.service import Service
+from daemon.site.config import Config
 from daemon.store import Store
 
 SENDER = "watchd@example.org"

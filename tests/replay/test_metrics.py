@@ -13,10 +13,10 @@ import synth
 from prometheus_client.parser import text_string_to_metric_families
 from replay import Replay, copy_slowly, manifest_text, write_atomically
 
-from daemon.config import Config
-from daemon.manifest_schema import Kind
-from daemon.service import Service
-from daemon.states import BatchState
+from daemon.core.manifest_schema import Kind
+from daemon.core.states import BatchState
+from daemon.loop.service import Service
+from daemon.site.config import Config
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

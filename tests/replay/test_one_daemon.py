@@ -19,9 +19,9 @@ import tomli_w
 from test_cli import cli
 from test_crash import WATCHD, start_daemon, wait_for
 
-from daemon.claims import LEASE_NAME, LOCK_NAME
-from daemon.config import Config, load_config
-from daemon.states import BatchState
+from daemon.core.states import BatchState
+from daemon.site.claims import LEASE_NAME, LOCK_NAME
+from daemon.site.config import Config, load_config
 from daemon.store import Store
 
 

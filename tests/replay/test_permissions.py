@@ -22,8 +22,8 @@ import pytest
 from test_cli import cli
 from test_crash import WATCHD, wait_for
 
-from daemon.config import Config
-from daemon.states import BatchState
+from daemon.core.states import BatchState
+from daemon.site.config import Config
 from daemon.store import Store
 
 EXPERT_UID = 12345  # no such user needs to exist: the folder is simply someone else's

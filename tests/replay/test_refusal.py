@@ -9,8 +9,8 @@ from pathlib import Path
 from conftest import write_config
 from replay import Replay, copy_slowly
 
-from daemon.manifest import STATUS_NAME
-from daemon.states import BatchState, JobState
+from daemon.core.manifest import STATUS_NAME
+from daemon.core.states import BatchState, JobState
 from daemon.store import Store
 
 

@@ -17,10 +17,10 @@ import structlog
 from PIL import Image
 from replay import Replay, at, copy_slowly, write_atomically, write_in_halves, write_now
 
-from daemon.config import Config
-from daemon.manifest import STATUS_NAME
-from daemon.records import Batch
-from daemon.states import BatchState, JobState
+from daemon.core.manifest import STATUS_NAME
+from daemon.core.records import Batch
+from daemon.core.states import BatchState, JobState
+from daemon.site.config import Config
 from daemon.store import Store
 
 MODES = ["inotify", "polling"]
@@ -401,7 +401,7 @@ def test_a_waiting_batch_whose_manifest_no_longer_parses_fails_with_the_reason(
 ) -> None:
     """A database written by an older watchd may hold a manifest a rule tightened since now
     refuses; the batch fails with the parser's words instead of waiting forever."""
-    from daemon.records import NewBatch
+    from daemon.core.records import NewBatch
 
     config = config_for()
     (drop_root / "old").mkdir()

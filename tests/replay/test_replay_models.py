@@ -13,9 +13,9 @@ import synth
 from conftest import MODEL, TINY_TRAINING
 from replay import Replay, copy_slowly, manifest_text
 
-from daemon.config import Config
-from daemon.manifest_schema import Kind
-from daemon.states import BatchState, JobState
+from daemon.core.manifest_schema import Kind
+from daemon.core.states import BatchState, JobState
+from daemon.site.config import Config
 from daemon.store import Store
 
 

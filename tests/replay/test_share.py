@@ -26,11 +26,11 @@ from test_cli import cli
 from test_crash import wait_for
 from test_permissions import as_unprivileged_service, owned_by_expert, states_of
 
-from daemon.config import Config
-from daemon.manifest import MANIFEST_NAME, STATUS_NAME
-from daemon.mounts import filesystem_type
-from daemon.records import Batch
-from daemon.states import BatchState, JobState
+from daemon.core.manifest import MANIFEST_NAME, STATUS_NAME
+from daemon.core.records import Batch
+from daemon.core.states import BatchState, JobState
+from daemon.site.config import Config
+from daemon.site.mounts import filesystem_type
 
 SHARE_TIMING = {"settle_seconds": 0.5, "timeout_seconds": 60, "check_seconds": 0.2}
 

@@ -27,13 +27,13 @@ from replay import Replay, manifest_text
 from test_cli import cli
 from test_crash import start_daemon, wait_for
 
-from daemon.config import Config, load_config
-from daemon.doctor import inotify_limits
-from daemon.manifest import STATUS_NAME
-from daemon.manifest_schema import Kind
-from daemon.migrations import MIGRATIONS
-from daemon.states import BatchState, JobState
+from daemon.cli.doctor import inotify_limits
+from daemon.core.manifest import STATUS_NAME
+from daemon.core.manifest_schema import Kind
+from daemon.core.states import BatchState, JobState
+from daemon.site.config import Config, load_config
 from daemon.store import Store
+from daemon.store.migrations import MIGRATIONS
 
 IS_ROOT = os.geteuid() == 0
 WATCHCTL = str(Path(sys.executable).parent / "watchctl")

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from slurm_scenario import cluster, slurm_config, stage_inference, start_cluster, train_model
 
-from daemon.config import Config
-from daemon.states import BatchState
+from daemon.core.states import BatchState
+from daemon.site.config import Config
 
 # The daemon's Slurm client in these tests. CI has no pyslurm for this Slurm release: there the
 # command-line client runs them. With a matching pyslurm installed, the same tests check the

@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 
-from daemon.errors import ExecutorUnavailable, SubmissionError
+from daemon.contract.errors import ExecutorUnavailable, SubmissionError
 from daemon.executors.slurm_api import JobRecord, JobRequest, Versions
 
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from daemon.errors import ExecutorUnavailable
+from daemon.contract.errors import ExecutorUnavailable
 from daemon.executors.gate import Gate
 
 

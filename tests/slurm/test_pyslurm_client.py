@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from daemon.config import SlurmExecutorSection
-from daemon.errors import ExecutorUnavailable
+from daemon.contract.errors import ExecutorUnavailable
 from daemon.executors import pyslurm_client
 from daemon.executors.pyslurm_client import (
     PyslurmClient,
@@ -26,6 +25,7 @@ from daemon.executors.pyslurm_client import (
 )
 from daemon.executors.slurm import choose_client
 from daemon.executors.slurm_api import JobRecord, JobRequest
+from daemon.site.config import SlurmExecutorSection
 
 
 def test_a_request_becomes_job_submit_description_fields_with_sbatchs_meaning() -> None:

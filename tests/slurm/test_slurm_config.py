@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from daemon.config import SlurmExecutorSection, load_config, parse_config
-from daemon.errors import ConfigError
-from daemon.manifest import ResourceRequest
-from daemon.resources import problems, slurm_bounds
+from daemon.contract.errors import ConfigError
+from daemon.core.manifest import ResourceRequest
+from daemon.executors.resources import problems, slurm_bounds
+from daemon.site.config import SlurmExecutorSection, load_config, parse_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,7 +70,7 @@ glob = "images/*.png"
 
 
 def test_the_manifest_resources_table_is_read_with_its_own_bounds() -> None:
-    from daemon.manifest import parse_manifest
+    from daemon.core.manifest import parse_manifest
 
     text = MANIFEST.format(kind="training", resources="time_minutes = 90\ngpus = 2\ntasks = 2")
     manifest = parse_manifest(text.encode())
@@ -81,8 +81,8 @@ def test_the_manifest_resources_table_is_read_with_its_own_bounds() -> None:
 
 
 def test_only_a_training_batch_may_ask_for_several_tasks_and_no_value_may_be_silly() -> None:
-    from daemon.errors import ManifestError
-    from daemon.manifest import parse_manifest
+    from daemon.contract.errors import ManifestError
+    from daemon.core.manifest import parse_manifest
 
     text = MANIFEST.format(kind="inference", resources="tasks = 2\nmemory_mb = 0\ncpus = 4")
     with pytest.raises(ManifestError) as caught:

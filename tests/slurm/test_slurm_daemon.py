@@ -13,15 +13,15 @@ from conftest import Trained, job_fields
 from replay import Replay, copy_slowly
 from slurm_scenario import batches_and_jobs, cluster, node_gpus
 
-from daemon.config import Config
-from daemon.errors import ExecutorUnavailable
+from daemon.contract.errors import ExecutorUnavailable
+from daemon.core.manifest import STATUS_NAME
+from daemon.core.records import Batch, Job
+from daemon.core.states import BatchState, JobState
 from daemon.executors.slurm import SlurmExecutor, job_environment, make_slurm_executor
 from daemon.executors.slurm_api import JobRecord, JobRequest, SlurmClient, Versions
 from daemon.executors.slurm_cli import CliClient
-from daemon.manifest import STATUS_NAME
-from daemon.records import Batch, Job
-from daemon.service import Service
-from daemon.states import BatchState, JobState
+from daemon.loop.service import Service
+from daemon.site.config import Config
 from daemon.store import Store
 
 pytestmark = pytest.mark.slurm

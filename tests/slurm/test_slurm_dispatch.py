@@ -14,13 +14,13 @@ from memory_slurm import Clock, MemorySlurm
 from replay import Replay, copy_slowly
 from slurm_scenario import batches_and_jobs
 
-from daemon.config import Config
+from daemon.contract.jobspec import SPEC_FILE
+from daemon.core.manifest import STATUS_NAME
+from daemon.core.records import Job
+from daemon.core.states import BatchState, JobState
 from daemon.executors.slurm import SlurmExecutor
-from daemon.jobspec import SPEC_FILE
-from daemon.manifest import STATUS_NAME
-from daemon.records import Job
-from daemon.service import Service
-from daemon.states import BatchState, JobState
+from daemon.loop.service import Service
+from daemon.site.config import Config
 from daemon.store import Store
 
 REFUSAL = "sbatch exited with 1: sbatch: error: Batch job submission failed: Requested node configuration is not available"

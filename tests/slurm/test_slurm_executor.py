@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 from memory_slurm import Clock, MemorySlurm
 
-from daemon.config import SlurmExecutorSection
-from daemon.errors import ExecutorUnavailable
-from daemon.executors import Accepted, Deferred, Handover, Phase, Refused, Submission
+from daemon.contract.errors import ExecutorUnavailable
+from daemon.core.states import Phase
+from daemon.executors import Accepted, Deferred, Handover, Refused, Submission
 from daemon.executors.slurm import SlurmExecutor, job_environment
 from daemon.executors.slurm_api import JobRecord
+from daemon.site.config import SlurmExecutorSection
 
 SITE = SlurmExecutorSection(
     poll_seconds=10, retry_attempts=1, retry_wait_seconds=1, max_backoff_seconds=60

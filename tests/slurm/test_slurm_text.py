@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from daemon.config import SlurmExecutorSection
-from daemon.errors import CommandFailed, SubmissionError
-from daemon.executors import Phase, Submission
+from daemon.contract.errors import CommandFailed, SubmissionError
+from daemon.core.manifest import ResourceRequest
+from daemon.core.states import Phase
+from daemon.executors import Submission
 from daemon.executors import slurm_launch as launching
 from daemon.executors.slurm_api import JobRecord, JobRequest, describe, exit_status, phase_of
 from daemon.executors.slurm_api import release as release_of
@@ -24,7 +25,7 @@ from daemon.executors.slurm_cli import (
     sbatch_args,
     transient,
 )
-from daemon.manifest import ResourceRequest
+from daemon.site.config import SlurmExecutorSection
 
 SITE = SlurmExecutorSection(
     partition="gpu", account="lab", constraint="v100&ib", array_throttle=50, max_array_tasks=3,

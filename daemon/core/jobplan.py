@@ -1,0 +1,132 @@
+"""A batch's jobs: what runs for it, stage by stage, and the spec of a job's next attempt. Pure;
+the planner decides when.
+
+Stage 0 is one training job, a sweep's trials or inference shards; a sweep's trials are followed
+by the sweep job, and every batch ends with a report job. Jobs are named after their batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+
+from daemon.contract.jobspec import InputFile, JobSpec, Pipeline, Resources, Shard
+from daemon.core.manifest import Manifest
+from daemon.core.manifest_schema import Kind, Role
+from daemon.core.records import Batch, Job, NewJob
+from daemon.core.sweep import trial_params
+
+# Images a sized job gets at least (a smaller batch gets fewer jobs than the executor's width):
+# the fixed size of before, so sizing only ever makes jobs larger. A job on a cluster pays
+# 10-30 s to start (Python and torch from a cold shared filesystem); 64 images take ~20 s.
+MIN_SIZED_SHARD = 64
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How an inference batch is split into jobs (``[planner]``). ``size`` 0: into ``width``
+    jobs (those that run side by side), or a multiple of it (whole waves: no slot idles at
+    the end) where jobs would be larger than ``max_size`` images; so each job pays its start
+    (interpreter, torch, the model: seconds, tens on a cold cluster share) once for as many
+    images as it can, and a retry or resume redoes at most ``max_size``. No job gets fewer
+    than MIN_SIZED_SHARD images unless the batch has fewer. ``size`` N: jobs of N images."""
+
+    size: int = 0
+    max_size: int = 2000
+    width: int | None = None  # None: no limit (then jobs of max_size)
+
+    def slices(self, count: int) -> list[slice]:
+        """The images of each job, in order: ``count`` images in parts that differ by one at
+        most; at least one (empty) part."""
+        if self.size:
+            fixed = range(max(1, -(-count // self.size)))
+            return [slice(i * self.size, (i + 1) * self.size) for i in fixed]
+        jobs = -(-count // self.max_size)
+        if self.width:
+            waves = -(-jobs // self.width)
+            jobs = max(jobs, min(self.width * waves, count // MIN_SIZED_SHARD))
+        jobs = max(1, jobs)
+        bounds = [i * count // jobs for i in range(jobs + 1)]
+        return [slice(a, b) for a, b in pairwise(bounds)]
+
+
+def compute_jobs(
+    batch: Batch, manifest: Manifest, inputs: Sequence[InputFile], shards: Sharding, executor: str
+) -> tuple[NewJob, ...]:
+    """A training batch is one job; an inference batch is shards (see :class:`Sharding`); a
+    sweep batch is one training job per trial (one group: one job array under Slurm)."""
+    prefix = f"b{batch.id:06d}"
+    if manifest.kind is Kind.TRAINING:
+        return (NewJob(f"{prefix}-train", Pipeline.TRAIN, 0, 0, 1, tuple(inputs), executor),)
+    if manifest.kind is Kind.SWEEP and manifest.sweep is not None:
+        trials = trial_params(manifest.sweep)
+        return tuple(
+            NewJob(
+                f"{prefix}-trial-{i:04d}",
+                Pipeline.TRAIN,
+                0,
+                i,
+                len(trials),
+                tuple(inputs),
+                executor,
+                params=params,
+            )
+            for i, params in enumerate(trials)
+        )
+    images = [f for f in inputs if f.role == Role.IMAGE.value]
+    parts = shards.slices(len(images))
+    jobs = [
+        NewJob(f"{prefix}-infer-{i:04d}", Pipeline.INFER, 0, i, len(parts),
+               tuple(images[part]), executor)
+        for i, part in enumerate(parts)
+    ]  # fmt: skip
+    return tuple(jobs)
+
+
+def next_stage_job(
+    batch: Batch, manifest: Manifest | None, jobs: Sequence[Job], executor: str
+) -> NewJob:
+    """The job after ``jobs``, all succeeded: a sweep's trials are followed by the sweep job
+    (compare, register the best), compute jobs by the report."""
+    stage = max(j.stage for j in jobs) + 1
+    if batch.kind == Kind.SWEEP.value and Pipeline.SWEEP not in {j.pipeline for j in jobs}:
+        plan = manifest.sweep if manifest else None
+        params = {"sweep": plan.describe() if plan else {}}
+        return NewJob(f"b{batch.id:06d}-sweep", Pipeline.SWEEP, stage, 0, 1, (),
+                      executor, inherit_inputs=True, params=params)  # fmt: skip
+    return NewJob(f"b{batch.id:06d}-report", Pipeline.REPORT, stage, 0, 1, (),
+                  executor, inherit_inputs=True)  # fmt: skip
+
+
+def job_spec(
+    job: Job,
+    batch: Batch,
+    manifest: Manifest,
+    inputs: Sequence[InputFile],
+    registry_dir: str,
+    resources: Resources,
+) -> JobSpec:
+    """The spec of the job's next attempt; the job's own params override the manifest's;
+    ``resources``: what the executor gives this job."""
+    params = {**manifest.params, **job.params}
+    return JobSpec(
+        job_id=job.id,
+        job_name=job.name,
+        pipeline=job.pipeline,
+        attempt=job.attempts + 1,
+        batch_id=batch.id,
+        batch_revision=batch.revision,
+        batch_kind=manifest.kind.value,
+        batch_dir=str(batch.path),
+        run_dir=batch.run_dir,
+        manifest_sha256=batch.manifest_sha256,
+        inputs=tuple(inputs),
+        model=manifest.model,
+        registry_dir=registry_dir,
+        params=params,
+        shard=Shard(job.shard_index, job.shard_count),
+        resources=resources,
+        title=manifest.title,
+        batch_identity=batch.identity,
+    )

@@ -1,0 +1,408 @@
+"""The planner: a snapshot of the active batches, their jobs and what was observed in, the
+actions that move them on out. Pure; the service carries the actions out.
+
+One tick's plan only reads the snapshot, so a decision that needs another's effect (a report
+job after the last shard succeeded) is taken on the next tick.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+
+from daemon.contract.jobspec import ErrorKind, JobResult, Pipeline, Problem, summarised
+from daemon.core.jobplan import Sharding, compute_jobs, next_stage_job
+from daemon.core.manifest import Manifest
+from daemon.core.readiness import NotReady, Ready, Verdict
+from daemon.core.records import Batch, Intent, Job, NewJob
+from daemon.core.states import BatchState, JobState, Phase
+
+
+@dataclass(frozen=True)
+class JobSeen:
+    """One observation of a live job: the executor's word and the result file, if any."""
+
+    job_id: int
+    phase: Phase
+    exit_code: int | None = None
+    result: JobResult | None = None
+    note: str = ""  # for an end without a result: the executor's word, the log's last lines
+
+
+@dataclass(frozen=True)
+class BatchView:
+    batch: Batch
+    manifest: Manifest | None
+    jobs: tuple[Job, ...] = ()
+    verdict: Verdict | None = None  # set for a waiting batch whose inputs were looked at
+    inputs_changed: bool = False  # a batch failed for incomplete inputs saw them change
+
+
+@dataclass(frozen=True)
+class Policy:
+    shards: Sharding
+    max_attempts: int
+    executor: str
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    now: float
+    batches: tuple[BatchView, ...]
+    seen: Mapping[int, JobSeen]
+    intents: tuple[Intent, ...]
+    free_slots: int | None  # None: the executor queues without limit
+    policy: Policy
+    submitting: bool = True  # False while shutting down
+    paused_roots: frozenset[str] = frozenset()  # paused by an operator: no job goes out
+
+
+@dataclass(frozen=True)
+class MoveBatch:
+    batch_id: int
+    target: BatchState
+    reason: str
+    problems: tuple[Problem, ...] = ()
+    detail: str = ""
+    watch_inputs: str = ""  # with FAILED: revive the batch when its inputs change from this
+
+
+@dataclass(frozen=True)
+class MoveJob:
+    job_id: int
+    target: JobState
+    reason: str
+    exit_code: int | None = None
+    error_kind: str | None = None
+    detail: str = ""
+    fresh: bool = False  # an operator's retry: the attempt count starts again
+
+
+@dataclass(frozen=True)
+class PlanJobs:
+    batch_id: int
+    jobs: tuple[NewJob, ...]
+
+
+@dataclass(frozen=True)
+class Submit:
+    job_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Stop these jobs at the executor (live ones) and mark them cancelled."""
+
+    job_ids: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class ResolveIntent:
+    intent_id: int
+    outcome: str
+
+
+@dataclass(frozen=True)
+class PauseRoot:
+    """Record a drop root as paused (no manifest taken in, no job submitted) or resumed."""
+
+    root: str
+    paused: bool
+    requested_by: str
+
+
+Action = MoveBatch | MoveJob | PlanJobs | Submit | Cancel | ResolveIntent | PauseRoot
+
+
+def opens_work(actions: Iterable[Action]) -> bool:
+    """Whether these actions may let the next plan do more at once: jobs planned (to submit)
+    or a job ended or retried (the next stage, a retry, a free slot). The loop then plans
+    again without waiting for its tick; a job seen running asks for nothing. (Each of these
+    happens once per job or stage, so plans asked for this way end.)"""
+    return any(
+        isinstance(a, PlanJobs) or (isinstance(a, MoveJob) and a.target is not JobState.RUNNING)
+        for a in actions
+    )
+
+
+def plan(snapshot: Snapshot) -> list[Action]:
+    """Every action this tick: intents, then each batch in order, then submissions (none for
+    the batches of a paused drop root)."""
+    actions: list[Action] = []
+    views = {v.batch.id: v for v in snapshot.batches}
+    handled: set[int] = set()
+    paused = snapshot.paused_roots
+    for intent in snapshot.intents:
+        if intent.batch_id is None:  # an intent on a drop root
+            root_actions, paused = _apply_root_intent(intent, paused)
+            actions += root_actions
+            continue
+        view = views.get(intent.batch_id)
+        actions += _apply_intent(intent, view)
+        handled.add(intent.batch_id)
+    pending: list[Job] = []
+    for view in snapshot.batches:
+        if view.batch.id in handled:
+            continue
+        if view.batch.state.terminal:
+            actions += _revive(view)
+            continue
+        batch_actions, ready_to_submit = _plan_batch(view, snapshot)
+        actions += batch_actions
+        pending += ready_to_submit
+    if snapshot.submitting:
+        free = [j for j in pending if views[j.batch_id].batch.root not in paused]
+        actions += _submissions(free, snapshot.free_slots)
+    return actions
+
+
+# -- intents ------------------------------------------------------------------------------------
+
+
+def _apply_intent(intent: Intent, view: BatchView | None) -> list[Action]:
+    if view is None:
+        return [ResolveIntent(intent.id, "ignored: the batch is not active")]
+    state = view.batch.state
+    who = intent.requested_by or "an operator"
+    if intent.action == "cancel":
+        if state.terminal:
+            return [ResolveIntent(intent.id, f"nothing to cancel: the batch is {state.value}")]
+        return [
+            *_cancel_jobs(view.jobs, f"cancelled by {who}"),
+            MoveBatch(view.batch.id, BatchState.CANCELLED, f"cancelled by {who}"),
+            ResolveIntent(intent.id, "cancelled"),
+        ]
+    if intent.action in ("retry", "requeue"):
+        allowed = (
+            {BatchState.FAILED, BatchState.CANCELLED}
+            if intent.action == "retry"
+            else {BatchState.DONE, BatchState.FAILED, BatchState.CANCELLED}
+        )
+        if state not in allowed:
+            return [ResolveIntent(intent.id, f"not done: the batch is {state.value}")]
+        if view.manifest is None:
+            refused = "not done: its manifest was refused; saving a fixed one starts a new revision"
+            return [ResolveIntent(intent.id, refused)]
+        reason = f"{intent.action} asked by {who}"
+        # A retry re-runs the failed jobs once the inputs are checked; a requeue runs them all.
+        again: list[Action] = [
+            MoveJob(j.id, JobState.PENDING, reason, fresh=True)
+            for j in view.jobs
+            if intent.action == "requeue" and j.state.terminal
+        ]
+        return [
+            MoveBatch(view.batch.id, BatchState.WAITING, reason),
+            *again,
+            ResolveIntent(intent.id, f"{intent.action}: waiting for inputs again"),
+        ]
+    return [ResolveIntent(intent.id, f"ignored: unknown action '{intent.action}'")]
+
+
+def _apply_root_intent(
+    intent: Intent, paused: frozenset[str]
+) -> tuple[list[Action], frozenset[str]]:
+    """Pause or resume a drop root; the paused roots after it."""
+    root, who = str(intent.root), intent.requested_by or "an operator"
+    if intent.action not in ("pause", "resume"):
+        return [ResolveIntent(intent.id, f"ignored: unknown action '{intent.action}'")], paused
+    pause = intent.action == "pause"
+    if (root in paused) == pause:
+        already = "already paused" if pause else "not paused"
+        return [ResolveIntent(intent.id, f"nothing to do: the root is {already}")], paused
+    after = paused | {root} if pause else paused - {root}
+    outcome = "paused" if pause else "resumed"
+    return [PauseRoot(root, pause, who), ResolveIntent(intent.id, outcome)], after
+
+
+def _cancel_jobs(jobs: Iterable[Job], reason: str) -> list[Action]:
+    ids = tuple(j.id for j in jobs if not j.state.terminal)
+    return [Cancel(ids, reason)] if ids else []
+
+
+# -- one batch ----------------------------------------------------------------------------------
+
+
+def _plan_batch(view: BatchView, snapshot: Snapshot) -> tuple[list[Action], list[Job]]:
+    batch = view.batch
+    if batch.state is BatchState.WAITING:
+        return _plan_waiting(view, snapshot.policy), []
+    actions: list[Action] = []
+    if batch.state is BatchState.QUEUED and any(j.state.live for j in view.jobs):
+        # only once the executor took a job: a refused or held-back submission leaves it queued
+        actions.append(MoveBatch(batch.id, BatchState.RUNNING, "jobs submitted"))
+    jobs = []
+    for job in view.jobs:
+        moves = _judge(job, snapshot.seen.get(job.id), snapshot.policy)
+        actions += moves
+        jobs.append(_after(job, moves))
+    failure = _failure(jobs, snapshot.seen, snapshot.policy)
+    if failure is not None:
+        actions += _cancel_jobs(
+            [j for j in jobs if j.state.live or j.state is JobState.PENDING], "batch failed"
+        )
+        actions.append(failure(batch.id))
+        return actions, []
+    actions += _next_stage(view, jobs, snapshot.policy)
+    # A job goes out once every job of the earlier stages succeeded (after a requeue, the
+    # report waits for the shards again).
+    open_stage = min((j.stage for j in jobs if j.state is not JobState.SUCCEEDED), default=0)
+    pending = [j for j in jobs if j.state is JobState.PENDING and j.stage == open_stage]
+    return actions, pending
+
+
+def _revive(view: BatchView) -> list[Action]:
+    """Inputs that were incomplete at the timeout changed since: look at them again."""
+    if view.batch.state is BatchState.FAILED and view.batch.watch_inputs and view.inputs_changed:
+        reason = "inputs changed after the timeout: checking them again"
+        return [MoveBatch(view.batch.id, BatchState.WAITING, reason)]
+    return []
+
+
+def _plan_waiting(view: BatchView, policy: Policy) -> list[Action]:
+    verdict, batch = view.verdict, view.batch
+    if isinstance(verdict, NotReady):
+        return [
+            *_cancel_jobs(view.jobs, "batch failed"),  # a requeued batch's jobs wait pending
+            MoveBatch(
+                batch.id,
+                BatchState.FAILED,
+                verdict.reason,
+                verdict.problems,
+                watch_inputs=verdict.watch,
+            ),
+        ]
+    if not isinstance(verdict, Ready) or view.manifest is None:
+        return []
+    actions: list[Action] = [MoveBatch(batch.id, BatchState.QUEUED, "inputs complete")]
+    if not view.jobs:
+        jobs = compute_jobs(batch, view.manifest, verdict.inputs, policy.shards, policy.executor)
+        return [*actions, PlanJobs(batch.id, jobs)]
+    return actions + [
+        MoveJob(j.id, JobState.PENDING, "retry asked by operator", fresh=True)
+        for j in view.jobs
+        if j.state in (JobState.FAILED, JobState.CANCELLED)
+    ]
+
+
+def _next_stage(view: BatchView, jobs: Sequence[Job], policy: Policy) -> list[Action]:
+    """Once every job so far succeeded: the next stage's job (see next_stage_job); done after
+    the report succeeded."""
+    if not jobs or any(j.state is not JobState.SUCCEEDED for j in jobs):
+        return []
+    batch = view.batch
+    if Pipeline.REPORT in {j.pipeline for j in jobs}:
+        return [MoveBatch(batch.id, BatchState.DONE, "all jobs succeeded")]
+    return [PlanJobs(batch.id, (next_stage_job(batch, view.manifest, jobs, policy.executor),))]
+
+
+# -- jobs ---------------------------------------------------------------------------------------
+
+
+def _judge(job: Job, seen: JobSeen | None, policy: Policy) -> list[MoveJob]:
+    """The job's next state from what was observed, and a retry where the policy allows one."""
+    if seen is None or not job.state.live:
+        return []
+    if seen.phase is Phase.QUEUED:
+        return []
+    if seen.phase is Phase.RUNNING:
+        return (
+            [MoveJob(job.id, JobState.RUNNING, "started")]
+            if job.state is JobState.SUBMITTED
+            else []
+        )
+    result = seen.result
+    if result is not None and result.ok:
+        return [MoveJob(job.id, JobState.SUCCEEDED, "finished", seen.exit_code)]
+    kind, reason, detail = _failure_of(seen)
+    moves = [MoveJob(job.id, JobState.FAILED, reason, seen.exit_code, kind, detail)]
+    if _retryable(kind) and job.tries < policy.max_attempts:
+        moves.append(
+            MoveJob(job.id, JobState.PENDING, f"retry {job.tries + 1} of {policy.max_attempts}")
+        )
+    return moves
+
+
+def _failure_of(seen: JobSeen) -> tuple[str, str, str]:
+    result = seen.result
+    if result is None or result.error is None:
+        code = "unknown" if seen.exit_code is None else str(seen.exit_code)
+        note = f"; {seen.note}" if seen.note else ""
+        return ErrorKind.LOST.value, f"ended without a result (exit code {code}){note}", ""
+    error = result.error
+    detail = json.dumps(
+        {"problems": [asdict(p) for p in summarised(error.problems)], "traceback": error.traceback},
+        ensure_ascii=False,
+    )
+    return error.kind.value, error.message, detail
+
+
+def _retryable(kind: str | None) -> bool:
+    error = ErrorKind.of(kind)
+    return error is not None and error.retryable
+
+
+def _after(job: Job, moves: Sequence[MoveJob]) -> Job:
+    """The job as it will be once ``moves`` are applied."""
+    for move in moves:
+        job = replace(
+            job,
+            state=move.target,
+            error_kind=move.error_kind or job.error_kind,
+            reason=move.reason,
+        )
+    return job
+
+
+def _failure(jobs: Sequence[Job], seen: Mapping[int, JobSeen], policy: Policy) -> _Failure | None:
+    """A job that failed for good fails its batch, with what the job said."""
+    for job in jobs:
+        if job.state is not JobState.FAILED:
+            continue
+        observed = seen.get(job.id)
+        result = observed.result if observed else None
+        error = result.error if result else None
+        attempts = f" after {job.tries} attempt(s)" if _retryable(job.error_kind) else ""
+        problems = summarised(error.problems) if error else ()  # a shard may report thousands
+        message = error.message if error else (job.reason or "it ended without a result")
+        if not problems:
+            problems = (
+                Problem(f"job {job.name}", message, f"see its log: jobs/{job.name}/log.txt"),
+            )
+        return _Failure(
+            f"job {job.name} failed{attempts}: {message}",
+            problems,
+            error.traceback if error else "",
+        )
+    return _stranded(jobs)
+
+
+def _stranded(jobs: Sequence[Job]) -> _Failure | None:
+    """Jobs cancelled while their batch went on (a daemon stopped between cancelling them and
+    ending the batch): nothing is left to run, so the batch fails with what happened."""
+    if any(j.state.live or j.state is JobState.PENDING for j in jobs):
+        return None
+    cancelled = [j for j in jobs if j.state is JobState.CANCELLED]
+    if not cancelled:
+        return None
+    job = cancelled[0]
+    message = f"job {job.name} was cancelled ({job.reason or 'no reason recorded'})"
+    return _Failure(message, (Problem(f"job {job.name}", "was cancelled", "ask for a retry"),))
+
+
+@dataclass(frozen=True)
+class _Failure:
+    reason: str
+    problems: tuple[Problem, ...] = field(default=())
+    detail: str = ""
+
+    def __call__(self, batch_id: int) -> MoveBatch:
+        return MoveBatch(batch_id, BatchState.FAILED, self.reason, self.problems, self.detail)
+
+
+def _submissions(pending: Sequence[Job], free_slots: int | None) -> list[Action]:
+    """Hand pending jobs to the executor, oldest batch first, within the free slots. The
+    batch moves to RUNNING on a later tick, once the executor took one of its jobs."""
+    chosen = list(pending) if free_slots is None else list(pending)[: max(0, free_slots)]
+    return [Submit(tuple(j.id for j in chosen))] if chosen else []

@@ -1,0 +1,182 @@
+"""The records of watchd: batches, jobs, events, intents, drop roots, the heartbeat. Frozen
+values, as the store returns them; nothing here touches the database."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from daemon.contract.jobspec import Identity, InputFile, Pipeline, Problem
+from daemon.core.states import BatchState, JobState
+
+
+@dataclass(frozen=True)
+class Batch:
+    id: int
+    root: str
+    folder: str
+    revision: int
+    manifest_sha256: str
+    manifest_stat: str
+    kind: str | None
+    title: str
+    owner: str
+    contact: str | None
+    state: BatchState
+    reason: str
+    problems: tuple[Problem, ...]
+    detail: str = field(repr=False)
+    run_dir: str
+    watch_inputs: str  # failed for incomplete inputs: their fingerprint then ('' otherwise)
+    created_at: float
+    updated_at: float
+    finished_at: float | None
+    folder_device: int | None = None  # the folder's identity when the batch was taken in
+    folder_inode: int | None = None
+    root_inode: int | None = None  # the drop root's inode then (a share mounted again: another)
+
+    @property
+    def path(self) -> Path:
+        return Path(self.root) / self.folder
+
+    @property
+    def identity(self) -> Identity | None:
+        """The batch folder it was taken in from (None for batches recorded before)."""
+        if self.folder_device is None or self.folder_inode is None:
+            return None
+        return Identity(self.folder_device, self.folder_inode, self.root_inode)
+
+
+@dataclass(frozen=True)
+class NewBatch:
+    root: str
+    folder: str
+    manifest_sha256: str
+    manifest_text: str
+    manifest_stat: str
+    kind: str | None
+    title: str
+    owner: str
+    contact: str | None
+    run_dir: str
+    folder_device: int | None = None
+    folder_inode: int | None = None
+    root_inode: int | None = None
+
+
+@dataclass(frozen=True)
+class Job:
+    id: int
+    batch_id: int
+    name: str
+    pipeline: Pipeline
+    stage: int
+    shard_index: int
+    shard_count: int
+    state: JobState
+    attempts: int
+    executor: str
+    handle: str | None
+    exit_code: int | None
+    error_kind: str | None
+    reason: str
+    created_at: float
+    updated_at: float
+    submitted_at: float | None
+    finished_at: float | None
+    # This job's own parameters (a sweep trial's point), merged over the manifest's [params].
+    params: Mapping[str, Any] = field(default_factory=dict)
+    # ``attempts`` when an operator last started the job afresh (retry, requeue): attempts keep
+    # counting, so every submission has its own number; the retry budget counts from here.
+    attempts_base: int = 0
+    images: int = 0  # an inference job's images
+    images_done: int = 0  # … done, as its progress file said when last read
+
+    @property
+    def tries(self) -> int:
+        """Attempts since the operator's last fresh start (what the retry budget counts)."""
+        return self.attempts - self.attempts_base
+
+
+def images_progress(jobs: Sequence[Job]) -> tuple[int, int]:
+    """(images done, images) over a batch's inference jobs: a succeeded job's images all, a
+    running one's as its progress file last said."""
+    done = sum(j.images if j.state is JobState.SUCCEEDED else j.images_done for j in jobs)
+    return done, sum(j.images for j in jobs)
+
+
+@dataclass(frozen=True)
+class NewJob:
+    name: str
+    pipeline: Pipeline
+    stage: int
+    shard_index: int
+    shard_count: int
+    inputs: tuple[InputFile, ...]
+    executor: str
+    inherit_inputs: bool = False  # take the inputs of the batch's stage-0 jobs (the report)
+    params: Mapping[str, Any] = field(default_factory=dict)  # merged over the manifest's
+
+
+@dataclass(frozen=True)
+class Event:
+    """One line of the audit log: a state change (of a job when ``job_id`` is set, else of its
+    batch), or a note (no states)."""
+
+    id: int
+    at: float
+    batch_id: int | None
+    job_id: int | None
+    from_state: BatchState | JobState | None
+    to_state: BatchState | JobState | None
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Intent:
+    """An operator's request, applied by the daemon: on a batch (retry, cancel, requeue) or on
+    a drop root (pause, resume); exactly one of ``batch_id`` and ``root`` is set."""
+
+    id: int
+    at: float
+    action: str
+    batch_id: int | None
+    requested_by: str
+    applied_at: float | None
+    outcome: str
+    root: str | None = None
+
+
+@dataclass(frozen=True)
+class RootRecord:
+    """What the daemon made of pause and resume intents on one drop root."""
+
+    path: str
+    paused: bool
+    paused_by: str
+    paused_at: float | None
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    pid: int
+    host: str
+    version: str
+    started_at: float
+    beat_at: float
+    stopped_at: float | None
+    info: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class JobChange:
+    """Fields that change with a job's state; None means 'leave as it is'."""
+
+    handle: str | None = None
+    exit_code: int | None = None
+    error_kind: str | None = None
+    new_attempt: bool = False
+    reset_attempts: bool = False

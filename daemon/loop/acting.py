@@ -1,0 +1,226 @@
+"""Acting: carrying out the planner's actions, on the store and through the dispatcher.
+
+An action that raises fails its batch (with the traceback stored) and the next group goes on.
+The Service owns the Actor and calls it from the loop's thread alone, the one that changes state.
+"""
+
+from __future__ import annotations
+
+import errno
+import traceback
+from collections.abc import Callable, Iterable
+
+import structlog
+
+from daemon.contract.errors import ManifestError
+from daemon.contract.jobspec import Problem
+from daemon.core.planner import (
+    Action,
+    Cancel,
+    MoveBatch,
+    MoveJob,
+    PauseRoot,
+    PlanJobs,
+    ResolveIntent,
+    Submit,
+)
+from daemon.core.records import Batch, JobChange
+from daemon.core.states import BatchState
+from daemon.loop.dispatch import Dispatcher
+from daemon.loop.metrics import Metrics
+from daemon.loop.waitroom import WaitRoom
+from daemon.store import Store
+
+log = structlog.get_logger("watchd")
+
+
+class Actor:
+    def __init__(
+        self,
+        store: Store,
+        dispatch: Dispatcher,
+        waitroom: WaitRoom,
+        metrics: Metrics,
+        *,
+        touched: Callable[[int], None],
+        pause: Callable[[PauseRoot, float], None],
+    ) -> None:
+        """``touched``: a batch's status file needs writing. ``pause``: the loop's own (a paused
+        root changes what the loop takes in)."""
+        self.store = store
+        self.dispatch = dispatch
+        self.waitroom = waitroom
+        self.metrics = metrics
+        self.touched = touched
+        self.pause = pause
+        self._unreachable: set[int] = set()  # batches whose folder the share cannot reach now
+
+    def carry_out(self, actions: Iterable[Action], now: float) -> None:
+        for group in _transactions(actions, self.store):
+            self._act_safely(group, now)
+
+    def _act_safely(self, group: list[Action], now: float) -> None:
+        """Carry out one group of actions: store-only actions of one batch commit together (a
+        crash between them must not leave half a decision), an executor action alone."""
+        try:
+            if len(group) == 1:
+                self._act(group[0], now)
+            else:
+                with self.store.atomic():
+                    for action in group:
+                        self._act(action, now)
+        except Exception as exc:  # a bug must not stop the loop: fail that batch, go on
+            batch_id = _batch_of(group[0], self.store)
+            names = [type(a).__name__ for a in group]
+            log.exception("action failed", actions=names, batch_id=batch_id)
+            if batch_id is not None:
+                self._fail_batch(batch_id, f"internal error: {exc}", traceback.format_exc(), now)
+
+    def _act(self, action: Action, now: float) -> None:
+        if isinstance(action, MoveBatch):
+            self._move_batch(action, now)
+        elif isinstance(action, MoveJob):
+            change = JobChange(
+                exit_code=action.exit_code,
+                error_kind=action.error_kind,
+                reset_attempts=action.fresh,
+            )
+            job = self.store.transition_job(
+                action.job_id, action.target, action.reason, now, change, action.detail
+            )
+            log.info(
+                "job " + action.target.value,
+                batch_id=job.batch_id,
+                job_id=job.id,
+                job=job.name,
+                reason=action.reason,
+            )
+            self.touched(job.batch_id)
+            if job.state.terminal:
+                self.metrics.job_ended(job)
+        elif isinstance(action, PlanJobs):
+            jobs = self.store.create_jobs(action.batch_id, action.jobs, now)
+            log.info("jobs planned", batch_id=action.batch_id, jobs=len(jobs))
+            self.touched(action.batch_id)
+        elif isinstance(action, Submit):
+            self._submit(action.job_ids, now)
+        elif isinstance(action, Cancel):
+            self._cancel(action, now)
+        elif isinstance(action, PauseRoot):
+            self.pause(action, now)
+        elif isinstance(action, ResolveIntent):
+            self.store.resolve_intent(action.intent_id, action.outcome, now)
+            log.info("intent applied", intent_id=action.intent_id, outcome=action.outcome)
+
+    def _move_batch(self, action: MoveBatch, now: float) -> None:
+        batch = self.store.transition_batch(
+            action.batch_id,
+            action.target,
+            action.reason,
+            now,
+            problems=action.problems,
+            detail=action.detail,
+            watch_inputs=action.watch_inputs,
+        )
+        log.info(
+            "batch " + batch.state.value,
+            batch_id=batch.id,
+            folder=batch.folder,
+            reason=action.reason,
+            problems=[p.render() for p in action.problems],
+        )
+        self.touched(batch.id)
+        self.waitroom.moved(batch)
+
+    def _fail_batch(self, batch_id: int, reason: str, detail: str, now: float) -> None:
+        try:
+            batch = self.store.batch(batch_id)
+            if not batch.state.terminal:
+                self._move_batch(MoveBatch(batch_id, BatchState.FAILED, reason, detail=detail), now)
+        except Exception:
+            log.exception("cannot mark batch failed", batch_id=batch_id)
+
+    def _submit(self, job_ids: Iterable[int], now: float) -> None:
+        work = []
+        batches: dict[int, Batch] = {}
+        for job_id in job_ids:
+            job = self.store.job(job_id)
+            batch = batches.setdefault(job.batch_id, self.store.batch(job.batch_id))
+            try:
+                manifest = self.waitroom.parsed(batch)
+            except ManifestError as refused:
+                self._fail_batch(batch.id, f"manifest no longer valid: {refused}", "", now)
+                continue
+            if manifest is not None and not self.store.batch(batch.id).state.terminal:
+                work.append((job, batch, manifest))
+        outcome = self.dispatch.submit(work, now)
+        for submitted in outcome.submitted:
+            self.touched(submitted.batch_id)
+            self._unreachable.discard(submitted.batch_id)
+        for job in outcome.refused:  # its batch fails at the next tick's plan
+            self.touched(job.batch_id)
+            self.metrics.job_ended(job)
+        for refused_batch, error in outcome.unwritable:
+            self._unwritable(refused_batch, error, now)
+
+    def _unwritable(self, batch: Batch, exc: OSError, now: float) -> None:
+        if exc.errno in SHARE_DOWN:  # an outage, not the folder: its jobs wait for the share
+            if batch.id not in self._unreachable:
+                self._unreachable.add(batch.id)
+                log.warning("batch folder unreachable; its jobs wait for the share",
+                            batch_id=batch.id, folder=batch.folder, error=str(exc))  # fmt: skip
+            return
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            hint = "the share is full (or over quota): free space, then ask for a retry"
+        elif exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            hint = "remove it: watchd writes its results only inside the batch folder"
+        else:
+            hint = "make the batch folder writable for the watchd service, then ask for a retry"
+        problem = Problem("results folder", f"cannot be written: {exc.strerror or exc}", hint)
+        if not self.store.batch(batch.id).state.terminal:
+            jobs = [j.id for j in self.store.jobs([batch.id]) if not j.state.terminal]
+            self._cancel(Cancel(tuple(jobs), "batch failed"), now)
+            failed = MoveBatch(
+                batch.id, BatchState.FAILED, "results folder not writable", (problem,)
+            )
+            self._move_batch(failed, now)
+
+    def _cancel(self, action: Cancel, now: float) -> None:
+        for job in self.dispatch.cancel(action.job_ids, action.reason, now):
+            log.info("job cancelled", batch_id=job.batch_id, job_id=job.id, reason=action.reason)
+            self.touched(job.batch_id)
+
+
+# What a network share answers while it is away (sshfs, NFS, GPFS): a job waits, queued, and is
+# submitted at a later tick once the share answers again; its batch does not fail for it.
+SHARE_DOWN = frozenset({
+    errno.ENOTCONN, errno.EIO, errno.ETIMEDOUT, errno.EHOSTDOWN, errno.EHOSTUNREACH,
+    errno.ENETDOWN, errno.ENETUNREACH, errno.ECONNRESET, errno.ECONNABORTED,
+})  # fmt: skip
+
+
+def _transactions(actions: Iterable[Action], store: Store) -> list[list[Action]]:
+    """Consecutive store-only actions of the same batch form one group; an action that also
+    talks to the executor (submit, cancel) is a group of its own."""
+    groups: list[list[Action]] = []
+    key: int | None = None
+    for action in actions:
+        batch_id = None if isinstance(action, (Submit, Cancel)) else _batch_of(action, store)
+        if batch_id is not None and groups and batch_id == key:
+            groups[-1].append(action)
+        else:
+            groups.append([action])
+        key = batch_id
+    return groups
+
+
+def _batch_of(action: Action, store: Store) -> int | None:
+    if isinstance(action, (MoveBatch, PlanJobs)):
+        return action.batch_id
+    if isinstance(action, MoveJob):
+        return store.job(action.job_id).batch_id
+    if isinstance(action, (Submit, Cancel)) and action.job_ids:
+        return store.job(action.job_ids[0]).batch_id
+    if isinstance(action, ResolveIntent):
+        return store.intent(action.intent_id).batch_id
+    return None

@@ -1,0 +1,336 @@
+"""Dispatch: hand jobs to the executor and read back what became of them.
+
+Submitting writes the attempt's spec into the job directory first (unless it is there already),
+then asks the executor, then records what became of each job: SUBMITTED with its handle, FAILED
+with the executor's word when it refused the job for good (the planner then fails the batch),
+or nothing (still pending, offered again next tick). A daemon that dies between a job's end and
+the recording of it finds the result at the next submission of that attempt and records it
+instead of running the job again. Polling asks the executor about every live job in one call
+and reads the result file of each job the executor says has ended (or has forgotten).
+
+Cancelling marks the jobs cancelled and keeps, in the same transaction, a cancel for each one
+the executor has; a cancel is dropped once delivered, and sent again every tick until then
+(across restarts). A job with a cancel not delivered yet is not submitted again: its earlier
+attempt may still run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from daemon.contract import jobspec
+from daemon.contract.errors import ExecutorUnavailable
+from daemon.contract.heldfolder import HeldFolder
+from daemon.contract.jobspec import (
+    LOG_FILE,
+    PROGRESS_FILE,
+    RESULT_FILE,
+    SPEC_FILE,
+    ErrorKind,
+    JobResult,
+    JobSpec,
+    Pipeline,
+    Resources,
+)
+from daemon.core.jobplan import job_spec
+from daemon.core.manifest import Manifest
+from daemon.core.planner import JobSeen
+from daemon.core.records import Batch, Job, JobChange
+from daemon.core.states import JobState, Phase
+from daemon.executors import Accepted, Deferred, Executor, Handover, Refused, Submission, resources
+from daemon.site.config import NO_SITE_SHAPES, JobShapes
+from daemon.store import Store
+
+log = structlog.get_logger("watchd.dispatch")
+
+PROGRESS_SECONDS = 10.0  # a running inference job's progress file is read at most this often
+FINISHED_HANDLE = "finished"  # an attempt found finished before it was recorded as submitted
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a submission round did: jobs now submitted, jobs the executor refused for good
+    (now FAILED), batches whose folder refused a write."""
+
+    submitted: tuple[Job, ...] = ()
+    unwritable: tuple[tuple[Batch, OSError], ...] = ()
+    refused: tuple[Job, ...] = ()
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        store: Store,
+        executor: Executor,
+        registry_dir: str,
+        cpus: int,
+        result_grace: float = 0.0,
+        shapes: JobShapes = NO_SITE_SHAPES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``result_grace``: how long a job that ended without a result is given for its result
+        to show (on a network share, a file written on a compute node may take a while to be
+        seen from here) before it counts as lost."""
+        self.store = store
+        self.executor = executor
+        self.registry_dir = registry_dir
+        self.cpus = cpus
+        self.shapes = shapes
+        self.result_grace = result_grace
+        self.clock = clock
+        self._no_result_since: dict[int, float] = {}
+        self._progress_due: dict[int, float] = {}  # job id → when its progress is read next
+        self._progressed: set[int] = set()  # batches whose images done changed since asked
+        self._said: dict[str, str] = {}  # the last warning of each kind, not to repeat it
+
+    def _warn(self, event: str, error: str, **fields: object) -> None:
+        """Log a warning once while it says the same thing (an outage lasts many ticks)."""
+        if self._said.get(event) != error:
+            self._said[event] = error
+            log.warning(event, error=error, **fields)
+
+    def observe(self, live: Sequence[Job]) -> dict[int, JobSeen]:
+        """One status query for every live job; the result file of each one that ended."""
+        handles = {j.handle: j for j in live if j.handle}
+        if not handles:
+            return {}
+        try:
+            statuses = self.executor.poll(list(handles))
+        except ExecutorUnavailable as exc:
+            self._warn("executor unavailable", str(exc))
+            return {}
+        self._said.pop("executor unavailable", None)
+        seen = {}
+        for handle, status in statuses.items():
+            job = handles[handle]
+            result, note = None, ""
+            if status.phase in (Phase.ENDED, Phase.UNKNOWN):
+                batch_dir, job_dir = self._folders(job)
+                result = read_result(batch_dir, job_dir)
+                if result is None and self._result_may_come(job.id):
+                    seen[job.id] = JobSeen(job.id, Phase.QUEUED)  # no news yet
+                    continue
+                self._no_result_since.pop(job.id, None)
+                if result is None:
+                    note = end_note(status.reason, batch_dir, job_dir)
+            seen[job.id] = JobSeen(job.id, status.phase, status.exit_code, result, note)
+            if status.phase is Phase.RUNNING:
+                self._progress(job)
+            else:
+                self._progress_due.pop(job.id, None)
+        return seen
+
+    def take_progressed(self) -> set[int]:
+        """The batches whose images done changed since the last call (their status files say
+        it), forgotten here."""
+        taken, self._progressed = self._progressed, set()
+        return taken
+
+    def _progress(self, job: Job) -> None:
+        """Record a running inference job's images done, read from its progress file at most
+        every PROGRESS_SECONDS (a read on the share per running job, not per image)."""
+        now = self.clock()
+        if job.pipeline is not Pipeline.INFER or now < self._progress_due.get(job.id, 0.0):
+            return
+        self._progress_due[job.id] = now + PROGRESS_SECONDS
+        done = read_progress(*self._folders(job))
+        if done is not None and done != job.images_done:
+            self.store.job_progress(job.id, max(0, min(done, job.images)))
+            self._progressed.add(job.batch_id)
+
+    def _result_may_come(self, job_id: int) -> bool:
+        since = self._no_result_since.setdefault(job_id, self.clock())
+        return self.clock() - since < self.result_grace
+
+    def _folders(self, job: Job) -> tuple[Path, Path]:
+        """The job's batch folder and its job folder below it."""
+        batch = self.store.batch(job.batch_id)
+        return batch.path, jobspec.job_dir(batch.run_dir, job.name)
+
+    def submit(self, work: Sequence[tuple[Job, Batch, Manifest]], now: float) -> Outcome:
+        """Write each job's spec and hand the jobs to the executor in one call."""
+        ready: list[tuple[Job, Submission]] = []
+        done: list[Job] = []
+        unwritable: list[tuple[Batch, OSError]] = []
+        cancelling = set(self.store.kept_cancels().values())
+        for job, batch, manifest in work:
+            if job.id in cancelling:
+                continue  # its earlier attempt may still run until the cancel is delivered
+            gpus, tasks = resources.shape(manifest.resources, job.pipeline, self.shapes)
+            given = Resources(cpus=self.cpus, gpus=gpus, tasks=tasks)
+            inputs = self.store.job_inputs(job.id)
+            spec = job_spec(job, batch, manifest, inputs, self.registry_dir, given)
+            try:
+                finished = prepare_job_dir(spec)
+            except OSError as exc:
+                unwritable.append((batch, exc))
+                continue
+            if finished:
+                change = JobChange(handle=FINISHED_HANDLE, new_attempt=True)
+                done.append(
+                    self.store.transition_job(
+                        job.id, JobState.SUBMITTED, "found finished", now, change
+                    )
+                )
+                continue
+            ready.append((job, _submission(spec, manifest)))
+        submitted, refused = self._hand_over(ready, now) if ready else ([], [])
+        return Outcome(tuple(done + submitted), tuple(unwritable), tuple(refused))
+
+    def _hand_over(
+        self, ready: Sequence[tuple[Job, Submission]], now: float
+    ) -> tuple[list[Job], list[Job]]:
+        """One call to the executor; the jobs it took, and those it refused for good."""
+        handed = self.executor.submit([s for _, s in ready])
+        submitted: list[Job] = []
+        refused: list[Job] = []
+        for (job, sub), answer in zip(ready, handed, strict=True):
+            moved = self._record(job, sub, answer, now)
+            if moved is not None:
+                (submitted if moved.state is JobState.SUBMITTED else refused).append(moved)
+        self._say_held(ready, handed)
+        return submitted, refused
+
+    def _record(self, job: Job, sub: Submission, answer: Handover, now: float) -> Job | None:
+        """The job moved as the executor answered: SUBMITTED, FAILED, or left pending."""
+        if isinstance(answer, Accepted):
+            change = JobChange(handle=answer.handle, new_attempt=True)
+            moved = self.store.transition_job(job.id, JobState.SUBMITTED, "submitted", now, change)
+            log.info("job submitted", batch_id=job.batch_id, job_id=job.id, job=sub.name,
+                     handle=answer.handle, attempt=moved.attempts)  # fmt: skip
+            return moved
+        if isinstance(answer, Refused):
+            change = JobChange(error_kind=ErrorKind.INPUT.value)
+            reason = f"refused by the {self.executor.name} executor: {answer.reason}"
+            moved = self.store.transition_job(job.id, JobState.FAILED, reason, now, change)
+            log.warning("job refused", batch_id=job.batch_id, job_id=job.id, job=sub.name,
+                        reason=answer.reason)  # fmt: skip
+            _append_line(sub, f"watchd: {reason}")  # where the owner is sent
+            return moved
+        return None
+
+    def _say_held(
+        self, ready: Sequence[tuple[Job, Submission]], handed: Sequence[Handover]
+    ) -> None:
+        """Warn once while jobs are held back for the same reason; say nothing more after."""
+        held = [a.reason for a in handed if isinstance(a, Deferred)]
+        if held:
+            self._warn("submission deferred; offered again later", held[0],
+                       jobs=len(held), of=len(ready))  # fmt: skip
+        else:
+            self._said.pop("submission deferred; offered again later", None)
+
+    def cancel(self, job_ids: Sequence[int], reason: str, now: float) -> list[Job]:
+        """Mark every one not yet ended cancelled, keeping a cancel for each one the executor
+        has; then deliver the cancels (or leave them for a later tick)."""
+        cancelled = []
+        for job in (self.store.job(i) for i in job_ids):
+            if job.state.terminal:
+                continue
+            with self.store.atomic():
+                if job.state.live and job.handle and job.handle != FINISHED_HANDLE:
+                    self.store.keep_cancel(job.handle, job.id, now)
+                cancelled.append(self.store.transition_job(job.id, JobState.CANCELLED, reason, now))
+        self.deliver_cancels()
+        return cancelled
+
+    def deliver_cancels(self) -> None:
+        """Send the cancels not delivered yet (the service calls this every tick)."""
+        kept = self.store.kept_cancels()
+        if not kept:
+            return
+        try:
+            self.executor.cancel(list(kept))
+        except ExecutorUnavailable as exc:
+            self._warn("cancel not delivered; sent again later", str(exc), jobs=len(kept))
+            return
+        self._said.pop("cancel not delivered; sent again later", None)
+        self.store.drop_cancels(kept)
+        log.info("cancels delivered", jobs=len(kept))
+
+
+def _submission(spec: JobSpec, manifest: Manifest) -> Submission:
+    group = f"b{spec.batch_id:06d}-{spec.pipeline.value}"
+    return Submission(
+        spec.job_id, spec.job_name, spec.pipeline.module, spec.job_dir,
+        spec.resources.cpus, spec.resources.gpus, group=group,
+        attempt=spec.attempt, resources=manifest.resources, batch_dir=Path(spec.batch_dir),
+    )  # fmt: skip
+
+
+def end_note(reason: str, batch_dir: Path, job_dir: Path, lines: int = 3) -> str:
+    """What to say of a job that ended without a result: the executor's word (e.g. Slurm's
+    state and reason) and the last lines of the job's log, on one line. The log is read by
+    the rule of :mod:`daemon.contract.heldfolder`: a link or FIFO planted there is not read."""
+    parts = [reason] if reason else []
+    try:
+        with HeldFolder.inside(batch_dir, job_dir) as held, held.open_read(LOG_FILE) as log_file:
+            log_file.seek(max(0, log_file.seek(0, 2) - 4096))
+            tail = log_file.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        tail = []
+    last = [line.strip() for line in tail if line.strip()][-lines:]
+    if last:
+        parts.append("log ends: " + " | ".join(last))
+    return "; ".join(parts)
+
+
+def _append_line(sub: Submission, line: str) -> None:
+    try:
+        with sub.held_job_dir() as held:
+            fd = held.open_append(LOG_FILE)
+        with open(fd, "a", encoding="utf-8") as file:
+            file.write(line + "\n")
+    except OSError as exc:  # the store and the status file still say it
+        log.warning("cannot write to the job's log", path=str(sub.job_dir / LOG_FILE),
+                    error=str(exc))  # fmt: skip
+
+
+def read_result(batch_dir: Path, job_dir: Path) -> JobResult | None:
+    try:
+        with HeldFolder.inside(batch_dir, job_dir) as held, held.open_read(RESULT_FILE) as file:
+            return JobResult.from_json(file.read().decode("utf-8"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def read_progress(batch_dir: Path, job_dir: Path) -> int | None:
+    """The images done that a job's progress file says (it lies in the owner's folder: read
+    by the rule, a few bytes at most), or None."""
+    try:
+        with HeldFolder.inside(batch_dir, job_dir) as held, held.open_read(PROGRESS_FILE) as file:
+            return int(json.loads(file.read(4096))["done"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def prepare_job_dir(spec: JobSpec) -> bool:
+    """Write the spec for this attempt; True if this very attempt already finished.
+
+    A result newer than a spec of the same attempt means the job ran to its end and the daemon
+    died before recording it. Otherwise a stale result of an earlier attempt is removed first,
+    so a result found later always belongs to the attempt that was submitted. The job folder
+    is made and written by the rule of :mod:`daemon.contract.heldfolder` (held from the batch
+    folder: a link or FIFO planted on the way or in it raises UnsafeEntry, an OSError).
+    """
+    with HeldFolder.inside(spec.batch_dir, spec.job_dir, create=True) as held:
+        text, old_text = spec.to_json(), None
+        try:
+            with held.open_read(SPEC_FILE) as file:
+                old_text = file.read().decode("utf-8")
+            old = JobSpec.from_json(old_text)
+            newer = held.lstat(RESULT_FILE).st_mtime_ns >= held.lstat(SPEC_FILE).st_mtime_ns
+            if old.attempt == spec.attempt and newer:
+                return True
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        held.unlink(RESULT_FILE)
+        if text != old_text:  # a job offered again and again (held back) is not rewritten
+            held.write_text(SPEC_FILE, text)
+    return False
