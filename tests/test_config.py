@@ -119,7 +119,7 @@ def test_inference_runs_on_the_sites_inference_gpus_unless_its_manifest_says(
     assert "inference_gpus = 1 is above max_gpus = 0" in str(refused.value)
     path.write_text('[executor]\nkind = "slurm"\n[executor.slurm]\ninference_gpus = 1\n'
                     '[[roots]]\npath = "d"\n')  # fmt: skip
-    assert load_config(path).executor.job_shapes == JobShapes(0, 1, 1)
+    assert load_config(path).executor.slurm.shapes == JobShapes(0, 1, 1)
 
 
 def test_a_lease_shorter_than_three_heartbeats_is_refused(tmp_path: Path) -> None:

@@ -11,9 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from daemon.contract.jobspec import Pipeline, Resources
+from daemon.core.manifest import ResourceRequest
 from daemon.core.states import Phase
 from daemon.executors import Accepted, Refused, Submission
 from daemon.executors.local import LAUNCH_FILE, LocalExecutor
+from daemon.site.config import LocalExecutorSection
 
 
 def test_a_job_started_just_before_a_crash_is_adopted_not_started_again(tmp_path: Path) -> None:
@@ -158,3 +161,17 @@ def test_a_launch_record_naming_another_process_is_not_adopted(tmp_path: Path) -
     assert isinstance(accepted, Accepted) and accepted.handle != f"local:{me}:{ticks}"
     pid = int(accepted.handle.split(":")[1])
     os.waitpid(pid, 0)
+
+
+def test_the_executor_shapes_each_job_from_its_section_within_its_bounds() -> None:
+    """What the rest of the daemon asks of an executor instead of reading its section: the
+    bounds checked at intake and what one job gets (shaped once, capped at the bounds)."""
+    limits = LocalExecutorSection(cpus_per_job=3, max_gpus=1, inference_gpus=1, max_tasks=2)
+    executor = LocalExecutor(max_parallel=1, limits=limits)
+    assert executor.bounds() == {"gpus": 1, "tasks": 2}
+    assert executor.allocation(Pipeline.INFER, ResourceRequest()) == Resources(3, 1, 1)
+    assert executor.allocation(Pipeline.TRAIN, ResourceRequest(gpus=4, tasks=8)) == Resources(
+        3, 1, 2
+    )
+    assert executor.allocation(Pipeline.REPORT, ResourceRequest(gpus=1)) == Resources(3, 0, 1)
+    assert executor.result_grace() == 0.0

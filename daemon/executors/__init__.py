@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from daemon.contract.heldfolder import HeldFolder
+from daemon.contract.jobspec import Pipeline, Resources
 from daemon.core.manifest import ResourceRequest
 from daemon.core.states import Phase
 
@@ -33,6 +34,7 @@ class Submission:
     job_dir: Path
     cpus: int = 1
     gpus: int = 0
+    tasks: int = 1  # processes (DDP ranks), each with cpus and gpus
     env: Mapping[str, str] = field(default_factory=dict)
     group: str = ""
     attempt: int = 0  # with the job directory, names this submission for good
@@ -101,6 +103,17 @@ class Executor(Protocol):
         """How many jobs of one batch run side by side at most (local: ``max_parallel``;
         Slurm: the array throttle, None without one): the planner sizes shards to it."""
 
+    def bounds(self) -> Mapping[str, int]:
+        """The most a manifest's ``[resources]`` may ask for, by name (checked at intake)."""
+
+    def allocation(self, pipeline: Pipeline, request: ResourceRequest) -> Resources:
+        """What one job of ``pipeline`` gets for a manifest's ``request``: threads, GPUs and
+        tasks (the executor's defaults where the manifest does not say, capped at its bounds)."""
+
+    def result_grace(self) -> float:
+        """How long a job that ended without a result is given for its result to show (a file
+        written on a compute node may take a while to be seen on the share from here)."""
+
     def wake_on_end(self, wake: Callable[[], None]) -> None:
         """Call ``wake`` (from any thread) when a job may have ended, so that the loop polls
         at once instead of at its next tick; an executor that cannot tell does nothing."""
@@ -136,4 +149,6 @@ def make_executor(
     from daemon.executors.local import LocalExecutor
 
     local = config.executor.local
-    return LocalExecutor(max_parallel=local.max_parallel, python=local.python, env=env)
+    return LocalExecutor(
+        max_parallel=local.max_parallel, python=local.python, env=env, limits=local
+    )

@@ -20,9 +20,20 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 
 from daemon.contract.heldfolder import HeldFolder, UnsafeEntry
-from daemon.contract.jobspec import LOG_FILE
+from daemon.contract.jobspec import LOG_FILE, Pipeline, Resources
+from daemon.core.manifest import ResourceRequest
 from daemon.core.states import Phase
-from daemon.executors import Accepted, Check, Deferred, Handover, Refused, Status, Submission
+from daemon.executors import (
+    Accepted,
+    Check,
+    Deferred,
+    Handover,
+    Refused,
+    Status,
+    Submission,
+    resources,
+)
+from daemon.site.config import JobShapes, LocalExecutorSection
 from daemon.site.subprocesses import (
     ExitWatch,
     exited,
@@ -45,9 +56,17 @@ class LocalExecutor:
     name = "local"
 
     def __init__(
-        self, *, max_parallel: int, python: str = "", env: Mapping[str, str] | None = None
+        self,
+        *,
+        max_parallel: int,
+        python: str = "",
+        env: Mapping[str, str] | None = None,
+        limits: LocalExecutorSection | None = None,
     ) -> None:
+        """``limits``: the site's [executor.local] (threads, GPUs and tasks jobs get and may ask
+        for); its defaults where not given."""
         self.max_parallel = max_parallel
+        self.limits = limits or LocalExecutorSection()
         self.python = python or sys.executable
         self.env = dict(env or {})
         self._children: dict[str, int] = {}  # handle → pid of the jobs this executor started
@@ -59,6 +78,16 @@ class LocalExecutor:
 
     def width(self) -> int | None:
         return self.max_parallel
+
+    def bounds(self) -> dict[str, int]:
+        return resources.local_bounds(self.limits)
+
+    def allocation(self, pipeline: Pipeline, request: ResourceRequest) -> Resources:
+        shapes = JobShapes(inference_gpus=self.limits.inference_gpus)
+        return resources.given(request, pipeline, self.limits.cpus_per_job, shapes, self.bounds())
+
+    def result_grace(self) -> float:
+        return 0.0  # a local job writes its result on this host: it is there when the job ends
 
     def wake_on_end(self, wake: Callable[[], None]) -> None:
         """A job's end wakes the loop at once: the next job starts without waiting a tick."""

@@ -1,7 +1,10 @@
-"""What a job may ask of the cluster: a manifest's ``[resources]`` within the site's bounds.
+"""What a job may ask of its executor: a manifest's ``[resources]`` within the site's bounds,
+and the shape of each job (GPUs, tasks).
 
-Pure. The bounds are checked when a batch is taken in, so the data owner reads a refusal in the
-status file; the executor applies the same rules again when it submits.
+Pure; the executors apply it (:meth:`daemon.executors.Executor.bounds` and ``allocation``). The
+bounds are checked when a batch is taken in, so the data owner reads a refusal in the status
+file; each job is shaped once, when it is submitted, and a Slurm launch adds only its time and
+memory.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from daemon.contract.jobspec import Pipeline, Problem
+from daemon.contract.jobspec import Pipeline, Problem, Resources
 from daemon.core.manifest import MANIFEST_NAME, ResourceRequest
 from daemon.site.config import NO_SITE_SHAPES, JobShapes, LocalExecutorSection, SlurmExecutorSection
 
@@ -40,17 +43,28 @@ def problems(request: ResourceRequest, bounds: Mapping[str, int]) -> list[Proble
     return found
 
 
-def allocation(
-    request: ResourceRequest, site: SlurmExecutorSection, pipeline: Pipeline
-) -> Allocation:
-    """The site's defaults overridden by ``request``, capped at the bounds.
+def given(
+    request: ResourceRequest,
+    pipeline: Pipeline,
+    cpus: int,
+    site: JobShapes,
+    bounds: Mapping[str, int],
+) -> Resources:
+    """What one job gets: :func:`shape`'s GPUs and tasks, capped at the bounds, and ``cpus``
+    threads."""
+    gpus, tasks = shape(request, pipeline, site)
+    capped_gpus = min(gpus, bounds.get("gpus", gpus))
+    return Resources(cpus=cpus, gpus=capped_gpus, tasks=min(tasks, bounds.get("tasks", tasks)))
 
-    The GPUs and tasks are :func:`shape`'s.
-    """
+
+def allocation(
+    request: ResourceRequest, given: Resources, site: SlurmExecutorSection
+) -> Allocation:
+    """One Slurm job's allocation: the job's shape as given, the site's time and memory
+    defaults overridden by ``request``, capped at the bounds."""
     time_minutes = min(request.time_minutes or site.time_minutes, site.max_time_minutes)
     memory_mb = min(request.memory_mb or site.memory_mb, site.max_memory_mb)
-    gpus, tasks = shape(request, pipeline, site.shapes)
-    return Allocation(time_minutes, memory_mb, min(gpus, site.max_gpus), min(tasks, site.max_tasks))
+    return Allocation(time_minutes, memory_mb, given.gpus, given.tasks)
 
 
 def shape(

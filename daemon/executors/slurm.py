@@ -30,8 +30,19 @@ import structlog
 
 from daemon.contract.errors import ExecutorUnavailable, SubmissionError, WatchdError
 from daemon.contract.heldfolder import HeldFolder
+from daemon.contract.jobspec import Pipeline, Resources
+from daemon.core.manifest import ResourceRequest
 from daemon.core.states import Phase
-from daemon.executors import Accepted, Check, Deferred, Handover, Refused, Status, Submission
+from daemon.executors import (
+    Accepted,
+    Check,
+    Deferred,
+    Handover,
+    Refused,
+    Status,
+    Submission,
+    resources,
+)
 from daemon.executors import slurm_launch as launching
 from daemon.executors.gate import Gate
 from daemon.executors.slurm_api import JobRecord, SlurmClient, describe, phase_of, release
@@ -89,6 +100,16 @@ class SlurmExecutor:
 
     def width(self) -> int | None:
         return self.site.array_throttle or None
+
+    def bounds(self) -> dict[str, int]:
+        return resources.slurm_bounds(self.site)
+
+    def allocation(self, pipeline: Pipeline, request: ResourceRequest) -> Resources:
+        site = self.site
+        return resources.given(request, pipeline, site.cpus_per_task, site.shapes, self.bounds())
+
+    def result_grace(self) -> float:
+        return self.site.result_grace_seconds
 
     def wake_on_end(self, wake: Callable[[], None]) -> None:
         """Nothing: ends are learnt from the status query, at most one per ``poll_seconds``."""

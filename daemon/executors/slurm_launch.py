@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from daemon.contract.errors import SubmissionError
-from daemon.contract.jobspec import Pipeline
+from daemon.contract.jobspec import Pipeline, Resources
 from daemon.executors import Submission
 from daemon.executors.resources import Allocation, allocation
 from daemon.executors.slurm_api import JobRequest
@@ -108,8 +108,8 @@ def plan(submissions: Sequence[Submission], site: SlurmExecutorSection) -> list[
     for sub in submissions:
         if why := unnameable(sub):
             raise SubmissionError(why)
-        pipeline = Pipeline(sub.module.removeprefix("pipelines."))
-        alloc = allocation(sub.resources, site, pipeline)
+        given = Resources(cpus=sub.cpus, gpus=sub.gpus, tasks=sub.tasks)
+        alloc = allocation(sub.resources, given, site)
         key = (sub.group or sub.name, sub.job_dir.parent, sub.module, alloc)
         groups.setdefault(key, []).append(sub)
     launches = []

@@ -36,15 +36,13 @@ from daemon.contract.jobspec import (
     JobResult,
     JobSpec,
     Pipeline,
-    Resources,
 )
 from daemon.core.jobplan import job_spec
 from daemon.core.manifest import Manifest
 from daemon.core.planner import JobSeen
 from daemon.core.records import Batch, Job, JobChange
 from daemon.core.states import JobState, Phase
-from daemon.executors import Accepted, Deferred, Executor, Handover, Refused, Submission, resources
-from daemon.site.config import NO_SITE_SHAPES, JobShapes
+from daemon.executors import Accepted, Deferred, Executor, Handover, Refused, Submission
 from daemon.store import Store
 
 log = structlog.get_logger("watchd.dispatch")
@@ -69,20 +67,14 @@ class Dispatcher:
         store: Store,
         executor: Executor,
         registry_dir: str,
-        cpus: int,
-        result_grace: float = 0.0,
-        shapes: JobShapes = NO_SITE_SHAPES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``result_grace``: how long a job that ended without a result is given for its result
-        to show (on a network share, a file written on a compute node may take a while to be
-        seen from here) before it counts as lost."""
+        """A job that ended without a result is given the executor's ``result_grace`` for its
+        result to show before it counts as lost."""
         self.store = store
         self.executor = executor
         self.registry_dir = registry_dir
-        self.cpus = cpus
-        self.shapes = shapes
-        self.result_grace = result_grace
+        self.result_grace = executor.result_grace()
         self.clock = clock
         self._no_result_since: dict[int, float] = {}
         self._progress_due: dict[int, float] = {}  # job id → when its progress is read next
@@ -162,8 +154,7 @@ class Dispatcher:
         for job, batch, manifest in work:
             if job.id in cancelling:
                 continue  # its earlier attempt may still run until the cancel is delivered
-            gpus, tasks = resources.shape(manifest.resources, job.pipeline, self.shapes)
-            given = Resources(cpus=self.cpus, gpus=gpus, tasks=tasks)
+            given = self.executor.allocation(job.pipeline, manifest.resources)
             inputs = self.store.job_inputs(job.id)
             spec = job_spec(job, batch, manifest, inputs, self.registry_dir, given)
             try:
@@ -259,7 +250,7 @@ def _submission(spec: JobSpec, manifest: Manifest) -> Submission:
     group = f"b{spec.batch_id:06d}-{spec.pipeline.value}"
     return Submission(
         spec.job_id, spec.job_name, spec.pipeline.module, spec.job_dir,
-        spec.resources.cpus, spec.resources.gpus, group=group,
+        spec.resources.cpus, spec.resources.gpus, spec.resources.tasks, group=group,
         attempt=spec.attempt, resources=manifest.resources, batch_dir=Path(spec.batch_dir),
     )  # fmt: skip
 

@@ -26,7 +26,6 @@ import structlog
 from daemon.contract.jobspec import Problem
 from daemon.core import readiness
 from daemon.core.jobplan import Sharding
-from daemon.core.manifest import Manifest
 from daemon.core.planner import BatchView, PauseRoot, Policy, Snapshot, opens_work, plan
 from daemon.core.readiness import NotReady
 from daemon.core.records import Batch, Job
@@ -70,10 +69,7 @@ class Service:
         self.clock = clock
         self.notifier = notifier or Notifier(None)
         self.store = Store.open(config.daemon.database)
-        self.dispatch = Dispatcher(
-            self.store, executor, str(config.registry.path), config.executor.cpus_per_job,
-            config.executor.result_grace_seconds, config.executor.job_shapes,
-        )  # fmt: skip
+        self.dispatch = Dispatcher(self.store, executor, str(config.registry.path))
         self.events: queue.Queue[WatchEvent] = queue.Queue()
         self.watcher = Watcher(
             config.roots, self.events, lambda root: self.store.ended_folders(str(root))
@@ -84,7 +80,7 @@ class Service:
             settle_seconds=config.intake.settle_seconds,
             retry_seconds=config.intake.retry_unreadable_seconds,
             on_batch=self._taken,
-            limits=_site_limits(config),
+            limits=lambda manifest: resources.problems(manifest.resources, executor.bounds()),
         )
         planner = config.planner
         shards = Sharding(planner.shard_size, planner.max_shard_size, executor.width())
@@ -428,12 +424,3 @@ class Service:
             reporter.publish(
                 self.store, batch_id, self.waitroom.waits_for(batch_id), self.timing, now
             )
-
-
-def _site_limits(config: Config) -> Callable[[Manifest], list[Problem]]:
-    """The executor's bounds on a manifest's [resources]."""
-    if config.executor.kind == "slurm":
-        bounds = resources.slurm_bounds(config.executor.slurm)
-    else:
-        bounds = resources.local_bounds(config.executor.local)
-    return lambda manifest: resources.problems(manifest.resources, bounds)

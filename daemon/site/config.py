@@ -193,23 +193,6 @@ class ExecutorSection(_Section):
     local: LocalExecutorSection = LocalExecutorSection()
     slurm: SlurmExecutorSection = SlurmExecutorSection()
 
-    @property
-    def cpus_per_job(self) -> int:
-        """Threads each job may use, from the section of the executor in use."""
-        return self.slurm.cpus_per_task if self.kind == "slurm" else self.local.cpus_per_job
-
-    @property
-    def job_shapes(self) -> JobShapes:
-        """GPUs and tasks jobs get when their manifest does not say."""
-        if self.kind == "slurm":
-            return self.slurm.shapes
-        return JobShapes(inference_gpus=self.local.inference_gpus)
-
-    @property
-    def result_grace_seconds(self) -> float:
-        """How long an ended job's result may take to show (local jobs write on this host)."""
-        return self.slurm.result_grace_seconds if self.kind == "slurm" else 0.0
-
 
 class RegistrySection(_Section):
     path: Path = Path("var/registry")

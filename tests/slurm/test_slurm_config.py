@@ -30,7 +30,7 @@ def test_moving_to_slurm_is_one_line_of_config(tmp_path: Path) -> None:
     (tmp_path / "config.toml").write_text(text)
     config = load_config(tmp_path / "config.toml")
     assert config.executor.kind == "slurm" and config.executor.slurm == SlurmExecutorSection()
-    assert config.executor.cpus_per_job == 1
+    assert config.executor.slurm.cpus_per_task == 1
 
 
 def test_defaults_above_their_bounds_are_refused(tmp_path: Path) -> None:
