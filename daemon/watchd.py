@@ -24,15 +24,15 @@ watchd_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The w
 @watchd_app.command("run")
 def run_command(config: ConfigOption = None) -> None:
     """Run the daemon in the foreground (what systemd runs)."""
+    from daemon.loop.factory import build_service
     from daemon.loop.notify import SYSTEMD_VARIABLES, Notifier
-    from daemon.loop.service import Service
 
     cfg = load_config(find_config(config))
     logs.configure(cfg.daemon.log_format, cfg.daemon.log_level)
     jobs_env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_VARIABLES}
     notifier = Notifier.from_environment(os.environ)
     stop = threading.Event()  # shutdown, shared with the executor's retries
-    service = Service(cfg, make_executor(cfg, jobs_env, stop), notifier=notifier, stop=stop)
+    service = build_service(cfg, make_executor(cfg, jobs_env, stop), notifier=notifier, stop=stop)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: service.request_stop())
     service.run()

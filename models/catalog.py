@@ -42,12 +42,11 @@ from typing import Any
 
 from daemon.contract.atomicfile import write_text
 from daemon.contract.checksums import sha256_of
+from daemon.contract.names import ALIASES, model_name_problem
 
 WEIGHTS_FILE = "weights.pt"
 METADATA_FILE = "metadata.json"
 ALIASES_FILE = "aliases.json"
-ALIASES = ("latest", "best")
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 _VERSION_DIR = re.compile(r"v(\d{4,})")
 HISTORY_FILE = "history.jsonl"
 METRICS = ("val_dice", "val_iou")
@@ -83,18 +82,17 @@ def version_dir_name(version: int) -> str:
 
 def check_name(name: str) -> str:
     """Return ``name`` if it is a safe single path component, else raise ModelError."""
-    if not _NAME.fullmatch(name) or ".." in name:
-        raise ModelError(
-            f"invalid model name {name!r}: use letters, digits, '.', '_' and '-', "
-            "starting with a letter or digit"
-        )
+    if problem := model_name_problem(name):
+        raise ModelError(f"invalid model name {name!r}: {problem}")
     return name
 
 
 def list_models(registry: Path) -> list[str]:
     if not registry.is_dir():
         return []
-    return sorted(p.name for p in registry.iterdir() if p.is_dir() and _NAME.fullmatch(p.name))
+    return sorted(
+        p.name for p in registry.iterdir() if p.is_dir() and not model_name_problem(p.name)
+    )
 
 
 def list_versions(registry: Path, name: str) -> list[int]:

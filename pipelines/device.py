@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from daemon.contract.names import inference_params
+
 NO_DEVICES = frozenset({"", "-1", "none", "NoDevFiles"})  # what hides every GPU
 
 
@@ -42,7 +44,8 @@ def choose_device(
     """Where the net runs: ``gpus_given`` from the spec, ``environ`` the job's environment,
     ``cuda_devices`` what torch sees (``torch.cuda.device_count()``), ``params`` the job's
     inference parameters (``batch_size``, ``gpu_batch_size``, ``mixed_precision``)."""
-    cpu_batch = int(params.get("batch_size", 1))
+    params = inference_params(params)
+    cpu_batch = int(params["batch_size"])
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if gpus_given <= 0:
         return Placement("cpu", cpu_batch, False, "no GPU was given to this job")
@@ -55,7 +58,7 @@ def choose_device(
             "cpu", cpu_batch, False,
             f"{gpus_given} GPU(s) given, but CUDA shows none (no driver, or a CPU build of torch)",
         )  # fmt: skip
-    batch = max(cpu_batch, int(params.get("gpu_batch_size", 16)))
-    half = bool(params.get("mixed_precision", True))
+    batch = max(cpu_batch, int(params["gpu_batch_size"]))
+    half = bool(params["mixed_precision"])
     where = f"CUDA_VISIBLE_DEVICES={visible}" if visible is not None else "every GPU visible"
     return Placement("cuda:0", batch, half, f"{gpus_given} GPU(s) given, {where}")

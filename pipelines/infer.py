@@ -53,7 +53,16 @@ from scipy import ndimage
 
 from daemon.contract.checksums import sha256_of_stream
 from daemon.contract.heldfolder import HeldFolder, parts_of
-from daemon.contract.jobspec import JOBS_DIR, PROGRESS_FILE, InputFile, JobSpec, Pipeline, Problem
+from daemon.contract.jobspec import (
+    JOBS_DIR,
+    PROGRESS_FILE,
+    InputFile,
+    JobSpec,
+    Pipeline,
+    Problem,
+    Role,
+)
+from daemon.contract.names import inference_params
 from daemon.contract.version import code_version
 from models import registry
 from models.registry import ModelError, ModelVersion
@@ -239,7 +248,7 @@ class Segmenter:
     ) -> None:  # fmt: skip
         self.spec, self.provenance, self.ledger = spec, provenance, ledger
         self.batch = batch  # the inputs are read through it
-        params = spec.params
+        self.params = params = inference_params(spec.params)
         self.threshold, self.min_area = float(params["threshold"]), int(params["min_object_area"])
         self.net, self.where = placed(net, spec)
         self.checked = not self.where.cuda  # half precision checked against full, on a GPU
@@ -267,7 +276,7 @@ class Segmenter:
         stack = np.stack([pixels for _, _, pixels in self.pending])
         if not self.checked:
             self.where, self.checked = (
-                precision_check(self.net, stack, self.where, self.spec.params),
+                precision_check(self.net, stack, self.where, self.params),
                 True,
             )
         for (item, digest, pixels), probabilities in zip(
@@ -331,13 +340,13 @@ class Segmenter:
     def _segment_tiled(
         self, item: InputFile, source: BinaryIO, folder: HeldFolder, target: str
     ) -> TiledResult:
-        params = self.spec.params
+        params = self.params
         log.info("%s: tiled inference", item.path)
         # (half precision is used for windows only once whole images showed it changes no mask)
         where = self.where if self.checked else replace(self.where, mixed_precision=False)
         return segment_tiled(
             source, folder, target, lambda tiles: predict(self.net, tiles, where), self.threshold,
-            self.min_area, int(params.get("tile_size", 512)), int(params.get("tile_overlap", 64)),
+            self.min_area, int(params["tile_size"]), int(params["tile_overlap"]),
             self.batch_size, TiledProgress(item.path),
         )  # fmt: skip
 
@@ -352,7 +361,7 @@ def segment(
 ) -> tuple[dict[str, dict[str, Any]], list[Problem]]:
     """Segment every item, writing its mask; return the table rows and the input problems."""
     problems: list[Problem] = []
-    max_pixels = int(spec.params.get("max_whole_pixels", 2048 * 2048))
+    max_pixels = int(inference_params(spec.params)["max_whole_pixels"])
     reader = read_ahead(segmenter.batch, items, max_pixels, spec.resources.cpus)
     for loaded in reader:
         problems += loaded.problems
@@ -386,7 +395,7 @@ def _infer(
         "manifest_sha256": spec.manifest_sha256,
         "code_version": code_version(),
     }
-    items = [item for item in spec.inputs if item.role == "image"]
+    items = [item for item in spec.inputs if item.role is Role.IMAGE]
     ledger = Ledger(run, ledger_name(spec.shard.index), version.sha256, spec.params)
     masks = MaskFolders(run)
     resumed = {}

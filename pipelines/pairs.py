@@ -15,7 +15,7 @@ from pathlib import PurePosixPath
 
 import numpy as np
 
-from daemon.contract.jobspec import InputFile, Problem
+from daemon.contract.jobspec import InputFile, Problem, Role
 from daemon.contract.safeopen import Folder
 from pipelines.images import read_image, where
 from pipelines.job import InputError
@@ -60,8 +60,8 @@ def _by_stem(items: Sequence[InputFile], role: str) -> tuple[dict[str, InputFile
 
 def pair_inputs(inputs: Sequence[InputFile]) -> tuple[list[Pair], list[Problem]]:
     """Pair images with masks by file stem; report unpaired and ambiguous files."""
-    images, problems = _by_stem([i for i in inputs if i.role == "image"], "image")
-    masks, mask_problems = _by_stem([i for i in inputs if i.role == "mask"], "mask")
+    images, problems = _by_stem([i for i in inputs if i.role is Role.IMAGE], "image")
+    masks, mask_problems = _by_stem([i for i in inputs if i.role is Role.MASK], "mask")
     problems += mask_problems
     pairs = [Pair(image, masks[stem]) for stem, image in sorted(images.items()) if stem in masks]
     hint = "every training image needs a mask with the same file name stem"

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from daemon.contract.heldfolder import HeldFolder
-from daemon.contract.jobspec import JOBS_DIR, RESULT_FILE, JobResult, JobSpec, Pipeline
+from daemon.contract.jobspec import JOBS_DIR, RESULT_FILE, JobResult, JobSpec, Pipeline, Role
 from daemon.contract.safeopen import RefusedInput, open_input
 from daemon.contract.version import code_version
 from pipelines import figures
@@ -76,7 +76,7 @@ def merge_tables(run_dir: Path) -> list[dict[str, str]]:
 
 
 def check_complete(spec: JobSpec, rows: list[dict[str, str]]) -> None:
-    expected = {item.path for item in spec.inputs if item.role == "image"}
+    expected = {item.path for item in spec.inputs if item.role is Role.IMAGE}
     missing = sorted(expected - {row["path"] for row in rows})
     if missing:
         examples = ", ".join(repr(path) for path in missing[:5])

@@ -169,10 +169,10 @@ def catch_up(folders: int, images: int, base: Path, repeat: int) -> None:
 def service_catch_up(base: Path, root: Path) -> None:
     """The daemon's own catch-up: first sighting (records every batch), then a rescan."""
     from daemon.executors import make_executor
-    from daemon.loop.service import Service
+    from daemon.loop.factory import build_service
 
     config = load_config(write_config(base, root, "inotify"))
-    service = Service(config, make_executor(config, os.environ))
+    service = build_service(config, make_executor(config, os.environ))
     first = timed(service.start, 1)[0]  # watches every folder, then catches up
     store = Store(config.daemon.database)
     recorded = len(store.batches())

@@ -276,7 +276,7 @@ def outputs_whole(batch: Batch, source: Path) -> list[str]:
             problems.append(f"{batch.folder}: report.html is cut short")
         if (batch.path / STATUS_NAME).read_text().count("State:     DONE") != 1:
             problems.append(f"{batch.folder}: the status file does not say DONE")
-        if batch.kind == "inference":
+        if batch.kind is Kind.INFERENCE:
             images = sorted(p.relative_to(source).as_posix() for p in (source / "images").iterdir())
             with open(run / "table.csv", newline="") as handle:
                 rows = sorted(r["path"] for r in csv.DictReader(handle))

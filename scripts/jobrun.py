@@ -24,6 +24,7 @@ from daemon.contract.jobspec import (
     ModelRef,
     Pipeline,
     Resources,
+    Role,
 )
 
 
@@ -48,7 +49,7 @@ def inputs_of(
     for path in sorted(files):
         relative = path.relative_to(batch_dir).as_posix()
         digest = sha256_of(path) if checksums else None
-        role = "mask" if "masks" in Path(relative).parts[:-1] else "image"
+        role = Role.MASK if "masks" in Path(relative).parts[:-1] else Role.IMAGE
         items.append(InputFile(relative, path.stat().st_size, digest, role))
     return tuple(items)
 

@@ -20,6 +20,7 @@ from daemon.cli import manifest_writer
 from daemon.core.manifest import MANIFEST_NAME
 from daemon.core.manifest_schema import Kind
 from daemon.executors import Executor, make_executor
+from daemon.loop.factory import build_service
 from daemon.loop.service import Service
 from daemon.site.config import Config
 
@@ -106,7 +107,7 @@ class Replay:
 
     def __init__(self, config: Config, executor: Executor | None = None) -> None:
         self.config = config
-        self.service = Service(config, executor or make_executor(config, os.environ))
+        self.service = build_service(config, executor or make_executor(config, os.environ))
         self.started = False
 
     def __enter__(self) -> Replay:

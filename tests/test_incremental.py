@@ -13,6 +13,7 @@ import tomli_w
 
 from daemon.contract.safeopen import Presence
 from daemon.core.manifest import parse_manifest
+from daemon.core.manifest_schema import Kind
 from daemon.core.readiness import Ready, Timing, Waiting
 from daemon.core.records import Batch
 from daemon.core.states import BatchState
@@ -33,7 +34,7 @@ def manifest_text(files: list[dict]) -> str:
 def waiting_batch(folder: Path) -> Batch:
     return Batch(
         id=1, root=str(folder.parent), folder=folder.name, revision=1, manifest_sha256="x",
-        manifest_stat="", kind="inference", title="", owner="A", contact=None,
+        manifest_stat="", kind=Kind.INFERENCE, title="", owner="A", contact=None,
         state=BatchState.WAITING, reason="", problems=(), detail="", run_dir="",
         watch_inputs="", created_at=0.0, updated_at=0.0, finished_at=None,
     )  # fmt: skip

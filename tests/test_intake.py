@@ -16,7 +16,7 @@ import synth
 from daemon.cli.manifest_writer import ManifestRequest, build
 from daemon.contract.jobspec import Identity
 from daemon.core.manifest_schema import Kind
-from daemon.core.records import Batch
+from daemon.core.records import Batch, IntentAction
 from daemon.core.states import BatchState
 from daemon.loop.intake import Intake
 from daemon.store import Store
@@ -50,7 +50,7 @@ def _replace(staged: Path, folder: Path, away: Path) -> Identity:
 
 
 def _intake(store: Store) -> Intake:
-    return Intake(store, max_manifest_bytes=65536, settle_seconds=0.0, on_batch=lambda b: None)
+    return Intake(store, max_manifest_bytes=65536, settle_seconds=0.0)
 
 
 def _revisions(store: Store, root: Path) -> list[Batch]:
@@ -81,7 +81,7 @@ def test_a_folder_replaced_while_its_batch_runs_is_a_new_revision_and_the_old_is
     assert (second.revision, second.identity) == (2, new)
     (cancel,) = store.intents_of(first.id)
     assert (cancel.action, cancel.requested_by) == (
-        "cancel",
+        IntentAction.CANCEL,
         "watchd (the batch folder was replaced; superseded by revision 2)",
     )
     notes = [e.reason for e in store.events(second.id)]

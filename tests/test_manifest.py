@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from daemon.contract.errors import ManifestError
-from daemon.contract.jobspec import InputFile
+from daemon.contract.jobspec import InputFile, Role
 from daemon.core.manifest import check_relative_path, pairing_problems, parse_manifest
 from daemon.core.manifest_schema import InferenceParams, Kind, TrainingParams
 
@@ -38,7 +38,7 @@ def test_a_valid_inference_manifest_parses_with_default_parameters() -> None:
     assert manifest.model.name == "spheroid-unet" and manifest.model.version == "latest"
     assert manifest.params == InferenceParams().model_dump()
     assert manifest.params["threshold"] == 0.5 and manifest.params["min_object_area"] == 0
-    assert manifest.files[0] == InputFile("images/a.png", 100, None, "image")
+    assert manifest.files[0] == InputFile("images/a.png", 100, None, Role.IMAGE)
     assert len(manifest.sha256) == 64
 
 
@@ -259,7 +259,7 @@ def test_no_accepted_path_climbs_out_of_the_folder(parts: list[str]) -> None:
 
 def test_pairing_lists_images_without_masks() -> None:
     found = pairing_problems(
-        [InputFile("i/a.png", 1), InputFile("m/a.tif", 1, role="mask"), InputFile("i/b.png", 1)]
+        [InputFile("i/a.png", 1), InputFile("m/a.tif", 1, role=Role.MASK), InputFile("i/b.png", 1)]
     )
     assert [p.render() for p in found] == [
         "manifest.toml, image 'i/b.png': has no mask with the same file name"

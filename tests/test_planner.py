@@ -15,9 +15,11 @@ from daemon.contract.jobspec import (
     Pipeline,
     Problem,
     Resources,
+    Role,
 )
 from daemon.core.jobplan import Sharding
 from daemon.core.manifest import parse_manifest
+from daemon.core.manifest_schema import Kind
 from daemon.core.planner import (
     BatchView,
     Cancel,
@@ -34,7 +36,7 @@ from daemon.core.planner import (
     plan,
 )  # fmt: skip
 from daemon.core.readiness import NotReady, Ready
-from daemon.core.records import Batch, Intent, Job
+from daemon.core.records import Batch, Intent, IntentAction, Job
 from daemon.core.states import BatchState, JobState, Phase
 
 POLICY = Policy(Sharding(size=2), max_attempts=3, executor="local")
@@ -58,7 +60,9 @@ def manifest(kind: str = "inference"):
     return parse_manifest(tomli_w.dumps(doc).encode())
 
 
-def batch(id: int = 1, state: BatchState = BatchState.WAITING, kind: str = "inference") -> Batch:
+def batch(
+    id: int = 1, state: BatchState = BatchState.WAITING, kind: Kind = Kind.INFERENCE
+) -> Batch:
     return Batch(
         id=id, root="/r", folder=f"f{id}", revision=1, manifest_sha256="sha",
         manifest_stat="", kind=kind, title="", owner="", contact=None, state=state, reason="",
@@ -75,7 +79,7 @@ def job(
     pipeline: Pipeline = Pipeline.INFER,
     attempts: int = 1,
     handle: str | None = "h",
-    error_kind: str | None = None,
+    error_kind: ErrorKind | None = None,
     stage: int | None = None,
 ) -> Job:
     return Job(
@@ -159,7 +163,7 @@ def test_a_finished_job_or_planned_jobs_ask_for_the_next_plan_at_once() -> None:
 
 def test_a_training_batch_is_one_job_with_images_and_masks() -> None:
     m = manifest("training")
-    actions = plan(snap(BatchView(batch(kind="training"), m, (), Ready(m.files))))
+    actions = plan(snap(BatchView(batch(kind=Kind.TRAINING), m, (), Ready(m.files))))
     (train,) = actions[1].jobs
     assert train.pipeline is Pipeline.TRAIN and len(train.inputs) == 10
 
@@ -208,7 +212,7 @@ def test_a_queued_batch_runs_once_the_executor_took_one_of_its_jobs() -> None:
 
 
 def test_a_job_the_executor_refused_for_good_fails_its_queued_batch() -> None:
-    refused = job(1, JobState.FAILED, attempts=0, handle=None, error_kind=ErrorKind.INPUT.value)
+    refused = job(1, JobState.FAILED, attempts=0, handle=None, error_kind=ErrorKind.INPUT)
     refused = replace(refused, reason="refused by the slurm executor: Invalid partition")
     view = BatchView(
         batch(1, BatchState.QUEUED), manifest(), (refused, job(2, JobState.PENDING, attempts=0))
@@ -248,7 +252,7 @@ def test_a_job_that_ended_without_a_result_is_retried_until_the_attempts_run_out
     )
     actions = plan(snap(view, seen=[JobSeen(1, Phase.ENDED, -9)]))
     assert actions[:2] == [
-        MoveJob(1, JobState.FAILED, "ended without a result (exit code -9)", -9, "lost"),
+        MoveJob(1, JobState.FAILED, "ended without a result (exit code -9)", -9, ErrorKind.LOST),
         MoveJob(1, JobState.PENDING, "retry 2 of 3"),
     ]
     assert isinstance(actions[-1], Submit)
@@ -275,7 +279,7 @@ def test_an_input_error_is_not_retried_and_its_problems_reach_the_batch() -> Non
     )
     view = BatchView(batch(1, BatchState.RUNNING), manifest(), (job(1, JobState.RUNNING),))
     actions = plan(snap(view, seen=[JobSeen(1, Phase.ENDED, 2, bad)]))
-    assert actions[0].target is JobState.FAILED and actions[0].error_kind == "input"
+    assert actions[0].target is JobState.FAILED and actions[0].error_kind is ErrorKind.INPUT
     assert actions[-1] == MoveBatch(
         1, BatchState.FAILED, "job j1 failed: 1 input refused", (problem,), ""
     )
@@ -296,7 +300,7 @@ def test_a_cancel_intent_stops_live_and_pending_jobs() -> None:
         manifest(),
         (job(1, JobState.RUNNING), job(2, JobState.PENDING), job(3, JobState.SUCCEEDED)),
     )
-    intent = Intent(7, 0.0, "cancel", 1, "ops", None, "")
+    intent = Intent(7, 0.0, IntentAction.CANCEL, 1, "ops", None, "")
     assert plan(snap(view, intents=[intent])) == [
         Cancel((1, 2), "cancelled by ops"),
         MoveBatch(1, BatchState.CANCELLED, "cancelled by ops"),
@@ -314,7 +318,7 @@ def test_a_retried_batch_waits_again_then_reruns_only_failed_jobs_with_fresh_att
         manifest(),
         (job(1, JobState.SUCCEEDED), job(2, JobState.FAILED, attempts=3)),
     )
-    intent = Intent(1, 0.0, "retry", 1, "ops", None, "")
+    intent = Intent(1, 0.0, IntentAction.RETRY, 1, "ops", None, "")
     assert plan(snap(failed, intents=[intent]))[0] == MoveBatch(
         1, BatchState.WAITING, "retry asked by ops"
     )
@@ -339,9 +343,11 @@ def test_a_running_job_is_marked_started_once() -> None:
 def test_inputs_of_a_shard_are_the_images_only() -> None:
     m = manifest()
     actions = plan(
-        snap(BatchView(batch(), m, (), Ready((*m.files, InputFile("x/mask.png", 1, role="mask")))))
+        snap(
+            BatchView(batch(), m, (), Ready((*m.files, InputFile("x/mask.png", 1, role=Role.MASK))))
+        )
     )
-    assert all(f.role == "image" for j in actions[1].jobs for f in j.inputs)
+    assert all(f.role is Role.IMAGE for j in actions[1].jobs for f in j.inputs)
 
 
 def test_an_end_without_a_result_carries_the_executors_word_and_the_log_tail() -> None:
@@ -351,7 +357,7 @@ def test_an_end_without_a_result_carries_the_executors_word_and_the_log_tail() -
     note = "Slurm: OUT_OF_MEMORY (None); log ends: loading model | Killed"
     actions = plan(snap(view, seen=[JobSeen(1, Phase.ENDED, 137, note=note)]))
     reason = f"ended without a result (exit code 137); {note}"
-    assert actions[0] == MoveJob(1, JobState.FAILED, reason, 137, "lost")
+    assert actions[0] == MoveJob(1, JobState.FAILED, reason, 137, ErrorKind.LOST)
     failure = actions[-1]
     assert failure.reason == f"job j1 failed after 3 attempt(s): {reason}"
     assert failure.problems[0].message == reason
@@ -359,7 +365,7 @@ def test_an_end_without_a_result_carries_the_executors_word_and_the_log_tail() -
 
 def test_a_sweep_batch_becomes_one_training_job_per_trial_with_its_own_params() -> None:
     m = manifest("sweep")
-    actions = plan(snap(BatchView(batch(kind="sweep"), m, (), Ready(m.files))))
+    actions = plan(snap(BatchView(batch(kind=Kind.SWEEP), m, (), Ready(m.files))))
     planned = actions[1]
     assert isinstance(planned, PlanJobs)
     assert [j.name for j in planned.jobs] == [f"b000001-trial-{i:04d}" for i in range(4)]
@@ -381,7 +387,7 @@ def test_a_trial_spec_merges_its_params_over_the_manifest_and_carries_its_resour
     trial = replace(job(7, JobState.PENDING, pipeline=Pipeline.TRAIN),
                     params={"learning_rate": 0.01, "trial": 3})  # fmt: skip
     given = Resources(cpus=1, gpus=0, tasks=2)
-    spec = job_spec(trial, batch(kind="sweep"), m, m.files, "/registry", given)
+    spec = job_spec(trial, batch(kind=Kind.SWEEP), m, m.files, "/registry", given)
     assert spec.params["epochs"] == 3 and spec.params["learning_rate"] == 0.01
     assert spec.params["trial"] == 3 and spec.resources == given
     assert spec.batch_kind == "sweep"
@@ -389,7 +395,7 @@ def test_a_trial_spec_merges_its_params_over_the_manifest_and_carries_its_resour
 
 def test_after_all_trials_the_sweep_job_runs_then_the_report_then_done() -> None:
     m = manifest("sweep")
-    running = batch(state=BatchState.RUNNING, kind="sweep")
+    running = batch(state=BatchState.RUNNING, kind=Kind.SWEEP)
     trials = tuple(job(i, JobState.SUCCEEDED, pipeline=Pipeline.TRAIN) for i in range(1, 4))
     actions = plan(snap(BatchView(running, m, trials)))
     (planned,) = actions
@@ -418,7 +424,7 @@ def test_a_batch_left_with_only_cancelled_jobs_fails_instead_of_waiting_forever(
 # -- pause and resume of a drop root; requeue -------------------------------------------------
 
 
-def root_intent(id: int, action: str, root: str = "/r") -> Intent:
+def root_intent(id: int, action: IntentAction, root: str = "/r") -> Intent:
     return Intent(id, 0.0, action, None, "ops", None, "", root=root)
 
 
@@ -445,11 +451,11 @@ def test_a_held_job_takes_no_slot_from_another_roots_jobs() -> None:
 
 
 def test_a_pause_intent_holds_submissions_in_the_same_tick_and_a_resume_releases_them() -> None:
-    actions = plan(snap(queued(1), intents=[root_intent(5, "pause")]))
+    actions = plan(snap(queued(1), intents=[root_intent(5, IntentAction.PAUSE)]))
     assert actions == [PauseRoot("/r", True, "ops"), ResolveIntent(5, "paused")]
     paused = frozenset({"/r"})
     actions = plan(
-        replace(snap(queued(1), intents=[root_intent(6, "resume")]), paused_roots=paused)
+        replace(snap(queued(1), intents=[root_intent(6, IntentAction.RESUME)]), paused_roots=paused)
     )
     assert actions == [
         PauseRoot("/r", False, "ops"),
@@ -459,20 +465,22 @@ def test_a_pause_intent_holds_submissions_in_the_same_tick_and_a_resume_releases
 
 
 def test_pausing_a_paused_root_or_resuming_a_running_one_changes_nothing() -> None:
-    paused = replace(snap(intents=[root_intent(1, "pause")]), paused_roots=frozenset({"/r"}))
+    paused = replace(
+        snap(intents=[root_intent(1, IntentAction.PAUSE)]), paused_roots=frozenset({"/r"})
+    )
     assert plan(paused) == [ResolveIntent(1, "nothing to do: the root is already paused")]
-    assert plan(snap(intents=[root_intent(2, "resume")])) == [
+    assert plan(snap(intents=[root_intent(2, IntentAction.RESUME)])) == [
         ResolveIntent(2, "nothing to do: the root is not paused")
     ]
-    assert plan(snap(intents=[root_intent(3, "shake")])) == [
-        ResolveIntent(3, "ignored: unknown action 'shake'")
+    assert plan(snap(intents=[root_intent(3, IntentAction.RETRY)])) == [
+        ResolveIntent(3, "ignored: retry is asked of a batch")
     ]
 
 
 def test_a_requeued_done_batch_waits_again_with_every_job_pending_afresh() -> None:
     jobs = (job(1, JobState.SUCCEEDED), job(2, JobState.SUCCEEDED, pipeline=Pipeline.REPORT))
     done = BatchView(batch(1, BatchState.DONE), manifest(), jobs)
-    intent = Intent(3, 0.0, "requeue", 1, "ops", None, "")
+    intent = Intent(3, 0.0, IntentAction.REQUEUE, 1, "ops", None, "")
     assert plan(snap(done, intents=[intent])) == [
         MoveBatch(1, BatchState.WAITING, "requeue asked by ops"),
         MoveJob(1, JobState.PENDING, "requeue asked by ops", fresh=True),

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from daemon.contract.jobspec import Pipeline, Problem
+from daemon.core.manifest_schema import Kind
 from daemon.core.records import Batch, Event, Job
 from daemon.core.states import BatchState, JobState
 from daemon.loop.reporter import StatusInput, render
@@ -16,7 +17,7 @@ NOW = 1_800_000_000.0
 def batch(**changes: object) -> Batch:
     base = Batch(
         id=7, root="/drop", folder="plate", revision=1, manifest_sha256="0" * 64,
-        manifest_stat="", kind="inference", title="", owner="Anna", contact=None,
+        manifest_stat="", kind=Kind.INFERENCE, title="", owner="Anna", contact=None,
         state=BatchState.FAILED, reason="inputs incomplete", problems=(), detail="",
         run_dir="/drop/plate/results/r", watch_inputs="", created_at=NOW, updated_at=NOW,
         finished_at=NOW,

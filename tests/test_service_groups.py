@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from daemon.contract.jobspec import Pipeline
+from daemon.core.manifest_schema import Kind
 from daemon.core.planner import Cancel, MoveBatch, MoveJob, PlanJobs, ResolveIntent, Submit
-from daemon.core.records import NewBatch, NewJob
+from daemon.core.records import IntentAction, NewBatch, NewJob
 from daemon.core.states import BatchState, JobState
 from daemon.loop.acting import _transactions
 from daemon.store import Store
@@ -18,19 +19,19 @@ def test_store_only_actions_of_one_batch_are_grouped_and_executor_actions_stand_
 ) -> None:
     store = Store.open(tmp_path / "s.sqlite")
     a = store.create_batch(
-        NewBatch("/r", "a", "1", "", "", "inference", "", "", None, "/x"),
+        NewBatch("/r", "a", "1", "", "", Kind.INFERENCE, "", "", None, "/x"),
         BatchState.WAITING,
         "",
         0.0,
     )
     b = store.create_batch(
-        NewBatch("/r", "b", "2", "", "", "inference", "", "", None, "/y"),
+        NewBatch("/r", "b", "2", "", "", Kind.INFERENCE, "", "", None, "/y"),
         BatchState.WAITING,
         "",
         0.0,
     )
     (job,) = store.create_jobs(a.id, [NewJob("j", Pipeline.INFER, 0, 0, 1, (), "local")], 0.0)
-    intent = store.add_intent("cancel", b.id, 0.0, "ops")
+    intent = store.add_intent(IntentAction.CANCEL, b.id, 0.0, "ops")
     actions = [
         MoveBatch(a.id, BatchState.QUEUED, "inputs complete"),
         PlanJobs(a.id, ()),

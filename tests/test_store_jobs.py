@@ -11,14 +11,14 @@ import pytest
 
 from daemon.cli import overview
 from daemon.cli import read as cli_read
-from daemon.contract.jobspec import PROGRESS_FILE, InputFile, Pipeline
-from daemon.core.records import Batch, JobChange, NewBatch, NewJob
+from daemon.contract.jobspec import PROGRESS_FILE, InputFile, Pipeline, Role
+from daemon.core.records import Batch, IntentAction, JobChange, NewBatch, NewJob
 from daemon.core.states import BatchState, JobState
 from daemon.loop.dispatch import read_progress
 from daemon.store import Store
 from daemon.store.migrations import MIGRATIONS
 
-INPUTS = (InputFile("images/a.png", 1), InputFile("masks/a.png", 1, role="mask"),
+INPUTS = (InputFile("images/a.png", 1), InputFile("masks/a.png", 1, role=Role.MASK),
           InputFile("images/b.png", 2))  # fmt: skip
 
 
@@ -110,7 +110,7 @@ def test_migration_3_keeps_the_intents_and_lets_an_intent_name_a_root_instead_of
             None,
             "retry: waiting for inputs again",
         )
-        pause = store.add_root_intent("pause", "/drop", 8.0, "ops")
+        pause = store.add_root_intent(IntentAction.PAUSE, "/drop", 8.0, "ops")
         assert (pause.id, pause.batch_id, pause.root) == (2, None, "/drop")
         assert [i.id for i in store.pending_intents()] == [2]
         with pytest.raises(sqlite3.IntegrityError):  # exactly one of batch and root

@@ -30,6 +30,7 @@ import tomli_w
 from daemon.contract import atomicfile
 from daemon.contract.checksums import sha256_of_stream
 from daemon.contract.errors import ManifestError, WatchdError
+from daemon.contract.jobspec import Role
 from daemon.contract.safeopen import open_input
 from daemon.core.manifest import (
     MANIFEST_NAME,
@@ -181,7 +182,7 @@ def _entries(
         if digest is not None:
             entry["sha256"] = digest(relative)
         if masks_prefix and relative.startswith(masks_prefix):
-            entry["role"] = "mask"
+            entry["role"] = Role.MASK.value
         entries.append(entry)
         if progress is not None:
             progress(len(entries), len(files))
@@ -216,7 +217,7 @@ def _patterns(files: list[str], masks_prefix: str | None) -> list[dict[str, Any]
             "count": count,
         }
         if masks_prefix and f"{folder}/".startswith(masks_prefix):
-            entry["role"] = "mask"
+            entry["role"] = Role.MASK.value
         patterns.append(entry)
     return patterns
 

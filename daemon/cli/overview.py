@@ -60,7 +60,7 @@ def batch_row(batch: Batch, jobs: Mapping[JobState, int]) -> dict[str, Any]:
         "folder": batch.folder,
         "root": batch.root,
         "revision": batch.revision,
-        "kind": batch.kind,
+        "kind": batch.kind.value if batch.kind else None,
         "state": batch.state.value,
         "owner": batch.owner,
         "reason": batch.reason,
@@ -109,7 +109,7 @@ def batch_detail(
             {
                 "id": i.id,
                 "at": iso(i.at),
-                "action": i.action,
+                "action": i.action.value,
                 "by": i.requested_by,
                 "applied_at": iso(i.applied_at),
                 "outcome": i.outcome if i.applied_at is not None else "pending",
@@ -139,7 +139,7 @@ def job_summary(job: Job) -> dict[str, Any]:
         "attempts": job.attempts,
         "handle": job.handle,
         "exit_code": job.exit_code,
-        "error_kind": job.error_kind,
+        "error_kind": job.error_kind.value if job.error_kind else None,
         "reason": job.reason,
         "updated_at": iso(job.updated_at),
     }

@@ -42,6 +42,7 @@ from daemon.cli.base import (
 from daemon.contract.errors import ChecksFailed, CommandFailed, WatchdError
 from daemon.core.manifest import MAX_MANIFEST_BYTES
 from daemon.core.manifest_schema import Kind, ManifestModel
+from daemon.core.records import IntentAction
 from daemon.site.config import Config, load_config
 from daemon.site.subprocesses import run as run_command_line
 
@@ -65,21 +66,21 @@ watchctl_app.command("logs")(cli_read.logs_command)
 # -- watchctl: intents ----------------------------------------------------------------------
 
 
-def _intent(action: str, batch_id: int, config: Path | None) -> None:
+def _intent(action: IntentAction, batch_id: int, config: Path | None) -> None:
     _, store = open_store(config)
     intent = store.add_intent(action, batch_id, time.time(), getpass.getuser())
     console.print(
-        f"{action} of batch {batch_id} recorded (intent {intent.id}); "
+        f"{action.value} of batch {batch_id} recorded (intent {intent.id}); "
         "the daemon applies it at its next tick"
     )
 
 
-def _root_intent(action: str, named: str, config: Path | None) -> None:
+def _root_intent(action: IntentAction, named: str, config: Path | None) -> None:
     cfg, store = open_store(config)
     root = str(find_root(cfg, named).path)
     intent = store.add_root_intent(action, root, time.time(), getpass.getuser())
     console.print(
-        f"{action} of drop root {shown(root)} recorded (intent {intent.id}); "
+        f"{action.value} of drop root {shown(root)} recorded (intent {intent.id}); "
         "the daemon applies it at its next tick"
     )
 
@@ -87,13 +88,13 @@ def _root_intent(action: str, named: str, config: Path | None) -> None:
 @watchctl_app.command("retry")
 def retry_command(batch_id: int, config: ConfigOption = None) -> None:
     """Run a failed or cancelled batch again: inputs are checked anew, failed jobs re-run."""
-    _intent("retry", batch_id, config)
+    _intent(IntentAction.RETRY, batch_id, config)
 
 
 @watchctl_app.command("cancel")
 def cancel_command(batch_id: int, config: ConfigOption = None) -> None:
     """Cancel a batch and its running jobs."""
-    _intent("cancel", batch_id, config)
+    _intent(IntentAction.CANCEL, batch_id, config)
 
 
 @watchctl_app.command("requeue")
@@ -101,7 +102,7 @@ def requeue_command(batch_id: int, config: ConfigOption = None) -> None:
     """Run a done, failed or cancelled batch again: every job of it.
 
     The inputs are checked anew first; inference skips the images whose masks are current."""
-    _intent("requeue", batch_id, config)
+    _intent(IntentAction.REQUEUE, batch_id, config)
 
 
 RootArgument = Annotated[str, typer.Argument(help="the drop root: its path, or its index")]
@@ -112,13 +113,13 @@ def pause_command(root: RootArgument, config: ConfigOption = None) -> None:
     """Pause a drop root: no new batch is taken in, no new job starts there.
 
     New manifests wait on disk; running jobs finish."""
-    _root_intent("pause", root, config)
+    _root_intent(IntentAction.PAUSE, root, config)
 
 
 @watchctl_app.command("resume")
 def resume_command(root: RootArgument, config: ConfigOption = None) -> None:
     """Resume a paused drop root: what was dropped meanwhile is taken in, held jobs go out."""
-    _root_intent("resume", root, config)
+    _root_intent(IntentAction.RESUME, root, config)
 
 
 # -- watchctl: doctor -------------------------------------------------------------------------

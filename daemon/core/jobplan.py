@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-from daemon.contract.jobspec import InputFile, JobSpec, Pipeline, Resources, Shard
+from daemon.contract.jobspec import InputFile, JobSpec, Pipeline, Resources, Role, Shard
 from daemon.core.manifest import Manifest
-from daemon.core.manifest_schema import Kind, Role
+from daemon.core.manifest_schema import Kind
 from daemon.core.records import Batch, Job, NewJob
 from daemon.core.sweep import trial_params
 
@@ -74,7 +74,7 @@ def compute_jobs(
             )
             for i, params in enumerate(trials)
         )
-    images = [f for f in inputs if f.role == Role.IMAGE.value]
+    images = [f for f in inputs if f.role is Role.IMAGE]
     parts = shards.slices(len(images))
     jobs = [
         NewJob(f"{prefix}-infer-{i:04d}", Pipeline.INFER, 0, i, len(parts),
@@ -90,7 +90,7 @@ def next_stage_job(
     """The job after ``jobs``, all succeeded: a sweep's trials are followed by the sweep job
     (compare, register the best), compute jobs by the report."""
     stage = max(j.stage for j in jobs) + 1
-    if batch.kind == Kind.SWEEP.value and Pipeline.SWEEP not in {j.pipeline for j in jobs}:
+    if batch.kind is Kind.SWEEP and Pipeline.SWEEP not in {j.pipeline for j in jobs}:
         plan = manifest.sweep if manifest else None
         params = {"sweep": plan.describe() if plan else {}}
         return NewJob(f"b{batch.id:06d}-sweep", Pipeline.SWEEP, stage, 0, 1, (),

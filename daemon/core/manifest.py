@@ -21,8 +21,9 @@ from typing import Any
 import pydantic
 
 from daemon.contract.errors import ManifestError
-from daemon.contract.jobspec import InputFile, ModelRef, Problem
-from daemon.core.manifest_schema import PARAMS_BY_KIND, Kind, ManifestModel, Role, TrainingParams
+from daemon.contract.jobspec import InputFile, ModelRef, Problem, Role
+from daemon.contract.names import ALIASES, LATEST
+from daemon.core.manifest_schema import PARAMS_BY_KIND, Kind, ManifestModel, TrainingParams
 from daemon.core.nesting import MAX_NESTING, document_nests_deeper, text_nests_deeper
 from daemon.core.sweep import SweepPlan, check_space, expand
 from daemon.core.validation import problems
@@ -46,7 +47,7 @@ class ResourceRequest:
 @dataclass(frozen=True)
 class Pattern:
     glob: str
-    role: str
+    role: Role
     count: int | None
 
 
@@ -69,7 +70,7 @@ class Manifest:
 
     @property
     def images(self) -> tuple[InputFile, ...]:
-        return tuple(f for f in self.files if f.role == Role.IMAGE.value)
+        return tuple(f for f in self.files if f.role is Role.IMAGE)
 
 
 def manifest_sha256(data: bytes) -> str:
@@ -282,7 +283,7 @@ def _check_model(model: ManifestModel) -> list[Problem]:
         if version is not None:
             return [Problem(where, "is chosen by the registry for a training batch", "remove it")]
         return []
-    if version is None or version in ("latest", "best"):
+    if version is None or version in ALIASES:
         return []
     text = str(version)
     if not text.isdigit() or int(text) < 1:
@@ -292,8 +293,8 @@ def _check_model(model: ManifestModel) -> list[Problem]:
 
 def pairing_problems(inputs: Sequence[InputFile]) -> list[Problem]:
     """Training needs a mask for every image and an image for every mask, paired by file stem."""
-    images = {_stem(f.path): f for f in inputs if f.role == Role.IMAGE.value}
-    masks = {_stem(f.path): f for f in inputs if f.role == Role.MASK.value}
+    images = {_stem(f.path): f for f in inputs if f.role is Role.IMAGE}
+    masks = {_stem(f.path): f for f in inputs if f.role is Role.MASK}
     found = [
         Problem(f"{MANIFEST_NAME}, image '{f.path}'", "has no mask with the same file name")
         for stem, f in images.items()
@@ -353,7 +354,7 @@ def _inputs(model: ManifestModel) -> tuple[InputFile, ...]:
             path=posixpath.normpath(f.path),
             size=f.size,
             sha256=f.sha256,
-            role=f.role.value,
+            role=f.role,
         )
         for f in model.files
     )
@@ -369,11 +370,11 @@ def _to_manifest(
         title=model.title,
         owner_name=model.owner.name,
         owner_email=model.owner.email,
-        model=ModelRef(model.model.name, "latest" if version is None else str(version)),
+        model=ModelRef(model.model.name, LATEST if version is None else str(version)),
         params=params,
         files=_inputs(model),
         patterns=tuple(
-            Pattern(posixpath.normpath(p.glob), p.role.value, p.count) for p in model.patterns
+            Pattern(posixpath.normpath(p.glob), p.role, p.count) for p in model.patterns
         ),
         resources=ResourceRequest(**model.resources.model_dump()),
         raw=text,

@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import AfterValidator, Field
 
+from daemon.contract.jobspec import Role
+from daemon.contract.names import INFERENCE, model_name_problem
 from daemon.core.sweep import SweepModel
 from daemon.core.visible import hidden_characters
 
@@ -25,7 +27,6 @@ FORMAT_VERSION = 1
 MAX_INPUTS = 1_000_000
 MAX_PATTERNS = 1000
 
-NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 SHA256_RE = r"^[0-9a-fA-F]{64}$"
 
 
@@ -38,11 +39,6 @@ class Kind(enum.Enum):
     def trains(self) -> bool:
         """Whether the batch trains (image/mask pairs, no model version to name)."""
         return self is not Kind.INFERENCE
-
-
-class Role(enum.Enum):
-    IMAGE = "image"
-    MASK = "mask"  # ground truth for training, paired with the image of the same file stem
 
 
 class _Strict(pydantic.BaseModel):
@@ -67,14 +63,14 @@ class TrainingParams(_Strict):
 class InferenceParams(_Strict):
     """Parameters of an inference batch."""
 
-    threshold: Annotated[float, Field(gt=0, lt=1)] = 0.5
-    min_object_area: Annotated[int, Field(ge=0, le=10**8)] = 0
-    batch_size: Annotated[int, Field(ge=1, le=256)] = 1
-    tile_size: Annotated[int, Field(ge=64, le=8192)] = 512
-    tile_overlap: Annotated[int, Field(ge=0, le=1024)] = 64
-    max_whole_pixels: Annotated[int, Field(ge=1, le=2**31)] = 2048 * 2048
-    gpu_batch_size: Annotated[int, Field(ge=1, le=1024)] = 16  # on a GPU (pipelines/device.py)
-    mixed_precision: bool = True  # on a GPU, where the masks equal full precision's
+    threshold: Annotated[float, Field(gt=0, lt=1)] = INFERENCE.threshold
+    min_object_area: Annotated[int, Field(ge=0, le=10**8)] = INFERENCE.min_object_area
+    batch_size: Annotated[int, Field(ge=1, le=256)] = INFERENCE.batch_size
+    tile_size: Annotated[int, Field(ge=64, le=8192)] = INFERENCE.tile_size
+    tile_overlap: Annotated[int, Field(ge=0, le=1024)] = INFERENCE.tile_overlap
+    max_whole_pixels: Annotated[int, Field(ge=1, le=2**31)] = INFERENCE.max_whole_pixels
+    gpu_batch_size: Annotated[int, Field(ge=1, le=1024)] = INFERENCE.gpu_batch_size
+    mixed_precision: bool = INFERENCE.mixed_precision
 
     @pydantic.field_validator("tile_overlap")
     @classmethod
@@ -142,10 +138,8 @@ class OwnerModel(_Strict):
 
 
 def _model_name(value: str) -> str:
-    if not re.match(NAME_RE, value):
-        raise ValueError(
-            "must be 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"
-        )
+    if problem := model_name_problem(value):
+        raise ValueError(problem)
     return value
 
 

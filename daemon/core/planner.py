@@ -15,7 +15,7 @@ from daemon.contract.jobspec import ErrorKind, JobResult, Pipeline, Problem, sum
 from daemon.core.jobplan import Sharding, compute_jobs, next_stage_job
 from daemon.core.manifest import Manifest
 from daemon.core.readiness import NotReady, Ready, Verdict
-from daemon.core.records import Batch, Intent, Job, NewJob
+from daemon.core.records import Batch, Intent, IntentAction, Job, NewJob
 from daemon.core.states import BatchState, JobState, Phase
 
 
@@ -74,7 +74,7 @@ class MoveJob:
     target: JobState
     reason: str
     exit_code: int | None = None
-    error_kind: str | None = None
+    error_kind: ErrorKind | None = None
     detail: str = ""
     fresh: bool = False  # an operator's retry: the attempt count starts again
 
@@ -166,7 +166,7 @@ def _apply_intent(intent: Intent, view: BatchView | None) -> list[Action]:
         return [ResolveIntent(intent.id, "ignored: the batch is not active")]
     state = view.batch.state
     who = intent.requested_by or "an operator"
-    if intent.action == "cancel":
+    if intent.action is IntentAction.CANCEL:
         if state.terminal:
             return [ResolveIntent(intent.id, f"nothing to cancel: the batch is {state.value}")]
         return [
@@ -174,10 +174,10 @@ def _apply_intent(intent: Intent, view: BatchView | None) -> list[Action]:
             MoveBatch(view.batch.id, BatchState.CANCELLED, f"cancelled by {who}"),
             ResolveIntent(intent.id, "cancelled"),
         ]
-    if intent.action in ("retry", "requeue"):
+    if intent.action in (IntentAction.RETRY, IntentAction.REQUEUE):
         allowed = (
             {BatchState.FAILED, BatchState.CANCELLED}
-            if intent.action == "retry"
+            if intent.action is IntentAction.RETRY
             else {BatchState.DONE, BatchState.FAILED, BatchState.CANCELLED}
         )
         if state not in allowed:
@@ -185,19 +185,19 @@ def _apply_intent(intent: Intent, view: BatchView | None) -> list[Action]:
         if view.manifest is None:
             refused = "not done: its manifest was refused; saving a fixed one starts a new revision"
             return [ResolveIntent(intent.id, refused)]
-        reason = f"{intent.action} asked by {who}"
+        reason = f"{intent.action.value} asked by {who}"
         # A retry re-runs the failed jobs once the inputs are checked; a requeue runs them all.
         again: list[Action] = [
             MoveJob(j.id, JobState.PENDING, reason, fresh=True)
             for j in view.jobs
-            if intent.action == "requeue" and j.state.terminal
+            if intent.action is IntentAction.REQUEUE and j.state.terminal
         ]
         return [
             MoveBatch(view.batch.id, BatchState.WAITING, reason),
             *again,
-            ResolveIntent(intent.id, f"{intent.action}: waiting for inputs again"),
+            ResolveIntent(intent.id, f"{intent.action.value}: waiting for inputs again"),
         ]
-    return [ResolveIntent(intent.id, f"ignored: unknown action '{intent.action}'")]
+    return [ResolveIntent(intent.id, f"ignored: {intent.action.value} is asked of a drop root")]
 
 
 def _apply_root_intent(
@@ -205,9 +205,10 @@ def _apply_root_intent(
 ) -> tuple[list[Action], frozenset[str]]:
     """Pause or resume a drop root; the paused roots after it."""
     root, who = str(intent.root), intent.requested_by or "an operator"
-    if intent.action not in ("pause", "resume"):
-        return [ResolveIntent(intent.id, f"ignored: unknown action '{intent.action}'")], paused
-    pause = intent.action == "pause"
+    if not intent.action.on_root:
+        refused = f"ignored: {intent.action.value} is asked of a batch"
+        return [ResolveIntent(intent.id, refused)], paused
+    pause = intent.action is IntentAction.PAUSE
     if (root in paused) == pause:
         already = "already paused" if pause else "not paused"
         return [ResolveIntent(intent.id, f"nothing to do: the root is {already}")], paused
@@ -324,23 +325,22 @@ def _judge(job: Job, seen: JobSeen | None, policy: Policy) -> list[MoveJob]:
     return moves
 
 
-def _failure_of(seen: JobSeen) -> tuple[str, str, str]:
+def _failure_of(seen: JobSeen) -> tuple[ErrorKind, str, str]:
     result = seen.result
     if result is None or result.error is None:
         code = "unknown" if seen.exit_code is None else str(seen.exit_code)
         note = f"; {seen.note}" if seen.note else ""
-        return ErrorKind.LOST.value, f"ended without a result (exit code {code}){note}", ""
+        return ErrorKind.LOST, f"ended without a result (exit code {code}){note}", ""
     error = result.error
     detail = json.dumps(
         {"problems": [asdict(p) for p in summarised(error.problems)], "traceback": error.traceback},
         ensure_ascii=False,
     )
-    return error.kind.value, error.message, detail
+    return error.kind, error.message, detail
 
 
-def _retryable(kind: str | None) -> bool:
-    error = ErrorKind.of(kind)
-    return error is not None and error.retryable
+def _retryable(kind: ErrorKind | None) -> bool:
+    return kind is not None and kind.retryable
 
 
 def _after(job: Job, moves: Sequence[MoveJob]) -> Job:

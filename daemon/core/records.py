@@ -3,12 +3,14 @@ values, as the store returns them; nothing here touches the database."""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daemon.contract.jobspec import Identity, InputFile, Pipeline, Problem
+from daemon.contract.jobspec import ErrorKind, Identity, InputFile, Pipeline, Problem
+from daemon.core.manifest_schema import Kind
 from daemon.core.states import BatchState, JobState
 
 
@@ -20,7 +22,7 @@ class Batch:
     revision: int
     manifest_sha256: str
     manifest_stat: str
-    kind: str | None
+    kind: Kind | None  # None: the manifest was refused before its kind was known
     title: str
     owner: str
     contact: str | None
@@ -56,7 +58,7 @@ class NewBatch:
     manifest_sha256: str
     manifest_text: str
     manifest_stat: str
-    kind: str | None
+    kind: Kind | None
     title: str
     owner: str
     contact: str | None
@@ -80,7 +82,7 @@ class Job:
     executor: str
     handle: str | None
     exit_code: int | None
-    error_kind: str | None
+    error_kind: ErrorKind | None
     reason: str
     created_at: float
     updated_at: float
@@ -135,6 +137,20 @@ class Event:
     detail: str
 
 
+class IntentAction(enum.Enum):
+    """What an operator asks for with ``watchctl``: of a batch, or of a drop root."""
+
+    RETRY = "retry"  # run the failed jobs of a failed or cancelled batch again
+    CANCEL = "cancel"
+    REQUEUE = "requeue"  # run every job again, a done batch's too
+    PAUSE = "pause"  # take in no new batch from the root
+    RESUME = "resume"
+
+    @property
+    def on_root(self) -> bool:
+        return self in (IntentAction.PAUSE, IntentAction.RESUME)
+
+
 @dataclass(frozen=True)
 class Intent:
     """An operator's request, applied by the daemon: on a batch (retry, cancel, requeue) or on
@@ -142,7 +158,7 @@ class Intent:
 
     id: int
     at: float
-    action: str
+    action: IntentAction
     batch_id: int | None
     requested_by: str
     applied_at: float | None
@@ -177,6 +193,6 @@ class JobChange:
 
     handle: str | None = None
     exit_code: int | None = None
-    error_kind: str | None = None
+    error_kind: ErrorKind | None = None
     new_attempt: bool = False
     reset_attempts: bool = False

@@ -1,14 +1,17 @@
 """Acting: carrying out the planner's actions, on the store and through the dispatcher.
 
 An action that raises fails its batch (with the traceback stored) and the next group goes on.
-The Service owns the Actor and calls it from the loop's thread alone, the one that changes state.
+The Service owns the Actor and calls it from the loop's thread alone, the one that changes state;
+what the loop must know of a round (batches whose status file is due, drop roots paused or
+resumed) comes back as :class:`Effects`, a value the service acts on.
 """
 
 from __future__ import annotations
 
 import errno
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -34,30 +37,35 @@ from daemon.store import Store
 log = structlog.get_logger("watchd")
 
 
+@dataclass
+class Effects:
+    """What one round of actions did that the loop acts on: the batches whose status file is
+    due, and the drop roots paused or resumed (recorded; they change what the loop takes in)."""
+
+    touched: set[int] = field(default_factory=set)
+    roots: list[PauseRoot] = field(default_factory=list)
+
+
 class Actor:
     def __init__(
-        self,
-        store: Store,
-        dispatch: Dispatcher,
-        waitroom: WaitRoom,
-        metrics: Metrics,
-        *,
-        touched: Callable[[int], None],
-        pause: Callable[[PauseRoot, float], None],
+        self, store: Store, dispatch: Dispatcher, waitroom: WaitRoom, metrics: Metrics
     ) -> None:
-        """``touched``: a batch's status file needs writing. ``pause``: the loop's own (a paused
-        root changes what the loop takes in)."""
         self.store = store
         self.dispatch = dispatch
         self.waitroom = waitroom
         self.metrics = metrics
-        self.touched = touched
-        self.pause = pause
+        self._effects = Effects()
         self._unreachable: set[int] = set()  # batches whose folder the share cannot reach now
 
-    def carry_out(self, actions: Iterable[Action], now: float) -> None:
+    def carry_out(self, actions: Iterable[Action], now: float) -> Effects:
+        """Carry out ``actions``, group by group; what the loop must know of it."""
+        self._effects = Effects()
         for group in _transactions(actions, self.store):
             self._act_safely(group, now)
+        return self._effects
+
+    def touched(self, batch_id: int) -> None:
+        self._effects.touched.add(batch_id)
 
     def _act_safely(self, group: list[Action], now: float) -> None:
         """Carry out one group of actions: store-only actions of one batch commit together (a
@@ -107,7 +115,10 @@ class Actor:
         elif isinstance(action, Cancel):
             self._cancel(action, now)
         elif isinstance(action, PauseRoot):
-            self.pause(action, now)
+            self.store.set_root_paused(action.root, action.paused, action.requested_by, now)
+            log.info("drop root " + ("paused" if action.paused else "resumed"), root=action.root,
+                     by=action.requested_by)  # fmt: skip
+            self._effects.roots.append(action)
         elif isinstance(action, ResolveIntent):
             self.store.resolve_intent(action.intent_id, action.outcome, now)
             log.info("intent applied", intent_id=action.intent_id, outcome=action.outcome)

@@ -197,7 +197,7 @@ class Dispatcher:
                      handle=answer.handle, attempt=moved.attempts)  # fmt: skip
             return moved
         if isinstance(answer, Refused):
-            change = JobChange(error_kind=ErrorKind.INPUT.value)
+            change = JobChange(error_kind=ErrorKind.INPUT)
             reason = f"refused by the {self.executor.name} executor: {answer.reason}"
             moved = self.store.transition_job(job.id, JobState.FAILED, reason, now, change)
             log.warning("job refused", batch_id=job.batch_id, job_id=job.id, job=sub.name,

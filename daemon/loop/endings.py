@@ -3,8 +3,8 @@
 The loop calls :meth:`Endings.follow` once per tick. It reads the events appended since its
 last call: the store's audit log records every state change, whichever path made it (intake
 refusing a manifest, the planner, an operator's intent, an internal error), so no ending is
-missed and none is seen twice. The loop hears of each ending too (``on_end``): it stops
-watching the batch's folder after a while.
+missed and none is seen twice. The loop gets the batches that ended back: it stops watching
+their folders after a while.
 
 At most one e-mail per batch end: a note ``e-mail to ADDRESS`` is recorded before the letter
 goes to the mailer's thread, and an ending already followed by such a note is never mailed
@@ -13,8 +13,6 @@ recorded in the moments before a crash is still mailed if it was not, and no ear
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import structlog
 
@@ -41,11 +39,8 @@ class Endings:
         mailer: Mailer | None,
         timing: Timing,
         sender: str = "",
-        on_end: Callable[[Batch, float], None] = lambda batch, now: None,
     ) -> None:
-        """``on_end``: called with every batch that ended, once per ending."""
         self.store = store
-        self.on_end = on_end
         self.metrics = metrics
         self.mailer = mailer
         self.timing = timing
@@ -57,14 +52,17 @@ class Endings:
         if self.mailer is not None:
             self.mailer.start()
 
-    def follow(self, now: float) -> None:
-        """Act on the batch endings recorded since the last call; record finished deliveries."""
+    def follow(self, now: float) -> list[Batch]:
+        """Act on the batch endings recorded since the last call (metrics, e-mail); record
+        finished deliveries. The batches that ended, once each, for the loop."""
         self._record_deliveries(now)
+        ended = []
         while events := self.store.events_after(self.cursor):
             for event in events:
                 self.cursor = event.id
                 if isinstance(event.to_state, BatchState) and event.to_state.terminal:
-                    self._ended(event, now)
+                    ended.append(self._ended(event, now))
+        return ended
 
     def close(self, now: float, timeout: float) -> None:
         """Give queued e-mails up to ``timeout`` seconds, then record what became of them."""
@@ -75,13 +73,16 @@ class Endings:
             self.metrics.mails.labels("unsent").inc()
         self._record_deliveries(now)
 
-    def _ended(self, event: Event, now: float) -> None:
+    def _ended(self, event: Event, now: float) -> Batch:
         batch = self.store.batch(event.batch_id or 0)
         state = event.to_state
         assert isinstance(state, BatchState)
         came_from = event.from_state if isinstance(event.from_state, BatchState) else None
-        self.on_end(batch, now)
         self.metrics.batch_ended(state, came_from, self.store.jobs([batch.id]))
+        self._mail(batch, state, event, now)
+        return batch
+
+    def _mail(self, batch: Batch, state: BatchState, event: Event, now: float) -> None:
         if self.mailer is None or state not in MAILED or not batch.contact:
             return
         if self.store.noted_after(batch.id, event.id, NOTE):

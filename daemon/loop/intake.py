@@ -32,7 +32,7 @@ from daemon.core.manifest import (
     manifest_sha256,
     parse_manifest,
 )
-from daemon.core.records import Batch, NewBatch
+from daemon.core.records import Batch, IntentAction, NewBatch
 from daemon.core.states import BatchState
 from daemon.store import Store
 from daemon.watcher import FolderSeen, stat_signature
@@ -54,13 +54,22 @@ class Seen:
 
 
 @dataclass(frozen=True)
-class Deferred:
+class LookAgain:
     """Look at this folder again at ``at``: its manifest is invalid but still fresh, or the
     folder or its manifest cannot be read by the service (yet: its owner may set the ACLs)."""
 
     root: Path
     folder: str
     at: float
+
+
+@dataclass(frozen=True)
+class Looked:
+    """What one look at a folder did: the batch it recorded or found again (its status file is
+    due, and its folder is watched while it is under way), and when to look again."""
+
+    taken: Batch | None = None
+    again: LookAgain | None = None
 
 
 class Intake:
@@ -70,7 +79,6 @@ class Intake:
         *,
         max_manifest_bytes: int,
         settle_seconds: float,
-        on_batch: Callable[[Batch], None],
         limits: Callable[[Manifest], Sequence[Problem]] | None = None,
         retry_seconds: float = 30.0,
     ) -> None:
@@ -83,7 +91,7 @@ class Intake:
         self.max_bytes = max_manifest_bytes
         self.settle = settle_seconds
         self.retry = retry_seconds
-        self.on_batch = on_batch
+        self._taken: Batch | None = None
 
     def changed(self, root: Path, found: Sequence[FolderSeen]) -> list[str]:
         """The folders among some a scan found whose manifest is not the one last taken in (by
@@ -92,8 +100,13 @@ class Intake:
         known = self.store.manifest_stats(str(root), [seen.folder for seen in found])
         return [seen.folder for seen in found if known.get(seen.folder) != seen.manifest_stat]
 
-    def look(self, root: Path, folder: str, now: float) -> Deferred | None:
+    def look(self, root: Path, folder: str, now: float) -> Looked:
         """Read the folder's manifest if it changed; record a batch (or a failure) for it."""
+        self._taken = None
+        again = self._look(root, folder, now)
+        return Looked(self._taken, again)
+
+    def _look(self, root: Path, folder: str, now: float) -> LookAgain | None:
         path = root / folder
         try:
             st = os.lstat(path / MANIFEST_NAME)
@@ -104,7 +117,7 @@ class Intake:
         except OSError:  # no manifest (yet), or the folder is gone
             known = self.store.manifest_stats(str(root), [folder]).get(folder)
             if known == UNREADABLE_FOLDER:  # readable now: its manifest may come any moment,
-                return Deferred(root, folder, now + self.retry)  # unseen by a watch it lacks
+                return LookAgain(root, folder, now + self.retry)  # unseen by a watch it lacks
             return None
         signature = stat_signature(st)
         if self.store.manifest_stats(str(root), [folder]).get(folder) == signature:
@@ -124,13 +137,13 @@ class Intake:
             return None
         return self._take(Seen(root, folder, identity, signature), data, st.st_mtime, now)
 
-    def _take(self, seen: Seen, data: bytes, mtime: float, now: float) -> Deferred | None:
+    def _take(self, seen: Seen, data: bytes, mtime: float, now: float) -> LookAgain | None:
         sha = manifest_sha256(data)
         latest = self.store.latest_revision(str(seen.root), seen.folder)
         if latest is not None and latest.manifest_sha256 == sha and not _cut_off(latest, seen):
             self.store.set_manifest_stat(latest.id, seen.signature, seen.identity)
             log.info("manifest unchanged", batch_id=latest.id, folder=seen.folder)
-            self.on_batch(latest)  # the folder may be a fresh copy: give it its status file again
+            self._taken = latest  # the folder may be a fresh copy: its status file is due again
             return None
         try:
             manifest: Manifest | None = parse_manifest(data, max_bytes=self.max_bytes)
@@ -140,7 +153,7 @@ class Intake:
                 manifest = None if problems else manifest
         except ManifestError as exc:
             if now - mtime < self.settle:
-                return Deferred(seen.root, seen.folder, mtime + self.settle)
+                return LookAgain(seen.root, seen.folder, mtime + self.settle)
             manifest, problems = None, exc.problems
         self._record(seen, data, sha, manifest, problems, now)
         return None
@@ -163,7 +176,7 @@ class Intake:
             manifest_sha256=sha,
             manifest_text=data.decode("utf-8", "replace"),
             manifest_stat=seen.signature,
-            kind=manifest.kind.value if manifest else None,
+            kind=manifest.kind if manifest else None,
             title=manifest.title if manifest else "",
             owner=manifest.owner_name if manifest else "",
             contact=manifest.owner_email if manifest else None,
@@ -187,7 +200,7 @@ class Intake:
             state=batch.state.value,
             problems=[p.render() for p in problems],
         )
-        self.on_batch(batch)
+        self._taken = batch
 
     def _supersede(self, previous: Batch, batch: Batch, replaced: bool, now: float) -> None:
         """Cancel the folder's previous revision, as an operator's cancel would: its owner
@@ -201,11 +214,11 @@ class Intake:
         if not previous.state.terminal:
             why = f"superseded by revision {batch.revision}"
             why = f"the batch folder was replaced; {why}" if replaced else why
-            self.store.add_intent("cancel", previous.id, now, f"watchd ({why})")
+            self.store.add_intent(IntentAction.CANCEL, previous.id, now, f"watchd ({why})")
 
     def _unreadable(
         self, root: Path, folder: str, signature: str, problem: Problem, now: float
-    ) -> Deferred:
+    ) -> LookAgain:
         """A folder or manifest the service may not read: its owner (or the operator) must set
         the ACLs. Said once in the store, so in watchctl and the log (and in the folder's
         status file where the folder can be written), under a signature no stat gives, and
@@ -214,7 +227,7 @@ class Intake:
         if self._record_refusal(root, folder, signature, problem, now, "unreadable by watchd"):
             log.warning("batch folder unreadable", root=str(root), folder=folder,
                         problem=problem.render(), retry_seconds=self.retry)  # fmt: skip
-        return Deferred(root, folder, now + self.retry)
+        return LookAgain(root, folder, now + self.retry)
 
     def _record_refusal(
         self,

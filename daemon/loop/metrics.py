@@ -31,7 +31,6 @@ log = structlog.get_logger("watchd.metrics")
 ACTIVE_STATES = (BatchState.WAITING, BatchState.QUEUED, BatchState.RUNNING)
 JOB_BUCKETS = (10, 30, 60, 300, 900, 1800, 3600, 4 * 3600, 12 * 3600, 24 * 3600, 72 * 3600)
 SCAN_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
-KNOWN_ERROR_KINDS = frozenset(kind.value for kind in ErrorKind)
 
 
 class Metrics:
@@ -175,5 +174,5 @@ def failure_kind(from_state: BatchState | None, jobs: Sequence[Job]) -> str:
     return "other"
 
 
-def _known(error_kind: str | None) -> str:
-    return error_kind if error_kind in KNOWN_ERROR_KINDS else "other"
+def _known(error_kind: ErrorKind | None) -> str:
+    return error_kind.value if error_kind is not None else "other"

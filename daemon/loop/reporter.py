@@ -20,6 +20,7 @@ from daemon.contract.errors import ManifestError
 from daemon.contract.heldfolder import HeldFolder
 from daemon.contract.jobspec import Problem
 from daemon.core.manifest import MANIFEST_NAME, STATUS_NAME, parse_manifest
+from daemon.core.manifest_schema import Kind
 from daemon.core.readiness import Timing
 from daemon.core.records import Batch, Event, Job, RootRecord, images_progress
 from daemon.core.states import BatchState, JobState
@@ -60,7 +61,7 @@ def render(status: StatusInput, now: float) -> str:
         "",
         f"State:     {HEADLINES[b.state]}",
         f"Updated:   {_time(now)}",
-        f"Batch:     #{b.id}, revision {b.revision}, {b.kind or 'unknown kind'}"
+        f"Batch:     #{b.id}, revision {b.revision}, {b.kind.value if b.kind else 'unknown kind'}"
         + (f', "{b.title}"' if b.title else ""),
     ]
     if status.pause is not None and not b.state.terminal:
@@ -96,7 +97,7 @@ def _body(status: StatusInput) -> list[str]:
             f"  summary:  {run}/summary.json",
             *(
                 [f"  masks:    {run}/masks/", f"  table:    {run}/table.csv"]
-                if b.kind == "inference"
+                if b.kind is Kind.INFERENCE
                 else [f"  training: {run}/training/"]
             ),
         ]

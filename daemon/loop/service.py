@@ -19,28 +19,27 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
 from daemon.contract.jobspec import Problem
 from daemon.core import readiness
-from daemon.core.jobplan import Sharding
-from daemon.core.planner import BatchView, PauseRoot, Policy, Snapshot, opens_work, plan
+from daemon.core.planner import BatchView, Policy, Snapshot, opens_work, plan
 from daemon.core.readiness import NotReady
 from daemon.core.records import Batch, Job
 from daemon.core.states import JobState
-from daemon.executors import Executor, resources
+from daemon.executors import Executor
 from daemon.loop import reporter
-from daemon.loop.acting import Actor
+from daemon.loop.acting import Actor, Effects
 from daemon.loop.dispatch import Dispatcher
 from daemon.loop.endings import Endings
-from daemon.loop.intake import Deferred, Intake
-from daemon.loop.mailer import Mailer
+from daemon.loop.intake import Intake, LookAgain
 from daemon.loop.metrics import Metrics
 from daemon.loop.notify import Notifier
 from daemon.loop.pulse import Pulse, roots_info
-from daemon.loop.waitroom import Schedule, WaitRoom
+from daemon.loop.waitroom import WaitRoom
 from daemon.site.claims import Claims
 from daemon.site.config import Config
 from daemon.store import Store
@@ -52,70 +51,49 @@ Clock = Callable[[], float]
 SCAN_CHUNK = 500  # folders compared with the store at once by the catch-up scan
 
 
+@dataclass(frozen=True)
+class Parts:
+    """What the service runs, built from the configuration and the executor by
+    :func:`daemon.loop.factory.build_service` (tests and scripts build theirs the same way)."""
+
+    config: Config  # as the claims left it: the drop roots this daemon holds
+    claims: Claims
+    executor: Executor
+    store: Store
+    events: queue.Queue[WatchEvent]  # the watcher's news and wake-ups, read by the loop
+    watcher: Watcher
+    intake: Intake
+    waitroom: WaitRoom
+    dispatch: Dispatcher
+    actor: Actor
+    endings: Endings
+    metrics: Metrics
+    policy: Policy
+    timing: readiness.Timing
+    notifier: Notifier
+    clock: Clock
+    stop: threading.Event  # asks for shutdown, shared with the executor's retries
+
+
 class Service:
-    def __init__(
-        self,
-        config: Config,
-        executor: Executor,
-        *,
-        clock: Clock = time.time,
-        notifier: Notifier | None = None,
-        stop: threading.Event | None = None,
-    ) -> None:
-        """``stop``: the event that asks for shutdown, shared with the executor's retries."""
-        self.claims = Claims.take(config, clock())
-        self.config = config = self.claims.held(config)
-        self.executor = executor
-        self.clock = clock
-        self.notifier = notifier or Notifier(None)
-        self.store = Store.open(config.daemon.database)
-        self.dispatch = Dispatcher(self.store, executor, str(config.registry.path))
-        self.events: queue.Queue[WatchEvent] = queue.Queue()
-        self.watcher = Watcher(
-            config.roots, self.events, lambda root: self.store.ended_folders(str(root))
-        )
-        self.intake = Intake(
-            self.store,
-            max_manifest_bytes=config.intake.max_manifest_bytes,
-            settle_seconds=config.intake.settle_seconds,
-            retry_seconds=config.intake.retry_unreadable_seconds,
-            on_batch=self._taken,
-            limits=lambda manifest: resources.problems(manifest.resources, executor.bounds()),
-        )
-        planner = config.planner
-        shards = Sharding(planner.shard_size, planner.max_shard_size, executor.width())
-        self.policy = Policy(shards, planner.max_attempts, executor.name)
-        self.timing = readiness.Timing(config.intake.settle_seconds, config.intake.timeout_seconds)
-        self.waitroom = WaitRoom(
-            self.timing,
-            Schedule(
-                config.intake.check_seconds,
-                min(config.daemon.rescan_seconds, 60.0),
-                config.intake.max_pattern_entries,
-                max(config.intake.max_check_seconds, config.intake.check_seconds),
-            ),
-            self.store.manifest_text,
-            lambda batch: self.events.put(Wake()),
-        )
-        self.metrics = Metrics()
-        mailer = Mailer.from_config(config.mail)
-        self.endings = Endings(
-            self.store, self.metrics, mailer, self.timing, config.mail.sender, self._ended
-        )
+    def __init__(self, parts: Parts) -> None:
+        self.config = config = parts.config
+        self.claims, self.executor, self.store = parts.claims, parts.executor, parts.store
+        self.events, self.watcher, self.intake = parts.events, parts.watcher, parts.intake
+        self.waitroom, self.dispatch, self.actor = parts.waitroom, parts.dispatch, parts.actor
+        self.endings, self.metrics, self.policy = parts.endings, parts.metrics, parts.policy
+        self.timing, self.notifier, self.clock = parts.timing, parts.notifier, parts.clock
         self.pulse = Pulse(
             self.store, self.notifier, self.metrics, config.daemon.heartbeat_seconds,
             lambda: {
-                "executor": executor.name, **roots_info(self.watcher.modes, self._lost_roots),
+                "executor": self.executor.name,
+                **roots_info(self.watcher.modes, self._lost_roots),
                 "held_elsewhere": self.claims.describe_refused(),
             },
         )  # fmt: skip
-        self.actor = Actor(
-            self.store, self.dispatch, self.waitroom, self.metrics,
-            touched=lambda batch_id: self._dirty.add(batch_id), pause=self._pause,
-        )  # fmt: skip
-        self.stop_requested = stop or threading.Event()
+        self.stop_requested = parts.stop
         self.force_stop = threading.Event()
-        self._deferred: list[Deferred] = []
+        self._deferred: list[LookAgain] = []
         self._dirty: set[int] = set()
         self._lost_roots: set[Path] = set()
         self._to_release: deque[tuple[float, str, str]] = deque()  # (when, root, folder)
@@ -159,7 +137,7 @@ class Service:
         scan, so a paused root's new manifests are not taken in at start-up."""
         intents = tuple(i for i in self.store.pending_intents() if i.batch_id is None)
         snapshot = Snapshot(now, (), {}, intents, None, self.policy, False, self.paused)
-        self.actor.carry_out(plan(snapshot), now)
+        self._apply(self.actor.carry_out(plan(snapshot), now), now)
 
     def request_stop(self) -> None:
         """Called from a signal handler: the first asks for a graceful stop, a second forces."""
@@ -240,11 +218,12 @@ class Service:
         self.dispatch.deliver_cancels()  # before any submission: a retried job may wait on one
         snapshot = self._snapshot(now)
         actions = plan(snapshot)
-        self.actor.carry_out(actions, now)
+        self._apply(self.actor.carry_out(actions, now), now)
         if opens_work(actions):
             self.events.put(Wake())  # the next stage, retry or job goes out now, not in a tick
         self._write_statuses(now)
-        self.endings.follow(now)
+        for ended in self.endings.follow(now):
+            self._ended(ended, now)
         self._release_ended(now)
         self._renew_leases(now)
         self.pulse.beat(now)
@@ -273,13 +252,15 @@ class Service:
         if str(root) in self.paused:
             return  # the manifest waits on disk; the catch-up at resume finds it
         try:
-            deferred = self.intake.look(root, folder, now)
+            looked = self.intake.look(root, folder, now)
         except Exception:  # one bad folder never stops the loop
             log.exception("intake failed", root=str(root), folder=folder)
             self.metrics.intake_errors.inc()
             return
-        if deferred is not None:
-            self._deferred.append(deferred)
+        if looked.taken is not None:
+            self._taken(looked.taken)
+        if looked.again is not None:
+            self._deferred.append(looked.again)
 
     def catch_up(self, now: float) -> None:
         """Scan every root for manifests that events did not announce; re-arm lost roots."""
@@ -405,16 +386,16 @@ class Service:
 
     # -- pausing a drop root ------------------------------------------------------------------
 
-    def _pause(self, action: PauseRoot, now: float) -> None:
-        """The one action the Actor hands back: a paused root changes what the loop takes in."""
-        self.store.set_root_paused(action.root, action.paused, action.requested_by, now)
-        self.paused = self.store.paused_roots()
-        log.info("drop root " + ("paused" if action.paused else "resumed"), root=action.root,
-                 by=action.requested_by)  # fmt: skip
-        # The status files of its batches say whether they are held.
-        self._dirty.update(b.id for b in self.store.active_batches() if b.root == action.root)
-        if not action.paused:
-            self._next_rescan = now  # the next tick's catch-up takes in what waited
+    def _apply(self, effects: Effects, now: float) -> None:
+        """What a round of actions did that the loop acts on: status files due; a paused root
+        changes what the loop takes in, and a resumed one is scanned at once."""
+        self._dirty |= effects.touched
+        for action in effects.roots:
+            self.paused = self.store.paused_roots()
+            # The status files of its batches say whether they are held.
+            self._dirty.update(b.id for b in self.store.active_batches() if b.root == action.root)
+            if not action.paused:
+                self._next_rescan = now  # the next tick's catch-up takes in what waited
 
     # -- status files and heartbeat ------------------------------------------------------------
 

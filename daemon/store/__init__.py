@@ -15,6 +15,7 @@ and what the daemon keeps about its own running: drop roots, undelivered cancels
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 
 import sqlite_utils
@@ -75,7 +76,7 @@ class Store(BatchStore, JobStore, EventStore, OperationStore):
             for version, script in MIGRATIONS:
                 if version in done:
                     continue
-                for statement in filter(str.strip, script.split(";")):
+                for statement in statements(script):
                     self.db.execute(statement)
                 self.db.execute("INSERT INTO migrations VALUES (?, datetime('now'))", [version])
                 applied.append(version)
@@ -90,3 +91,17 @@ class Store(BatchStore, JobStore, EventStore, OperationStore):
 
     def journal_mode(self) -> str:
         return str(self.db.execute("PRAGMA journal_mode").fetchone()[0])
+
+
+def statements(script: str) -> Iterator[str]:
+    """The SQL statements of a migration script, each whole: a ';' inside a string literal or
+    a trigger's body does not end one (SQLite itself says when a statement is complete)."""
+    pending = ""
+    for piece in script.split(";"):
+        pending += piece + ";"
+        if sqlite3.complete_statement(pending):
+            if pending.strip(" \n\t;"):
+                yield pending
+            pending = ""
+    if pending.strip(" \n\t;"):
+        raise ValueError(f"an incomplete SQL statement ends the script: {pending.strip()!r}")

@@ -10,7 +10,14 @@ from daemon.contract.jobspec import Identity, Problem
 from daemon.core.records import Batch, NewBatch
 from daemon.core.states import TERMINAL_BATCH_STATES, BatchState, batch_can_move
 from daemon.store.base import StoreBase
-from daemon.store.rows import _BATCH_COLUMNS, _batch, _casefold, _dump_problems, _storable
+from daemon.store.rows import (
+    _BATCH_COLUMNS,
+    _batch,
+    _casefold,
+    _dump_problems,
+    _storable,
+    _value,
+)
 
 # A row of ``batches b`` that is its folder's newest revision.
 _NEWEST_REVISION = (
@@ -36,6 +43,7 @@ class BatchStore(StoreBase):
             revision = self._next_revision(new.root, new.folder)
             row = {
                 **asdict(new),
+                "kind": _value(new.kind),
                 "revision": revision,
                 "state": state.value,
                 "reason": reason,

@@ -4,9 +4,9 @@ the daemon to do (the loop applies intents; nothing else changes state for an op
 from __future__ import annotations
 
 from daemon.contract.errors import NotFound
-from daemon.core.records import Event, Intent
+from daemon.core.records import Event, Intent, IntentAction
 from daemon.store.base import StoreBase
-from daemon.store.rows import _event
+from daemon.store.rows import _event, _intent
 
 
 class EventStore(StoreBase):
@@ -56,16 +56,25 @@ class EventStore(StoreBase):
         ).fetchone()
         return row is not None
 
-    def add_intent(self, action: str, batch_id: int, now: float, requested_by: str) -> Intent:
+    def add_intent(
+        self, action: IntentAction, batch_id: int, now: float, requested_by: str
+    ) -> Intent:
         with self.atomic():
             self.batch(batch_id)  # NotFound for an unknown batch
-            row = {"at": now, "action": action, "batch_id": batch_id, "requested_by": requested_by}
+            row = {
+                "at": now,
+                "action": action.value,
+                "batch_id": batch_id,
+                "requested_by": requested_by,
+            }
             intent_id = self._insert("intents", row)
         return self.intent(intent_id)
 
-    def add_root_intent(self, action: str, root: str, now: float, requested_by: str) -> Intent:
+    def add_root_intent(
+        self, action: IntentAction, root: str, now: float, requested_by: str
+    ) -> Intent:
         """An intent on a drop root (pause, resume); the caller knows it is a configured one."""
-        row = {"at": now, "action": action, "root": root, "requested_by": requested_by}
+        row = {"at": now, "action": action.value, "root": root, "requested_by": requested_by}
         with self.atomic():
             intent_id = self._insert("intents", row)
         return self.intent(intent_id)
@@ -74,15 +83,15 @@ class EventStore(StoreBase):
         rows = list(self.db.query("SELECT * FROM intents WHERE id = ?", [intent_id]))
         if not rows:
             raise NotFound(f"no intent {intent_id}")
-        return Intent(**rows[0])
+        return _intent(rows[0])
 
     def intents_of(self, batch_id: int) -> list[Intent]:
         rows = self.db.query("SELECT * FROM intents WHERE batch_id = ? ORDER BY id", [batch_id])
-        return [Intent(**r) for r in rows]
+        return [_intent(r) for r in rows]
 
     def pending_intents(self) -> list[Intent]:
         rows = self.db.query("SELECT * FROM intents WHERE applied_at IS NULL ORDER BY id")
-        return [Intent(**r) for r in rows]
+        return [_intent(r) for r in rows]
 
     def resolve_intent(self, intent_id: int, outcome: str, now: float) -> None:
         with self.atomic():

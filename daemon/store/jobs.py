@@ -12,7 +12,7 @@ from daemon.contract.jobspec import InputFile, Pipeline, inputs_json
 from daemon.core.records import Job, JobChange, NewJob
 from daemon.core.states import JobState, job_can_move
 from daemon.store.base import StoreBase
-from daemon.store.rows import _JOB_COLUMNS, _job, _storable
+from daemon.store.rows import _JOB_COLUMNS, _job, _storable, _value
 
 
 class JobStore(StoreBase):
@@ -119,7 +119,7 @@ class JobStore(StoreBase):
         row = self.db.execute("SELECT inputs FROM jobs WHERE id = ?", [job_id]).fetchone()
         if row is None:
             raise NotFound(f"no job {job_id}")
-        return tuple(InputFile(**item) for item in json.loads(row[0]))
+        return tuple(InputFile.from_dict(item) for item in json.loads(row[0]))
 
     def transition_job(
         self,
@@ -150,7 +150,9 @@ class JobStore(StoreBase):
                 update.update(exit_code=None, error_kind=None, finished_at=None)
             if target.terminal:
                 update.update(
-                    finished_at=now, exit_code=change.exit_code, error_kind=change.error_kind
+                    finished_at=now,
+                    exit_code=change.exit_code,
+                    error_kind=_value(change.error_kind),
                 )
             self._table("jobs").update(job_id, update)
             self._event(

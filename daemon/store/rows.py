@@ -3,13 +3,15 @@ and the ``casefold`` SQL function."""
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from daemon.contract.jobspec import Pipeline, Problem
-from daemon.core.records import Batch, Event, Job
+from daemon.contract.jobspec import ErrorKind, Pipeline, Problem
+from daemon.core.manifest_schema import Kind
+from daemon.core.records import Batch, Event, Intent, IntentAction, Job
 from daemon.core.states import BatchState, JobState
 
 _BATCH_COLUMNS = ", ".join(Batch.__dataclass_fields__)  # all but the manifest's text
@@ -41,9 +43,15 @@ def _event(row: dict[str, Any]) -> Event:
     return Event(**row)
 
 
+def _value(member: enum.Enum | None) -> Any:
+    """An enum's value as a column holds it (None stays None)."""
+    return None if member is None else member.value
+
+
 def _batch(row: dict[str, Any]) -> Batch:
     row = dict(row)
     row["state"] = BatchState(row["state"])
+    row["kind"] = None if row["kind"] is None else Kind(row["kind"])
     row["problems"] = tuple(Problem(**p) for p in json.loads(row["problems"]))
     return Batch(**row)
 
@@ -53,4 +61,9 @@ def _job(row: dict[str, Any]) -> Job:
     row["params"] = json.loads(row["params"])
     row["state"] = JobState(row["state"])
     row["pipeline"] = Pipeline(row["pipeline"])
+    row["error_kind"] = None if row["error_kind"] is None else ErrorKind(row["error_kind"])
     return Job(**row)
+
+
+def _intent(row: dict[str, Any]) -> Intent:
+    return Intent(**{**row, "action": IntentAction(row["action"])})

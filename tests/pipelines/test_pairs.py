@@ -7,17 +7,17 @@ from types import ModuleType
 
 import pytest
 
-from daemon.contract.jobspec import InputFile
+from daemon.contract.jobspec import InputFile, Role
 from pipelines.job import InputError
 from pipelines.pairs import load_dataset, pair_inputs, split
 
 
 def image(path: str) -> InputFile:
-    return InputFile(path, role="image")
+    return InputFile(path, role=Role.IMAGE)
 
 
 def mask(path: str) -> InputFile:
-    return InputFile(path, role="mask")
+    return InputFile(path, role=Role.MASK)
 
 
 def test_images_pair_with_the_mask_of_the_same_stem_whatever_its_extension() -> None:
@@ -64,7 +64,7 @@ def test_every_bad_input_is_reported_before_training(synth: ModuleType, tmp_path
     (tmp_path / "big" / "masks" / "img_0000.png").replace(tmp_path / "masks" / "img_0002.png")
     inputs = [image(f"images/img_000{i}.png") for i in range(4)]
     inputs += [mask(f"masks/img_000{i}.png") for i in range(3)]
-    inputs[0] = InputFile("images/img_0000.png", sha256="0" * 64, role="image")
+    inputs[0] = InputFile("images/img_0000.png", sha256="0" * 64, role=Role.IMAGE)
     with pytest.raises(InputError) as caught:
         load_dataset(tmp_path, inputs)
     rendered = "\n".join(p.render() for p in caught.value.problems)

@@ -14,7 +14,15 @@ import numpy as np
 import tifffile
 from PIL import Image
 
-from daemon.contract.jobspec import PROGRESS_FILE, ErrorKind, InputFile, ModelRef, Pipeline, Shard
+from daemon.contract.jobspec import (
+    PROGRESS_FILE,
+    ErrorKind,
+    InputFile,
+    ModelRef,
+    Pipeline,
+    Role,
+    Shard,
+)
 from pipelines.images import decode
 
 if TYPE_CHECKING:
@@ -53,7 +61,7 @@ def test_each_shard_leaves_its_progress_for_the_daemon_all_images_done(
 ) -> None:
     for job in inferred.shards:
         progress = json.loads((job.spec.job_dir / PROGRESS_FILE).read_text())
-        images = [i for i in job.spec.inputs if i.role == "image"]
+        images = [i for i in job.spec.inputs if i.role is Role.IMAGE]
         assert progress == {"done": len(images), "total": len(images)}
 
 

@@ -382,7 +382,7 @@ def test_a_manifest_the_service_cannot_read_fails_visibly_and_is_taken_in_once_r
         "docs/install.md, step 3); watchd reads it again every 30 s"
     ) in status.replace("\n", " ").replace("  ", " ")
     assert (first.state, first.reason) == (BatchState.FAILED, "unreadable by watchd")
-    assert second.kind == "inference" and second.revision == 2
+    assert second.kind is Kind.INFERENCE and second.revision == 2
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="mounting a small filesystem needs root")

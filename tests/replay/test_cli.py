@@ -18,8 +18,9 @@ import synth
 from conftest import MODEL, write_config
 from replay import Replay
 
-from daemon.contract.jobspec import Pipeline, Problem
+from daemon.contract.jobspec import Pipeline, Problem, Role
 from daemon.core.manifest import parse_manifest
+from daemon.core.manifest_schema import Kind
 from daemon.core.records import NewBatch, NewJob
 from daemon.core.states import BatchState
 from daemon.site.config import Config
@@ -191,7 +192,7 @@ def test_manifest_writes_a_valid_manifest_atomically_and_never_overwrites_silent
     assert out.strip() == f"wrote {folder / 'manifest.toml'}"
     manifest = parse_manifest((folder / "manifest.toml").read_bytes())
     assert manifest.params["epochs"] == 3 and len(manifest.files) == 6
-    assert sum(f.role == "mask" for f in manifest.files) == 3
+    assert sum(f.role is Role.MASK for f in manifest.files) == 3
     assert all(f.sha256 and f.size for f in manifest.files)
     again = cli("watchctl", "manifest", str(folder), check=False)
     assert again.returncode == 1
@@ -277,7 +278,7 @@ def hostile(tmp_path: Path, drop_root: Path) -> Config:
     store = Store.open(config.daemon.database)
     new = NewBatch(
         root=str(config.roots[0].path), folder=f"plate {HOSTILE}", manifest_sha256="0" * 64,
-        manifest_text="", manifest_stat="", kind="inference", title=HOSTILE, owner=HOSTILE,
+        manifest_text="", manifest_stat="", kind=Kind.INFERENCE, title=HOSTILE, owner=HOSTILE,
         contact=None, run_dir=str(config.roots[0].path / "x" / "results" / "r"),
     )  # fmt: skip
     batch = store.create_batch(new, BatchState.WAITING, f"accepted {HOSTILE}", 1.0e9)

@@ -9,6 +9,7 @@ from pathlib import Path
 from conftest import write_config
 from replay import Replay, copy_slowly
 
+from daemon.contract.jobspec import ErrorKind
 from daemon.core.manifest import STATUS_NAME
 from daemon.core.states import BatchState, JobState
 from daemon.store import Store
@@ -33,7 +34,7 @@ def test_a_job_the_local_executor_cannot_start_fails_its_batch_with_the_reason(
     said = f"cannot start b000001-infer-0000: [Errno 2] No such file or directory: '{python}'"
     assert batch.reason == f"job b000001-infer-0000 failed: refused by the local executor: {said}"
     (job,) = jobs
-    assert (job.state, job.error_kind, job.attempts) == (JobState.FAILED, "input", 0)
+    assert (job.state, job.error_kind, job.attempts) == (JobState.FAILED, ErrorKind.INPUT, 0)
     assert moves == ["waiting", "queued", "failed"]  # never RUNNING: nothing ran
     assert said in (drop_root / "plate" / STATUS_NAME).read_text()
     log = Path(batch.run_dir) / "jobs" / job.name / "log.txt"

@@ -14,12 +14,14 @@ from replay import Replay, copy_slowly
 from slurm_scenario import batches_and_jobs, cluster, node_gpus
 
 from daemon.contract.errors import ExecutorUnavailable
+from daemon.contract.jobspec import ErrorKind
 from daemon.core.manifest import STATUS_NAME
-from daemon.core.records import Batch, Job
+from daemon.core.records import Batch, IntentAction, Job
 from daemon.core.states import BatchState, JobState
 from daemon.executors.slurm import SlurmExecutor, job_environment, make_slurm_executor
 from daemon.executors.slurm_api import JobRecord, JobRequest, SlurmClient, Versions
 from daemon.executors.slurm_cli import CliClient
+from daemon.loop.factory import build_service
 from daemon.loop.service import Service
 from daemon.site.config import Config
 from daemon.store import Store
@@ -215,7 +217,7 @@ def test_restarts_adopt_the_jobs_slurm_has_and_never_submit_twice(
     assert all(j.state is JobState.PENDING and j.attempts == 0 for j in jobs)
 
     second = executor_for(config)
-    service = Service(config, second)
+    service = build_service(config, second)
     service.start()
     run_until(
         service, lambda: all(j.state is JobState.RUNNING for j in batches_and_jobs(config)[0][1])
@@ -279,7 +281,7 @@ def test_watchctl_cancel_cancels_the_slurm_jobs(
     with Replay(config, executor_for(config)) as replay:
         replay.run(copy_slowly(staged(count=6), drop_root / "plate", 0, 0.01),
                    until=some_running, timeout=60)  # fmt: skip
-        replay.service.store.add_intent("cancel", 1, time.time(), "tester")
+        replay.service.store.add_intent(IntentAction.CANCEL, 1, time.time(), "tester")
         replay.run(timeout=30)
     ((batch, jobs),) = batches_and_jobs(config)
     assert batch.state is BatchState.CANCELLED
@@ -313,7 +315,7 @@ def test_a_cancel_made_while_the_controller_is_down_is_delivered_by_the_next_dae
                    until=some_running, timeout=60)  # fmt: skip
         assert cluster("stop-controller").returncode == 0
         try:
-            replay.service.store.add_intent("cancel", 1, time.time(), "tester")
+            replay.service.store.add_intent(IntentAction.CANCEL, 1, time.time(), "tester")
             replay.run(until=lambda s: bool(s.store.batches([BatchState.CANCELLED])), timeout=60)
             kept = replay.service.store.kept_cancels()
         finally:
@@ -348,7 +350,7 @@ def test_a_batch_slurm_refuses_fails_with_slurms_message_and_holds_no_other_back
     message = "Requested node configuration is not available"
     assert "refused by the slurm executor: Slurm refused it 2 time(s): " in refused.reason
     assert refused.reason.endswith(message)
-    assert {(j.state, j.error_kind) for j in refused_jobs} == {(JobState.FAILED, "input")}
+    assert {(j.state, j.error_kind) for j in refused_jobs} == {(JobState.FAILED, ErrorKind.INPUT)}
     store = Store(config.daemon.database)
     moves = [e.to_state.value for e in store.events(refused.id) if e.job_id is None]
     store.close()

@@ -14,11 +14,12 @@ from memory_slurm import Clock, MemorySlurm
 from replay import Replay, copy_slowly
 from slurm_scenario import batches_and_jobs
 
-from daemon.contract.jobspec import SPEC_FILE
+from daemon.contract.jobspec import SPEC_FILE, ErrorKind
 from daemon.core.manifest import STATUS_NAME
-from daemon.core.records import Job
+from daemon.core.records import IntentAction, Job
 from daemon.core.states import BatchState, JobState
 from daemon.executors.slurm import SlurmExecutor
+from daemon.loop.factory import build_service
 from daemon.loop.service import Service
 from daemon.site.config import Config
 from daemon.store import Store
@@ -77,7 +78,7 @@ def test_a_batch_slurm_refuses_fails_with_slurms_word_while_another_goes_out(
         f"failed: refused by the slurm executor: Slurm refused it 2 time(s): {REFUSAL}"
     )
     assert {(j.state, j.error_kind, j.attempts) for j in refused_jobs} == {
-        (JobState.FAILED, "input", 0)
+        (JobState.FAILED, ErrorKind.INPUT, 0)
     }
     store = Store(config.daemon.database)
     moves = [e.to_state.value for e in store.events(refused.id) if e.job_id is None]
@@ -135,16 +136,16 @@ def test_an_undelivered_cancel_is_kept_across_a_restart_and_no_retry_runs_beside
                    until=lambda s: bool(s.store.batches([BatchState.RUNNING])), timeout=60)  # fmt: skip
         handles = sorted(str(j.handle) for j in jobs_of(replay.service, "plate"))
         slurm.down = True
-        store.add_intent("cancel", 1, time.time(), "tester")
+        store.add_intent(IntentAction.CANCEL, 1, time.time(), "tester")
         replay.run(until=lambda s: bool(s.store.batches([BatchState.CANCELLED])), timeout=30)
         assert sorted(store.kept_cancels()) == handles and slurm.cancelled == []
-        store.add_intent("retry", 1, time.time(), "tester")
+        store.add_intent(IntentAction.RETRY, 1, time.time(), "tester")
         replay.run(until=lambda s: bool(s.store.batches([BatchState.QUEUED])), timeout=30)
         assert {j.state for j in jobs_of(replay.service, "plate")} == {JobState.PENDING}
     assert slurm.counts["submit"] == 1 and slurm.cancelled == []
 
     slurm.down = False
-    service = Service(config, memory_executor(config, slurm, Clock()))
+    service = build_service(config, memory_executor(config, slurm, Clock()))
     service.start()
     try:
         (batch,) = service.store.batches()

@@ -1,0 +1,51 @@
+"""The names and defaults the daemon and the jobs share beyond the job spec: the rule for model
+names, the registry's aliases, and the defaults of the inference parameters.
+
+One place for each: the manifest's validation (:mod:`daemon.core.manifest_schema`), the model
+catalogue (:mod:`models.catalog`) and the inference job (:mod:`pipelines.infer`) read them here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+MODEL_NAME_RULE = "1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+LATEST = "latest"  # the newest version of a model
+BEST = "best"  # the version that scored best on its validation split
+ALIASES = (LATEST, BEST)
+
+
+def model_name_problem(name: str) -> str:
+    """What is wrong with ``name`` as a model's name ('' when nothing is): it names a folder
+    of the registry, so it is one safe path component."""
+    if MODEL_NAME.fullmatch(name) and ".." not in name:
+        return ""
+    return f"must be {MODEL_NAME_RULE}, without '..'"
+
+
+@dataclass(frozen=True)
+class InferenceDefaults:
+    """An inference batch's parameters where its manifest does not set them."""
+
+    threshold: float = 0.5  # a pixel is foreground above this sigmoid probability
+    min_object_area: int = 0  # smaller connected components are removed, in pixels
+    batch_size: int = 1  # images at once on the CPU
+    tile_size: int = 512  # window of tiled inference, in pixels
+    tile_overlap: int = 64
+    max_whole_pixels: int = 2048 * 2048  # larger images are segmented tile by tile
+    gpu_batch_size: int = 16  # images at once on a GPU (pipelines/device.py)
+    mixed_precision: bool = True  # on a GPU, where the masks equal full precision's
+
+
+INFERENCE = InferenceDefaults()
+
+
+def inference_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` over the defaults: a spec written by hand may leave any of them out."""
+    return {**dataclasses.asdict(INFERENCE), **params}
