@@ -108,8 +108,9 @@ def snap(
     *views: BatchView, seen=(), intents=(), free: int | None = 2, submitting: bool = True
 ) -> Snapshot:
     return Snapshot(
-        10.0, tuple(views), {s.job_id: s for s in seen}, tuple(intents), free, POLICY, submitting
-    )
+        now=10.0, policy=POLICY, batches=tuple(views), seen={s.job_id: s for s in seen},
+        intents=tuple(intents), free_slots=free, submitting=submitting,
+    )  # fmt: skip
 
 
 def ok() -> JobResult:

@@ -48,12 +48,15 @@ class Policy:
 
 @dataclass(frozen=True)
 class Snapshot:
+    """What the planner decides from: fields by name (``Snapshot(now=..., policy=...)``); a
+    snapshot of intents alone (at start-up) leaves the rest empty."""
+
     now: float
-    batches: tuple[BatchView, ...]
-    seen: Mapping[int, JobSeen]
-    intents: tuple[Intent, ...]
-    free_slots: int | None  # None: the executor queues without limit
     policy: Policy
+    batches: tuple[BatchView, ...] = ()
+    seen: Mapping[int, JobSeen] = field(default_factory=dict)
+    intents: tuple[Intent, ...] = ()
+    free_slots: int | None = None  # None: the executor queues without limit
     submitting: bool = True  # False while shutting down
     paused_roots: frozenset[str] = frozenset()  # paused by an operator: no job goes out
 

@@ -136,7 +136,10 @@ class Service:
         """Pauses and resumes asked for while the daemon was down take effect before the first
         scan, so a paused root's new manifests are not taken in at start-up."""
         intents = tuple(i for i in self.store.pending_intents() if i.batch_id is None)
-        snapshot = Snapshot(now, (), {}, intents, None, self.policy, False, self.paused)
+        snapshot = Snapshot(
+            now=now, policy=self.policy, intents=intents, submitting=False,
+            paused_roots=self.paused,
+        )  # fmt: skip
         self._apply(self.actor.carry_out(plan(snapshot), now), now)
 
     def request_stop(self) -> None:
@@ -362,8 +365,8 @@ class Service:
         seen = self.dispatch.observe(live)
         self._dirty |= self.dispatch.take_progressed()  # the status files say images done
         return Snapshot(
-            now, views, seen, intents, free, self.policy, self._submitting,
-            self.paused,
+            now=now, policy=self.policy, batches=views, seen=seen, intents=intents,
+            free_slots=free, submitting=self._submitting, paused_roots=self.paused,
         )  # fmt: skip
 
     def _view(self, batch: Batch, jobs: Iterable[Job], now: float) -> BatchView:
