@@ -236,7 +236,7 @@ def test_a_finished_shard_succeeds_and_the_report_follows_the_last_one() -> None
         (job(1, JobState.RUNNING), job(2, JobState.SUCCEEDED)),
     )
     actions = plan(snap(view, seen=[JobSeen(1, Phase.ENDED, 0, ok())]))
-    assert actions[0] == MoveJob(1, JobState.SUCCEEDED, "finished", 0)
+    assert actions[0] == MoveJob(1, JobState.SUCCEEDED, "finished", 0, batch_id=1)
     assert isinstance(actions[1], PlanJobs) and actions[1].jobs[0].pipeline is Pipeline.REPORT
 
 
@@ -253,8 +253,15 @@ def test_a_job_that_ended_without_a_result_is_retried_until_the_attempts_run_out
     )
     actions = plan(snap(view, seen=[JobSeen(1, Phase.ENDED, -9)]))
     assert actions[:2] == [
-        MoveJob(1, JobState.FAILED, "ended without a result (exit code -9)", -9, ErrorKind.LOST),
-        MoveJob(1, JobState.PENDING, "retry 2 of 3"),
+        MoveJob(
+            1,
+            JobState.FAILED,
+            "ended without a result (exit code -9)",
+            -9,
+            ErrorKind.LOST,
+            batch_id=1,
+        ),
+        MoveJob(1, JobState.PENDING, "retry 2 of 3", batch_id=1),
     ]
     assert isinstance(actions[-1], Submit)
     last = BatchView(
@@ -305,11 +312,11 @@ def test_a_cancel_intent_stops_live_and_pending_jobs() -> None:
     assert plan(snap(view, intents=[intent])) == [
         Cancel((1, 2), "cancelled by ops"),
         MoveBatch(1, BatchState.CANCELLED, "cancelled by ops"),
-        ResolveIntent(7, "cancelled"),
+        ResolveIntent(7, "cancelled", batch_id=1),
     ]
     done = BatchView(batch(1, BatchState.DONE), manifest(), ())
     assert plan(snap(done, intents=[intent])) == [
-        ResolveIntent(7, "nothing to cancel: the batch is done")
+        ResolveIntent(7, "nothing to cancel: the batch is done", batch_id=1)
     ]
 
 
@@ -327,7 +334,7 @@ def test_a_retried_batch_waits_again_then_reruns_only_failed_jobs_with_fresh_att
     again = BatchView(batch(1, BatchState.WAITING), m, failed.jobs, Ready(m.files))
     assert plan(snap(again)) == [
         MoveBatch(1, BatchState.QUEUED, "inputs complete"),
-        MoveJob(2, JobState.PENDING, "retry asked by operator", fresh=True),
+        MoveJob(2, JobState.PENDING, "retry asked by operator", fresh=True, batch_id=1),
     ]
 
 
@@ -338,7 +345,7 @@ def test_a_running_job_is_marked_started_once() -> None:
         (job(1, JobState.SUBMITTED), job(2, JobState.RUNNING)),
     )
     seen = [JobSeen(1, Phase.RUNNING), JobSeen(2, Phase.RUNNING)]
-    assert plan(snap(view, seen=seen)) == [MoveJob(1, JobState.RUNNING, "started")]
+    assert plan(snap(view, seen=seen)) == [MoveJob(1, JobState.RUNNING, "started", batch_id=1)]
 
 
 def test_inputs_of_a_shard_are_the_images_only() -> None:
@@ -358,7 +365,7 @@ def test_an_end_without_a_result_carries_the_executors_word_and_the_log_tail() -
     note = "Slurm: OUT_OF_MEMORY (None); log ends: loading model | Killed"
     actions = plan(snap(view, seen=[JobSeen(1, Phase.ENDED, 137, note=note)]))
     reason = f"ended without a result (exit code 137); {note}"
-    assert actions[0] == MoveJob(1, JobState.FAILED, reason, 137, ErrorKind.LOST)
+    assert actions[0] == MoveJob(1, JobState.FAILED, reason, 137, ErrorKind.LOST, batch_id=1)
     failure = actions[-1]
     assert failure.reason == f"job j1 failed after 3 attempt(s): {reason}"
     assert failure.problems[0].message == reason
@@ -484,18 +491,20 @@ def test_a_requeued_done_batch_waits_again_with_every_job_pending_afresh() -> No
     intent = Intent(3, 0.0, IntentAction.REQUEUE, 1, "ops", None, "")
     assert plan(snap(done, intents=[intent])) == [
         MoveBatch(1, BatchState.WAITING, "requeue asked by ops"),
-        MoveJob(1, JobState.PENDING, "requeue asked by ops", fresh=True),
-        MoveJob(2, JobState.PENDING, "requeue asked by ops", fresh=True),
-        ResolveIntent(3, "requeue: waiting for inputs again"),
+        MoveJob(1, JobState.PENDING, "requeue asked by ops", fresh=True, batch_id=1),
+        MoveJob(2, JobState.PENDING, "requeue asked by ops", fresh=True, batch_id=1),
+        ResolveIntent(3, "requeue: waiting for inputs again", batch_id=1),
     ]
     running = BatchView(batch(1, BatchState.RUNNING), manifest(), ())
     assert plan(snap(running, intents=[intent])) == [
-        ResolveIntent(3, "not done: the batch is running")
+        ResolveIntent(3, "not done: the batch is running", batch_id=1)
     ]
     refused = BatchView(batch(1, BatchState.FAILED), None, ())
     assert plan(snap(refused, intents=[intent])) == [
         ResolveIntent(
-            3, "not done: its manifest was refused; saving a fixed one starts a new revision"
+            3,
+            "not done: its manifest was refused; saving a fixed one starts a new revision",
+            batch_id=1,
         )
     ]
 
@@ -531,4 +540,4 @@ def test_the_retry_budget_counts_from_the_operators_last_fresh_start() -> None:
     fresh = replace(job(1, JobState.RUNNING, attempts=4), attempts_base=3)
     view = BatchView(batch(1, BatchState.RUNNING), manifest(), (fresh,))
     actions = plan(snap(view, seen=[JobSeen(1, Phase.ENDED, -9)]))
-    assert actions[1] == MoveJob(1, JobState.PENDING, "retry 2 of 3")
+    assert actions[1] == MoveJob(1, JobState.PENDING, "retry 2 of 3", batch_id=1)

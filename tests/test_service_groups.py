@@ -35,13 +35,13 @@ def test_store_only_actions_of_one_batch_are_grouped_and_executor_actions_stand_
     actions = [
         MoveBatch(a.id, BatchState.QUEUED, "inputs complete"),
         PlanJobs(a.id, ()),
-        MoveJob(job.id, JobState.CANCELLED, "x"),
+        MoveJob(job.id, JobState.CANCELLED, "x", batch_id=a.id),
         Cancel((job.id,), "x"),
         MoveBatch(b.id, BatchState.CANCELLED, "x"),
-        ResolveIntent(intent.id, "cancelled"),
+        ResolveIntent(intent.id, "cancelled", batch_id=intent.batch_id),
         Submit((job.id,)),
     ]
-    groups = _transactions(actions, store)
+    groups = _transactions(actions)
     store.close()
     assert [[type(x).__name__ for x in g] for g in groups] == [
         ["MoveBatch", "PlanJobs", "MoveJob"],

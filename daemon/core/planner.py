@@ -80,6 +80,7 @@ class MoveJob:
     error_kind: ErrorKind | None = None
     detail: str = ""
     fresh: bool = False  # an operator's retry: the attempt count starts again
+    batch_id: int | None = None  # the job's batch: the actor commits a batch's moves together
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class Cancel:
 class ResolveIntent:
     intent_id: int
     outcome: str
+    batch_id: int | None = None  # the intent's batch (None: a drop root's)
 
 
 @dataclass(frozen=True)
@@ -164,18 +166,22 @@ def plan(snapshot: Snapshot) -> list[Action]:
 # -- intents ------------------------------------------------------------------------------------
 
 
+def _resolved(intent: Intent, outcome: str) -> ResolveIntent:
+    return ResolveIntent(intent.id, outcome, intent.batch_id)
+
+
 def _apply_intent(intent: Intent, view: BatchView | None) -> list[Action]:
     if view is None:
-        return [ResolveIntent(intent.id, "ignored: the batch is not active")]
+        return [_resolved(intent, "ignored: the batch is not active")]
     state = view.batch.state
     who = intent.requested_by or "an operator"
     if intent.action is IntentAction.CANCEL:
         if state.terminal:
-            return [ResolveIntent(intent.id, f"nothing to cancel: the batch is {state.value}")]
+            return [_resolved(intent, f"nothing to cancel: the batch is {state.value}")]
         return [
             *_cancel_jobs(view.jobs, f"cancelled by {who}"),
             MoveBatch(view.batch.id, BatchState.CANCELLED, f"cancelled by {who}"),
-            ResolveIntent(intent.id, "cancelled"),
+            _resolved(intent, "cancelled"),
         ]
     if intent.action in (IntentAction.RETRY, IntentAction.REQUEUE):
         allowed = (
@@ -184,23 +190,23 @@ def _apply_intent(intent: Intent, view: BatchView | None) -> list[Action]:
             else {BatchState.DONE, BatchState.FAILED, BatchState.CANCELLED}
         )
         if state not in allowed:
-            return [ResolveIntent(intent.id, f"not done: the batch is {state.value}")]
+            return [_resolved(intent, f"not done: the batch is {state.value}")]
         if view.manifest is None:
             refused = "not done: its manifest was refused; saving a fixed one starts a new revision"
-            return [ResolveIntent(intent.id, refused)]
+            return [_resolved(intent, refused)]
         reason = f"{intent.action.value} asked by {who}"
         # A retry re-runs the failed jobs once the inputs are checked; a requeue runs them all.
         again: list[Action] = [
-            MoveJob(j.id, JobState.PENDING, reason, fresh=True)
+            MoveJob(j.id, JobState.PENDING, reason, fresh=True, batch_id=j.batch_id)
             for j in view.jobs
             if intent.action is IntentAction.REQUEUE and j.state.terminal
         ]
         return [
             MoveBatch(view.batch.id, BatchState.WAITING, reason),
             *again,
-            ResolveIntent(intent.id, f"{intent.action.value}: waiting for inputs again"),
+            _resolved(intent, f"{intent.action.value}: waiting for inputs again"),
         ]
-    return [ResolveIntent(intent.id, f"ignored: {intent.action.value} is asked of a drop root")]
+    return [_resolved(intent, f"ignored: {intent.action.value} is asked of a drop root")]
 
 
 def _apply_root_intent(
@@ -210,14 +216,14 @@ def _apply_root_intent(
     root, who = str(intent.root), intent.requested_by or "an operator"
     if not intent.action.on_root:
         refused = f"ignored: {intent.action.value} is asked of a batch"
-        return [ResolveIntent(intent.id, refused)], paused
+        return [_resolved(intent, refused)], paused
     pause = intent.action is IntentAction.PAUSE
     if (root in paused) == pause:
         already = "already paused" if pause else "not paused"
-        return [ResolveIntent(intent.id, f"nothing to do: the root is {already}")], paused
+        return [_resolved(intent, f"nothing to do: the root is {already}")], paused
     after = paused | {root} if pause else paused - {root}
     outcome = "paused" if pause else "resumed"
-    return [PauseRoot(root, pause, who), ResolveIntent(intent.id, outcome)], after
+    return [PauseRoot(root, pause, who), _resolved(intent, outcome)], after
 
 
 def _cancel_jobs(jobs: Iterable[Job], reason: str) -> list[Action]:
@@ -284,7 +290,7 @@ def _plan_waiting(view: BatchView, policy: Policy) -> list[Action]:
         jobs = compute_jobs(batch, view.manifest, verdict.inputs, policy.shards, policy.executor)
         return [*actions, PlanJobs(batch.id, jobs)]
     return actions + [
-        MoveJob(j.id, JobState.PENDING, "retry asked by operator", fresh=True)
+        MoveJob(j.id, JobState.PENDING, "retry asked by operator", fresh=True, batch_id=j.batch_id)
         for j in view.jobs
         if j.state in (JobState.FAILED, JobState.CANCELLED)
     ]
@@ -312,18 +318,29 @@ def _judge(job: Job, seen: JobSeen | None, policy: Policy) -> list[MoveJob]:
         return []
     if seen.phase is Phase.RUNNING:
         return (
-            [MoveJob(job.id, JobState.RUNNING, "started")]
+            [MoveJob(job.id, JobState.RUNNING, "started", batch_id=job.batch_id)]
             if job.state is JobState.SUBMITTED
             else []
         )
     result = seen.result
     if result is not None and result.ok:
-        return [MoveJob(job.id, JobState.SUCCEEDED, "finished", seen.exit_code)]
+        return [
+            MoveJob(job.id, JobState.SUCCEEDED, "finished", seen.exit_code, batch_id=job.batch_id)
+        ]
     kind, reason, detail = _failure_of(seen)
-    moves = [MoveJob(job.id, JobState.FAILED, reason, seen.exit_code, kind, detail)]
+    moves = [
+        MoveJob(
+            job.id, JobState.FAILED, reason, seen.exit_code, kind, detail, batch_id=job.batch_id
+        )
+    ]
     if _retryable(kind) and job.tries < policy.max_attempts:
         moves.append(
-            MoveJob(job.id, JobState.PENDING, f"retry {job.tries + 1} of {policy.max_attempts}")
+            MoveJob(
+                job.id,
+                JobState.PENDING,
+                f"retry {job.tries + 1} of {policy.max_attempts}",
+                batch_id=job.batch_id,
+            )
         )
     return moves
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from daemon.contract.errors import ManifestError
-from daemon.contract.jobspec import Problem
+from daemon.contract.jobspec import ErrorKind, Problem
 from daemon.core.planner import (
     Action,
     Cancel,
@@ -27,9 +27,9 @@ from daemon.core.planner import (
     ResolveIntent,
     Submit,
 )
-from daemon.core.records import Batch, JobChange
-from daemon.core.states import BatchState
-from daemon.loop.dispatch import Dispatcher
+from daemon.core.records import Batch, Job, JobChange
+from daemon.core.states import BatchState, JobState
+from daemon.loop.dispatch import FINISHED_HANDLE, Dispatcher
 from daemon.loop.metrics import Metrics
 from daemon.loop.waitroom import WaitRoom
 from daemon.store import Store
@@ -60,7 +60,7 @@ class Actor:
     def carry_out(self, actions: Iterable[Action], now: float) -> Effects:
         """Carry out ``actions``, group by group; what the loop must know of it."""
         self._effects = Effects()
-        for group in _transactions(actions, self.store):
+        for group in _transactions(actions):
             self._act_safely(group, now)
         return self._effects
 
@@ -78,7 +78,7 @@ class Actor:
                     for action in group:
                         self._act(action, now)
         except Exception as exc:  # a bug must not stop the loop: fail that batch, go on
-            batch_id = _batch_of(group[0], self.store)
+            batch_id = _failed_batch(group[0], self.store)
             names = [type(a).__name__ for a in group]
             log.exception("action failed", actions=names, batch_id=batch_id)
             if batch_id is not None:
@@ -93,19 +93,7 @@ class Actor:
                 error_kind=action.error_kind,
                 reset_attempts=action.fresh,
             )
-            job = self.store.transition_job(
-                action.job_id, action.target, action.reason, now, change, action.detail
-            )
-            log.info(
-                "job " + action.target.value,
-                batch_id=job.batch_id,
-                job_id=job.id,
-                job=job.name,
-                reason=action.reason,
-            )
-            self.touched(job.batch_id)
-            if job.state.terminal:
-                self.metrics.job_ended(job)
+            self._move_job(action.job_id, action.target, action.reason, now, change, action.detail)
         elif isinstance(action, PlanJobs):
             jobs = self.store.create_jobs(action.batch_id, action.jobs, now)
             log.info("jobs planned", batch_id=action.batch_id, jobs=len(jobs))
@@ -122,6 +110,26 @@ class Actor:
         elif isinstance(action, ResolveIntent):
             self.store.resolve_intent(action.intent_id, action.outcome, now)
             log.info("intent applied", intent_id=action.intent_id, outcome=action.outcome)
+
+    def _move_job(
+        self,
+        job_id: int,
+        target: JobState,
+        reason: str,
+        now: float,
+        change: JobChange | None = None,
+        detail: str = "",
+    ) -> Job:
+        """Every job's transition, whoever asked for it (the planner, a submission, a cancel):
+        recorded with its event, logged, its batch's status file due, an end counted."""
+        job = self.store.transition_job(job_id, target, reason, now, change, detail)
+        log.info("job " + target.value, batch_id=job.batch_id, job_id=job.id, job=job.name,
+                 reason=reason, **({"handle": job.handle, "attempt": job.attempts}
+                                   if target is JobState.SUBMITTED else {}))  # fmt: skip
+        self.touched(job.batch_id)
+        if job.state.terminal:
+            self.metrics.job_ended(job)
+        return job
 
     def _move_batch(self, action: MoveBatch, now: float) -> None:
         batch = self.store.transition_batch(
@@ -165,12 +173,14 @@ class Actor:
             if manifest is not None and not self.store.batch(batch.id).state.terminal:
                 work.append((job, batch, manifest))
         outcome = self.dispatch.submit(work, now)
-        for submitted in outcome.submitted:
-            self.touched(submitted.batch_id)
-            self._unreachable.discard(submitted.batch_id)
-        for job in outcome.refused:  # its batch fails at the next tick's plan
-            self.touched(job.batch_id)
-            self.metrics.job_ended(job)
+        for job, handle in outcome.taken:
+            found = handle == FINISHED_HANDLE  # ended before a crash let it be recorded
+            change = JobChange(handle=handle, new_attempt=True)
+            reason = "found finished" if found else "submitted"
+            self._move_job(job.id, JobState.SUBMITTED, reason, now, change)
+            self._unreachable.discard(job.batch_id)
+        for job, why in outcome.refused:  # its batch fails at the next tick's plan
+            self._move_job(job.id, JobState.FAILED, why, now, JobChange(error_kind=ErrorKind.INPUT))
         for refused_batch, error in outcome.unwritable:
             self._unwritable(refused_batch, error, now)
 
@@ -197,9 +207,14 @@ class Actor:
             self._move_batch(failed, now)
 
     def _cancel(self, action: Cancel, now: float) -> None:
-        for job in self.dispatch.cancel(action.job_ids, action.reason, now):
-            log.info("job cancelled", batch_id=job.batch_id, job_id=job.id, reason=action.reason)
-            self.touched(job.batch_id)
+        """Each job not yet ended is cancelled, a cancel kept for the executor in the same
+        transaction; then the cancels go out (or wait for a later tick)."""
+        for job in (self.store.job(i) for i in action.job_ids):
+            if not job.state.terminal:
+                with self.store.atomic():
+                    self.dispatch.keep_cancel(job, now)
+                    self._move_job(job.id, JobState.CANCELLED, action.reason, now)
+        self.dispatch.deliver_cancels()
 
 
 # What a network share answers while it is away (sshfs, NFS, GPFS): a job waits, queued, and is
@@ -210,13 +225,21 @@ SHARE_DOWN = frozenset({
 })  # fmt: skip
 
 
-def _transactions(actions: Iterable[Action], store: Store) -> list[list[Action]]:
+def _failed_batch(action: Action, store: Store) -> int | None:
+    """The batch to fail for an action that raised (a submission's or cancel's: its first
+    job's)."""
+    if isinstance(action, (Submit, Cancel)) and action.job_ids:
+        return store.job(action.job_ids[0]).batch_id
+    return _batch_of(action)
+
+
+def _transactions(actions: Iterable[Action]) -> list[list[Action]]:
     """Consecutive store-only actions of the same batch form one group; an action that also
     talks to the executor (submit, cancel) is a group of its own."""
     groups: list[list[Action]] = []
     key: int | None = None
     for action in actions:
-        batch_id = None if isinstance(action, (Submit, Cancel)) else _batch_of(action, store)
+        batch_id = None if isinstance(action, (Submit, Cancel)) else _batch_of(action)
         if batch_id is not None and groups and batch_id == key:
             groups[-1].append(action)
         else:
@@ -225,13 +248,8 @@ def _transactions(actions: Iterable[Action], store: Store) -> list[list[Action]]
     return groups
 
 
-def _batch_of(action: Action, store: Store) -> int | None:
-    if isinstance(action, (MoveBatch, PlanJobs)):
+def _batch_of(action: Action) -> int | None:
+    """The batch an action is about, as the planner said (None: a drop root's, or several)."""
+    if isinstance(action, (MoveBatch, PlanJobs, MoveJob, ResolveIntent)):
         return action.batch_id
-    if isinstance(action, MoveJob):
-        return store.job(action.job_id).batch_id
-    if isinstance(action, (Submit, Cancel)) and action.job_ids:
-        return store.job(action.job_ids[0]).batch_id
-    if isinstance(action, ResolveIntent):
-        return store.intent(action.intent_id).batch_id
     return None

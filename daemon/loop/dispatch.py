@@ -32,7 +32,6 @@ from daemon.contract.jobspec import (
     PROGRESS_FILE,
     RESULT_FILE,
     SPEC_FILE,
-    ErrorKind,
     JobResult,
     JobSpec,
     Pipeline,
@@ -40,8 +39,8 @@ from daemon.contract.jobspec import (
 from daemon.core.jobplan import job_spec
 from daemon.core.manifest import Manifest
 from daemon.core.planner import JobSeen
-from daemon.core.records import Batch, Job, JobChange
-from daemon.core.states import JobState, Phase
+from daemon.core.records import Batch, Job
+from daemon.core.states import Phase
 from daemon.executors import Accepted, Deferred, Executor, Handover, Refused, Submission
 from daemon.store import Store
 
@@ -53,12 +52,13 @@ FINISHED_HANDLE = "finished"  # an attempt found finished before it was recorded
 
 @dataclass(frozen=True)
 class Outcome:
-    """What a submission round did: jobs now submitted, jobs the executor refused for good
-    (now FAILED), batches whose folder refused a write."""
+    """What a submission round did, for the actor to record: the jobs the executor took (with
+    their handles; ``FINISHED_HANDLE`` for an attempt found finished), the jobs it refused for
+    good (with its word), and the batches whose folder refused a write."""
 
-    submitted: tuple[Job, ...] = ()
+    taken: tuple[tuple[Job, str], ...] = ()
+    refused: tuple[tuple[Job, str], ...] = ()
     unwritable: tuple[tuple[Batch, OSError], ...] = ()
-    refused: tuple[Job, ...] = ()
 
 
 class Dispatcher:
@@ -148,7 +148,7 @@ class Dispatcher:
     def submit(self, work: Sequence[tuple[Job, Batch, Manifest]], now: float) -> Outcome:
         """Write each job's spec and hand the jobs to the executor in one call."""
         ready: list[tuple[Job, Submission]] = []
-        done: list[Job] = []
+        done: list[tuple[Job, str]] = []
         unwritable: list[tuple[Batch, OSError]] = []
         cancelling = set(self.store.kept_cancels().values())
         for job, batch, manifest in work:
@@ -163,48 +163,31 @@ class Dispatcher:
                 unwritable.append((batch, exc))
                 continue
             if finished:
-                change = JobChange(handle=FINISHED_HANDLE, new_attempt=True)
-                done.append(
-                    self.store.transition_job(
-                        job.id, JobState.SUBMITTED, "found finished", now, change
-                    )
-                )
+                done.append((job, FINISHED_HANDLE))
                 continue
             ready.append((job, _submission(spec, manifest)))
-        submitted, refused = self._hand_over(ready, now) if ready else ([], [])
-        return Outcome(tuple(done + submitted), tuple(unwritable), tuple(refused))
+        taken, refused = self._hand_over(ready) if ready else ([], [])
+        return Outcome(tuple(done + taken), tuple(refused), tuple(unwritable))
 
     def _hand_over(
-        self, ready: Sequence[tuple[Job, Submission]], now: float
-    ) -> tuple[list[Job], list[Job]]:
-        """One call to the executor; the jobs it took, and those it refused for good."""
+        self, ready: Sequence[tuple[Job, Submission]]
+    ) -> tuple[list[tuple[Job, str]], list[tuple[Job, str]]]:
+        """One call to the executor; the jobs it took (with their handles), and those it
+        refused for good (with why, also written into the job's log, where the owner is sent)."""
         handed = self.executor.submit([s for _, s in ready])
-        submitted: list[Job] = []
-        refused: list[Job] = []
+        taken: list[tuple[Job, str]] = []
+        refused: list[tuple[Job, str]] = []
         for (job, sub), answer in zip(ready, handed, strict=True):
-            moved = self._record(job, sub, answer, now)
-            if moved is not None:
-                (submitted if moved.state is JobState.SUBMITTED else refused).append(moved)
+            if isinstance(answer, Accepted):
+                taken.append((job, answer.handle))
+            elif isinstance(answer, Refused):
+                reason = f"refused by the {self.executor.name} executor: {answer.reason}"
+                log.warning("job refused", batch_id=job.batch_id, job_id=job.id, job=sub.name,
+                            reason=answer.reason)  # fmt: skip
+                _append_line(sub, f"watchd: {reason}")
+                refused.append((job, reason))
         self._say_held(ready, handed)
-        return submitted, refused
-
-    def _record(self, job: Job, sub: Submission, answer: Handover, now: float) -> Job | None:
-        """The job moved as the executor answered: SUBMITTED, FAILED, or left pending."""
-        if isinstance(answer, Accepted):
-            change = JobChange(handle=answer.handle, new_attempt=True)
-            moved = self.store.transition_job(job.id, JobState.SUBMITTED, "submitted", now, change)
-            log.info("job submitted", batch_id=job.batch_id, job_id=job.id, job=sub.name,
-                     handle=answer.handle, attempt=moved.attempts)  # fmt: skip
-            return moved
-        if isinstance(answer, Refused):
-            change = JobChange(error_kind=ErrorKind.INPUT)
-            reason = f"refused by the {self.executor.name} executor: {answer.reason}"
-            moved = self.store.transition_job(job.id, JobState.FAILED, reason, now, change)
-            log.warning("job refused", batch_id=job.batch_id, job_id=job.id, job=sub.name,
-                        reason=answer.reason)  # fmt: skip
-            _append_line(sub, f"watchd: {reason}")  # where the owner is sent
-            return moved
-        return None
+        return taken, refused
 
     def _say_held(
         self, ready: Sequence[tuple[Job, Submission]], handed: Sequence[Handover]
@@ -217,19 +200,11 @@ class Dispatcher:
         else:
             self._said.pop("submission deferred; offered again later", None)
 
-    def cancel(self, job_ids: Sequence[int], reason: str, now: float) -> list[Job]:
-        """Mark every one not yet ended cancelled, keeping a cancel for each one the executor
-        has; then deliver the cancels (or leave them for a later tick)."""
-        cancelled = []
-        for job in (self.store.job(i) for i in job_ids):
-            if job.state.terminal:
-                continue
-            with self.store.atomic():
-                if job.state.live and job.handle and job.handle != FINISHED_HANDLE:
-                    self.store.keep_cancel(job.handle, job.id, now)
-                cancelled.append(self.store.transition_job(job.id, JobState.CANCELLED, reason, now))
-        self.deliver_cancels()
-        return cancelled
+    def keep_cancel(self, job: Job, now: float) -> None:
+        """Keep a cancel for ``job`` if the executor has it (the caller marks the job cancelled
+        in the same transaction); :meth:`deliver_cancels` sends it."""
+        if job.state.live and job.handle and job.handle != FINISHED_HANDLE:
+            self.store.keep_cancel(job.handle, job.id, now)
 
     def deliver_cancels(self) -> None:
         """Send the cancels not delivered yet (the service calls this every tick)."""

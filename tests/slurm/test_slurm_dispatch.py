@@ -153,7 +153,7 @@ def test_an_undelivered_cancel_is_kept_across_a_restart_and_no_retry_runs_beside
         assert manifest is not None
         work = [(j, batch, manifest) for j in service.store.jobs([batch.id])]
         outcome = service.dispatch.submit(work, time.time())
-        assert outcome.submitted == () and slurm.counts["submit"] == 1  # the cancel comes first
+        assert outcome.taken == () and slurm.counts["submit"] == 1  # the cancel comes first
         service.tick(time.time())
         assert sorted(slurm.cancelled) == [h.removeprefix("slurm:") for h in handles]
         assert service.store.kept_cancels() == {}
