@@ -42,7 +42,7 @@ from typing import Any
 
 from daemon.contract.atomicfile import write_text
 from daemon.contract.checksums import sha256_of
-from daemon.contract.names import ALIASES, model_name_problem
+from daemon.contract.names import ALIASES, model_name_problem, model_names
 
 WEIGHTS_FILE = "weights.pt"
 METADATA_FILE = "metadata.json"
@@ -87,14 +87,6 @@ def check_name(name: str) -> str:
     return name
 
 
-def list_models(registry: Path) -> list[str]:
-    if not registry.is_dir():
-        return []
-    return sorted(
-        p.name for p in registry.iterdir() if p.is_dir() and not model_name_problem(p.name)
-    )
-
-
 def list_versions(registry: Path, name: str) -> list[int]:
     """Published version numbers of ``name``, ascending (temporary folders are ignored)."""
     model_dir = registry / check_name(name)
@@ -118,7 +110,7 @@ def read_aliases(registry: Path, name: str) -> dict[str, int]:
 def _describe(registry: Path, name: str) -> str:
     versions = list_versions(registry, name)
     if not versions:
-        models = ", ".join(list_models(registry)) or "none"
+        models = ", ".join(model_names(registry)) or "none"
         return f"no model named {name!r} in the registry {registry}; available models: {models}"
     aliases = read_aliases(registry, name)
     named = ", ".join(f"{key} = {value}" for key, value in sorted(aliases.items()))
@@ -367,7 +359,7 @@ def _main(argv: Sequence[str]) -> dict[str, Any]:
     if args.command == "promote":
         aliases = promote(args.registry, args.name, args.version, args.alias, args.by)
         return {"name": args.name, "aliases": aliases}
-    names = [check_name(args.name)] if args.name else list_models(args.registry)
+    names = [check_name(args.name)] if args.name else model_names(args.registry)
     if args.name and not list_versions(args.registry, args.name):
         raise ModelError(_describe(args.registry, args.name))
     models = [describe_model(args.registry, n) for n in names]

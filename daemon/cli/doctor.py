@@ -17,6 +17,7 @@ from pathlib import Path
 
 from daemon.cli.base import liveness
 from daemon.contract.errors import ConfigError, WatchdError
+from daemon.contract.names import model_names
 from daemon.contract.version import code_version
 from daemon.executors import Check, make_executor
 from daemon.site.access import user_name
@@ -261,18 +262,8 @@ def registry_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
     problem = _write_problem(path)
     if problem:
         return [Check("registry", False, f"{path}: {problem}", hint)]
-    models = len(registered_models(path))
+    models = len(model_names(path))
     return [Check("registry", True, f"{path}: {models} model(s), writable by {user_name()}")]
-
-
-def registered_models(registry: Path) -> list[str]:
-    """The names of the models in the registry (one folder each), without importing models/."""
-    try:
-        return sorted(
-            p.name for p in registry.iterdir() if p.is_dir() and not p.name.startswith(".")
-        )
-    except OSError:
-        return []
 
 
 def executor_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:

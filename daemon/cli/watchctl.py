@@ -219,9 +219,9 @@ def _manifest_config(config: Path | None) -> Config | None:
 def _say_if_unregistered(cfg: Config, model: str) -> None:
     """The batch would fail at its first job: say so now, while the expert is here (the model
     may still be trained before the inputs are complete, so this is a note, not a refusal)."""
-    from daemon.cli.doctor import registered_models
+    from daemon.contract.names import model_names
 
-    known = registered_models(cfg.registry.path)
+    known = model_names(cfg.registry.path)
     if model not in known:
         print(
             f"note: no model named {model!r} in the registry {cfg.registry.path} (models there: "

@@ -1,5 +1,6 @@
 """The names and defaults the daemon and the jobs share beyond the job spec: the rule for model
-names, the registry's aliases, and the defaults of the inference parameters.
+names, the registry's top level (a folder per model) and its aliases, and the defaults of the
+inference parameters.
 
 One place for each: the manifest's validation (:mod:`daemon.core.manifest_schema`), the model
 catalogue (:mod:`models.catalog`) and the inference job (:mod:`pipelines.infer`) read them here.
@@ -11,6 +12,7 @@ import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -19,6 +21,17 @@ MODEL_NAME_RULE = "1 to 64 letters, digits, '.', '_' or '-', starting with a let
 LATEST = "latest"  # the newest version of a model
 BEST = "best"  # the version that scored best on its validation split
 ALIASES = (LATEST, BEST)
+
+
+def model_names(registry: Path) -> list[str]:
+    """The models of a registry: its folders named by the rule ([] where it cannot be read;
+    the rest of its layout is :mod:`models.catalog`'s)."""
+    try:
+        return sorted(
+            p.name for p in registry.iterdir() if p.is_dir() and not model_name_problem(p.name)
+        )
+    except OSError:
+        return []
 
 
 def model_name_problem(name: str) -> str:
