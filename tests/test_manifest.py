@@ -49,7 +49,7 @@ def test_a_training_manifest_pairs_images_and_masks_by_file_name() -> None:
     ]
     manifest = parse_manifest(doc(kind="training", model={"name": "m"}, files=files))
     assert manifest.params == TrainingParams().model_dump()
-    assert [f.role for f in manifest.files] == ["image", "mask"]
+    assert [f.role.value for f in manifest.files] == ["image", "mask"]
 
 
 def test_training_refuses_images_without_masks_and_a_version() -> None:

@@ -30,7 +30,7 @@ def _ready_inputs(folder: Path, text: str, limit: int) -> list[tuple[str, str]]:
     manifest = parse_manifest(text.encode(), max_bytes=limit)
     verdict = assess(manifest, observe(folder, manifest), None, 0.0, 0.0, Timing(0.0, 60.0))
     assert isinstance(verdict, Ready), verdict
-    return sorted((f.path, f.role) for f in verdict.inputs)
+    return sorted((f.path, f.role.value) for f in verdict.inputs)
 
 
 def test_a_folder_that_fits_is_listed_file_by_file_with_checksums(drop_root: Path) -> None:
@@ -55,7 +55,7 @@ def test_a_folder_too_large_to_list_gets_counted_patterns_the_daemon_accepts(
     composed = compose(_request(folder, max_bytes=LIMIT))
     manifest = parse_manifest(composed.text.encode(), max_bytes=LIMIT)
     assert not manifest.files
-    assert [(p.glob, p.role, p.count) for p in manifest.patterns] == [
+    assert [(p.glob, p.role.value, p.count) for p in manifest.patterns] == [
         ("images/[!.]*.PNG", "image", 1),
         ("images/[!.]*.png", "image", 12),
         ("masks/[!.]*.PNG", "mask", 1),

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from daemon.contract.errors import IllegalTransition
 from daemon.contract.jobspec import Pipeline
+from daemon.core.manifest_schema import Kind
 from daemon.core.records import NewBatch, NewJob
 from daemon.core.states import (
     BATCH_TRANSITIONS,
@@ -25,7 +26,7 @@ from daemon.store import Store
 
 def new_batch(folder: str = "b") -> NewBatch:
     return NewBatch(
-        "/root", folder, "sha-" + folder, "text", "1:2:3", "inference", "", "o", None, "/run"
+        "/root", folder, "sha-" + folder, "text", "1:2:3", Kind.INFERENCE, "", "o", None, "/run"
     )
 
 

@@ -12,6 +12,7 @@ import pytest
 from daemon.cli import overview
 from daemon.cli import read as cli_read
 from daemon.contract.jobspec import PROGRESS_FILE, InputFile, Pipeline, Role
+from daemon.core.manifest_schema import Kind
 from daemon.core.records import Batch, IntentAction, JobChange, NewBatch, NewJob
 from daemon.core.states import BatchState, JobState
 from daemon.loop.dispatch import read_progress
@@ -22,7 +23,7 @@ INPUTS = (InputFile("images/a.png", 1), InputFile("masks/a.png", 1, role=Role.MA
           InputFile("images/b.png", 2))  # fmt: skip
 
 
-def a_batch(store: Store, kind: str) -> Batch:
+def a_batch(store: Store, kind: Kind) -> Batch:
     new = NewBatch("/r", "f", "sha", "", "", kind, "", "o", None, "/run")
     return store.create_batch(new, BatchState.WAITING, "accepted", 0.0)
 
@@ -32,7 +33,7 @@ def test_trial_params_round_trip_and_a_later_stage_inherits_each_input_once(
 ) -> None:
     store = Store.open(tmp_path / "watchd.sqlite")
     try:
-        batch = a_batch(store, "sweep")
+        batch = a_batch(store, Kind.SWEEP)
         trials = [NewJob(f"b1-trial-{i}", Pipeline.TRAIN, 0, i, 3, INPUTS, "local",
                          params={"learning_rate": rate, "trial": i})
                   for i, rate in enumerate((0.1, 0.01, 0.001))]  # fmt: skip
@@ -104,7 +105,7 @@ def test_migration_3_keeps_the_intents_and_lets_an_intent_name_a_root_instead_of
     store = Store.open(path)
     try:
         old = store.intent(1)
-        assert (old.action, old.batch_id, old.root, old.outcome) == (
+        assert (old.action.value, old.batch_id, old.root, old.outcome) == (
             "retry",
             7,
             None,
@@ -133,7 +134,7 @@ def test_a_fresh_start_keeps_counting_attempts_and_restarts_the_retry_budget(
     attempt is never taken for the new one's), while its retry budget starts again."""
     store = Store.open(tmp_path / "watchd.sqlite")
     try:
-        batch = a_batch(store, "inference")
+        batch = a_batch(store, Kind.INFERENCE)
         (job,) = store.create_jobs(
             batch.id, [NewJob("j", Pipeline.INFER, 0, 0, 1, INPUTS, "local")], 1.0
         )
@@ -169,7 +170,7 @@ def test_a_batch_recorded_before_migration_5_has_no_folder_identity(tmp_path: Pa
 def test_a_batchs_progress_counts_the_images_of_its_inference_jobs(tmp_path: Path) -> None:
     store = Store.open(tmp_path / "watchd.sqlite")
     try:
-        batch = a_batch(store, "inference")
+        batch = a_batch(store, Kind.INFERENCE)
         images = tuple(InputFile(f"images/{i}.png", i) for i in range(5))
         one, two = store.create_jobs(batch.id, [
             NewJob("b1-infer-0000", Pipeline.INFER, 0, 0, 2, images[:3], "local"),

@@ -164,7 +164,7 @@ def test_cancel_and_retry_are_intents_the_daemon_applies(
         cli("watchctl", "retry", "1", "--config", str(config.source))
         replay.run(until=lambda s: s.store.batch(1).state is BatchState.WAITING)
         store = Store(config.daemon.database)
-        intents = [(i.action, i.outcome) for i in [store.intent(1), store.intent(2)]]
+        intents = [(i.action.value, i.outcome) for i in [store.intent(1), store.intent(2)]]
         store.close()
     assert intents == [("cancel", "cancelled"), ("retry", "retry: waiting for inputs again")]
 

@@ -22,6 +22,7 @@ from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import AuthResult, LoginPassword
 from replay import Replay, Step, copy_slowly
 
+from daemon.core.manifest_schema import Kind
 from daemon.core.records import Batch, NewBatch
 from daemon.core.states import BatchState
 from daemon.loop.service import Service
@@ -251,7 +252,7 @@ def test_a_contact_of_two_addresses_recorded_by_an_older_watchd_is_not_mailed(
     store = Store.open(config.daemon.database)
     try:
         new = NewBatch(
-            str(scene.drop_root), "old", "0" * 64, text, "", "inference", "", "A",
+            str(scene.drop_root), "old", "0" * 64, text, "", Kind.INFERENCE, "", "A",
             "tester@example.org,root", str(folder / "results" / "run"),
         )  # fmt: skip
         store.create_batch(new, BatchState.WAITING, "manifest accepted", time.time())

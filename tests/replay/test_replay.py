@@ -18,6 +18,7 @@ from PIL import Image
 from replay import Replay, at, copy_slowly, write_atomically, write_in_halves, write_now
 
 from daemon.core.manifest import STATUS_NAME
+from daemon.core.manifest_schema import Kind
 from daemon.core.records import Batch
 from daemon.core.states import BatchState, JobState
 from daemon.site.config import Config
@@ -414,7 +415,7 @@ def test_a_waiting_batch_whose_manifest_no_longer_parses_fails_with_the_reason(
         "sha",
         text,
         "",
-        "inference",
+        Kind.INFERENCE,
         "",
         "A",
         None,
