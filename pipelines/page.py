@@ -1,42 +1,42 @@
 """The HTML of the batch report: one self-contained file, styles inline, pictures as data URIs.
 
-Pure: takes the summary and the prepared page parts, returns text. Every value that comes from
-the batch (titles, file names) is escaped; the page references nothing outside itself except
-the relative link to ``table.csv`` next to it.
+The markup is a Jinja2 template (``templates/report.html.j2``) rendered with autoescaping: every
+value that comes from the batch (titles, file names, parameters) is escaped by Jinja, none by
+hand. This module picks what the page shows from the summary and the prepared page parts; the
+page references nothing outside itself except the relative link to ``table.csv`` next to it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from html import escape
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import jinja2
 
 from pipelines.layout import TABLE_COLUMNS
 
 MAX_ROWS = 500
 TABLE_VIEW = TABLE_COLUMNS[: TABLE_COLUMNS.index("tiled") + 1]  # the measured columns
-STYLE = """
-body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
-h1 { margin-bottom: 0.2em; } .meta { color: #666; margin-top: 0; }
-table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.9em; }
-th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: left; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; }
-th { background: #f3f3f3; } .kv th { width: 16em; }
-.grid { display: flex; flex-wrap: wrap; gap: 12px; }
-figure { margin: 0; } figcaption { font-size: 0.8em; color: #555; max-width: 256px; }
-.note { color: #666; font-size: 0.9em; }
-"""
+JOB_COLUMNS = ("job", "pipeline", "ok", "elapsed_s", "host", "finished_at")
+
+_TEMPLATES = jinja2.Environment(
+    loader=jinja2.PackageLoader("pipelines", "templates"),
+    autoescape=True,
+    undefined=jinja2.StrictUndefined,  # a part the page asks for and nobody gave is a bug
+)
 
 
-def _text(value: Any) -> str:
+def shown(value: Any) -> str:
+    """A value as a cell shows it: a dash for nothing, floats to four significant digits."""
     if value is None or value == "":
         return "–"
     if isinstance(value, float):
         return f"{value:.4g}"
-    return escape(str(value))
+    return str(value)
 
 
-def _is_number(value: Any) -> bool:
+def numeric(value: Any) -> bool:
+    """Whether a cell holds a number (a CSV's text too): it is right-aligned."""
     try:
         float(value)
     except (TypeError, ValueError):
@@ -44,39 +44,11 @@ def _is_number(value: Any) -> bool:
     return not isinstance(value, bool)
 
 
-def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
-    body = "".join(
-        "<tr>"
-        + "".join(
-            f'<td class="num">{_text(v)}</td>' if _is_number(v) else f"<td>{_text(v)}</td>"
-            for v in row
-        )
-        + "</tr>"
-        for row in rows
-    )
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+_TEMPLATES.filters["shown"] = shown
+_TEMPLATES.tests["numeric"] = numeric
 
 
-def key_values(pairs: Mapping[str, Any]) -> str:
-    body = "".join(f"<tr><th>{escape(k)}</th><td>{_text(v)}</td></tr>" for k, v in pairs.items())
-    return f'<table class="kv"><tbody>{body}</tbody></table>'
-
-
-def figure(uri: str, caption: str) -> str:
-    return (
-        f'<figure><img src="{escape(uri)}" alt="{escape(caption)}">'
-        f"<figcaption>{escape(caption)}</figcaption></figure>"
-    )
-
-
-def gallery(pictures: Sequence[tuple[str, str]]) -> str:
-    if not pictures:
-        return '<p class="note">No pictures.</p>'
-    return '<div class="grid">' + "".join(figure(uri, cap) for cap, uri in pictures) + "</div>"
-
-
-def _inference(part: Mapping[str, Any]) -> str:
+def _inference(part: Mapping[str, Any]) -> dict[str, Any]:
     summary, rows = part["summary"], part["rows"]
     area = summary["area_px_of_images_with_objects"]
     model = summary["model"]
@@ -89,26 +61,19 @@ def _inference(part: Mapping[str, Any]) -> str:
         "model": f"{model['name']} version {model['version']}",
         "model sha256": model["sha256"],
     }
-    shown = rows[:MAX_ROWS]
-    note = (
-        f"Showing the first {len(shown)} of {len(rows)} images; "
-        if len(shown) < len(rows)
-        else f"All {len(rows)} images; "
-    )
-    return (
-        "<h2>Segmentation</h2>"
-        + key_values(facts)
-        + gallery([("object size distribution", part["histogram"])])
-        + "<h3>Examples</h3><p class=note>Predicted spheroids outlined and filled in orange: "
-        + "the most and the least confident image, and random others.</p>"
-        + gallery(part["overlays"])
-        + "<h3>Per image</h3>"
-        + f'<p class="note">{note}the full table is <a href="table.csv">table.csv</a>.</p>'
-        + table(TABLE_VIEW, ([row[c] for c in TABLE_VIEW] for row in shown))
-    )
+    first = rows[:MAX_ROWS]
+    return {
+        "facts": facts,
+        "histogram": part["histogram"],
+        "overlays": part["overlays"],
+        "shown": len(first),
+        "total": len(rows),
+        "headers": TABLE_VIEW,
+        "rows": [[row[c] for c in TABLE_VIEW] for row in first],
+    }
 
 
-def _training(part: Mapping[str, Any]) -> str:
+def _training(part: Mapping[str, Any]) -> dict[str, Any]:
     model = part["model"]
     metrics = model.get("metrics", {})
     facts = {
@@ -122,21 +87,17 @@ def _training(part: Mapping[str, Any]) -> str:
         "epochs run": len(part["curves"]),
     }
     columns = part["columns"]
-    epochs = ([int(row["epoch"]), *(row[c] for c in columns[1:])] for row in part["curves"])
-    return (
-        "<h2>Training</h2>"
-        + key_values(facts)
-        + gallery(part["charts"])
-        + "<h3>Validation examples</h3>"
-        + "<p class=note>Prediction in orange, ground truth outlined in cyan: the best, the "
-        + "worst and a random validation image by Dice.</p>"
-        + gallery(part["previews"])
-        + "<h3>Per epoch</h3>"
-        + table(columns, epochs)
-    )
+    epochs = [[int(row["epoch"]), *(row[c] for c in columns[1:])] for row in part["curves"]]
+    return {
+        "facts": facts,
+        "charts": part["charts"],
+        "previews": part["previews"],
+        "headers": columns,
+        "rows": epochs,
+    }
 
 
-def _sweep(part: Mapping[str, Any]) -> str:
+def _sweep(part: Mapping[str, Any]) -> dict[str, Any]:
     summary, trials = part["summary"], part["trials"]
     facts = {
         "method": summary["method"],
@@ -146,43 +107,35 @@ def _sweep(part: Mapping[str, Any]) -> str:
         "W&B sweep": summary.get("wandb_sweep_id"),
     }
     headers = list(trials[0]) if trials else []
-    return (
-        "<h2>Sweep</h2>"
-        + key_values(facts)
-        + key_values({f"space: {k}": str(v) for k, v in part["space"].items()})
-        + gallery([("validation curves of every trial", part["chart"])])
-        + "<h3>Trials, best first</h3>"
-        + table(headers, ([row[h] for h in headers] for row in trials))
-    )
+    return {
+        "facts": facts,
+        "space": {f"space: {k}": str(v) for k, v in part["space"].items()},
+        "chart": part["chart"],
+        "headers": headers,
+        "rows": [[row[h] for h in headers] for row in trials],
+    }
 
 
-def _jobs(jobs: Sequence[Mapping[str, Any]]) -> str:
-    headers = ("job", "pipeline", "ok", "elapsed_s", "host", "finished_at")
-    return "<h2>Jobs</h2>" + table(headers, ([job.get(h) for h in headers] for job in jobs))
+def _jobs(jobs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    return {"headers": JOB_COLUMNS, "rows": [[job.get(h) for h in JOB_COLUMNS] for job in jobs]}
 
 
 def render(summary: Mapping[str, Any], pages: Mapping[str, Any]) -> str:
     """The whole report page."""
     batch = summary["batch"]
-    title = batch.get("title") or batch["dir"]
     meta = (
         f"batch {batch['id']} revision {batch['revision']} · {batch['kind']} · "
         f"generated {summary['generated_at']} · watchd {summary['code_version']}"
     )
-    body = [
-        f"<h1>{escape(str(title))}</h1><p class=meta>{escape(meta)}</p>",
-        key_values({"folder": batch["dir"], "manifest sha256": summary["manifest_sha256"]}),
-        key_values(summary.get("params", {})),
-    ]
-    if "inference" in pages:
-        body.append(_inference(pages["inference"]))
-    if "sweep" in pages:
-        body.append(_sweep(pages["sweep"]))
-    if "training" in pages:
-        body.append(_training(pages["training"]))
-    body.append(_jobs(summary.get("jobs", [])))
+    parts = {"inference": _inference, "sweep": _sweep, "training": _training}
     return (
-        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        f"<title>{escape(str(title))} — watchd report</title><style>{STYLE}</style></head>"
-        f"<body>{''.join(body)}</body></html>\n"
+        _TEMPLATES.get_template("report.html.j2").render(
+            title=str(batch.get("title") or batch["dir"]),
+            meta=meta,
+            batch_facts={"folder": batch["dir"], "manifest sha256": summary["manifest_sha256"]},
+            params=summary.get("params", {}),
+            jobs=_jobs(summary.get("jobs", [])),
+            **{name: make(pages[name]) if name in pages else None for name, make in parts.items()},
+        )
+        + "\n"
     )

@@ -182,7 +182,7 @@ def training_charts(curves: list[dict[str, float]]) -> list[tuple[str, str]]:
 
     loss = figures.line_chart("loss (BCE + Dice)", series("train_loss", "val_loss"))
     quality = figures.line_chart("validation", series("val_dice", "val_iou"))
-    return [("loss per epoch", figures.data_uri(loss)), ("Dice and IoU", figures.data_uri(quality))]
+    return [("loss per epoch", figures.png_uri(loss)), ("Dice and IoU", figures.png_uri(quality))]
 
 
 def _previews(folder: Path) -> list[tuple[str, str]]:
@@ -243,7 +243,7 @@ def _sweep(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
                "winner": record.get("winner"), "table": f"{SWEEP_DIR}/{TRIALS_TABLE}",
                "wandb_sweep_id": record.get("wandb_sweep_id")}  # fmt: skip
     shown = [{k: _number(v) for k, v in trial.items()} for trial in trials]
-    page = {"summary": summary, "trials": shown, "chart": figures.data_uri(chart),
+    page = {"summary": summary, "trials": shown, "chart": figures.png_uri(chart),
             "space": record.get("space", {})}  # fmt: skip
     return summary, page
 
@@ -261,7 +261,7 @@ def _inference(
         "summary": summary,
         "rows": rows,
         "overlays": sample_overlays(spec, rows, batch),
-        "histogram": figures.data_uri(histogram),
+        "histogram": figures.png_uri(histogram),
     }
     return summary, page
 

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from daemon.contract.jobspec import ErrorKind, InputFile, Pipeline
+from pipelines.layout import TABLE_COLUMNS
+from pipelines.page import render
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -70,7 +72,7 @@ def test_inference_report_merges_tables_and_summarises(
     page = (run_dir / "report.html").read_text(encoding="utf-8")
     assert_self_contained(page)
     assert page.count("data:image/png;base64,") >= 2
-    assert "it&#x27;s a &quot;test&quot;.png" in page and "plate 2 ü" in page
+    assert "it&#39;s a &#34;test&#34;.png" in page and "plate 2 ü" in page  # escaped by Jinja
 
 
 def test_training_report_shows_curves_and_the_registered_model(
@@ -142,3 +144,35 @@ def test_the_report_clears_away_what_killed_writes_left_and_nothing_else(
     finally:
         link.unlink()
         lookalike.unlink()
+
+
+HOSTILE = '<img src=x onerror="alert(1)">&'
+
+
+def test_every_value_from_the_batch_is_escaped_by_the_template() -> None:
+    """Title, folder, parameters, file names and captions come from the batch's owner: the
+    template escapes each (autoescaping), so none becomes markup."""
+    summary = {
+        "batch": {"id": 1, "revision": 1, "kind": "inference", "title": HOSTILE, "dir": HOSTILE},
+        "manifest_sha256": "0" * 64,
+        "params": {HOSTILE: HOSTILE},
+        "generated_at": "now",
+        "code_version": "test",
+        "jobs": [{"job": HOSTILE, "pipeline": "infer", "ok": True, "elapsed_s": 1.5}],
+    }
+    row = {column: "1" for column in TABLE_COLUMNS} | {"path": f"{HOSTILE}.png"}
+    model = {"name": HOSTILE, "version": 1, "sha256": "0" * 64}
+    inference = {
+        "summary": {
+            "images": 1, "images_with_objects": 1, "objects": 1, "model": model,
+            "area_px_of_images_with_objects": {"mean": 1.0, "median": 1.0},
+        },
+        "rows": [row],
+        "overlays": [(HOSTILE, "data:image/png;base64,AAAA")],
+        "histogram": "data:image/png;base64,AAAA",
+    }  # fmt: skip
+    page = render(summary, {"inference": inference})
+    assert "<img src=x" not in page and 'onerror="' not in page
+    escaped = "&lt;img src=x onerror=&#34;alert(1)&#34;&gt;&amp;"
+    assert page.count(escaped) >= 7  # title ×2, folder, parameter, path, caption, job, model
+    assert '<td class="num">1</td>' in page and "<td>–</td>" in page  # a job's missing host
