@@ -15,13 +15,14 @@ import errno
 import os
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
 import tifffile
 
 from daemon.contract.jobspec import InputFile, Problem
+from pipelines.channels import Planes
 from pipelines.job import InputError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -57,6 +58,7 @@ class Declared:
     pieces: str = ""  # TIFF: what those are, as the owner reads it ("compressed strips")
     whole_pieces: bool = False  # TIFF: each must be decoded whole (uncompressed strips: by rows)
     unsupported: str = ""  # TIFF: why the window-by-window reader cannot take it
+    planes: int = 1  # TIFF: planes of this size in the file (channels, slices)
 
     @property
     def pixels(self) -> int:
@@ -66,7 +68,7 @@ class Declared:
     def max_file_bytes(self) -> int:
         """The most bytes a file holding this image can need: its pixels uncompressed, twice
         (no compression a PNG or TIFF uses grows data that much), and room for metadata."""
-        return 2 * self.pixels * self.pixel_bytes + _METADATA_BYTES
+        return 2 * self.pixels * self.pixel_bytes * self.planes + _METADATA_BYTES
 
 
 def stored(handle: BinaryIO, item: InputFile) -> int:
@@ -129,7 +131,9 @@ def declared_size(handle: BinaryIO, item: InputFile) -> Declared | None:
     try:
         with tifffile.TiffFile(handle, name=Path(item.path).name) as tif:
             page = tif.pages[0]
-            return _tiff_declared(page) if isinstance(page, tifffile.TiffPage) else None
+            if not isinstance(page, tifffile.TiffPage):
+                return None
+            return replace(_tiff_declared(page), planes=max(1, Planes.of(tif).count))
     except TIFF_ERRORS:
         return None
 

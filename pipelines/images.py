@@ -25,7 +25,7 @@ import os
 import zlib
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 import tifffile
@@ -44,6 +44,7 @@ from pipelines.bounds import (
     stored,
     where,
 )
+from pipelines.channels import ChannelProblem, plane_page
 from pipelines.job import InputError
 
 MASK_FORMATS = {".png": "PNG", ".tif": "TIFF", ".tiff": "TIFF"}
@@ -141,20 +142,22 @@ def checksum_problem(item: InputFile, actual: str) -> Problem | None:
     return Problem(where(item), message, hint)
 
 
-def read_image(batch_dir: Folder, item: InputFile) -> np.ndarray:
+def read_image(batch_dir: Folder, item: InputFile, channel: Any = None) -> np.ndarray:
     """Read, verify and decode ``item`` to a float32 (H, W) array in [0, 1]."""
-    return read_image_hashed(batch_dir, item)[0]
+    return read_image_hashed(batch_dir, item, channel)[0]
 
 
-def read_image_hashed(batch_dir: Folder, item: InputFile) -> tuple[np.ndarray, str]:
+def read_image_hashed(
+    batch_dir: Folder, item: InputFile, channel: Any = None
+) -> tuple[np.ndarray, str]:
     """:func:`read_image`, and the sha256 of the bytes it decoded (from one read)."""
-    found = read_bounded(batch_dir, item, max_pixels=None)
+    found = read_bounded(batch_dir, item, max_pixels=None, channel=channel)
     assert found is not None  # only an image over max_pixels is left to the windowed path
     return found
 
 
 def read_bounded(
-    batch_dir: Folder, item: InputFile, max_pixels: int | None
+    batch_dir: Folder, item: InputFile, max_pixels: int | None, channel: Any = None
 ) -> tuple[np.ndarray, str] | None:
     """The pixels of ``item`` and the sha256 of its bytes, read in memory bounded by what its
     header declares and by what the file really holds; None for a TIFF of more than
@@ -185,7 +188,7 @@ def read_bounded(
     if problem is not None:
         raise InputError("checksum mismatch", [problem])
     try:
-        return decode(data), digest
+        return decode(data, channel), digest
     except UnreadableImage as exc:
         raise InputError("unreadable image", [Problem(where(item), exc.message, exc.hint)]) from exc
 
@@ -199,14 +202,15 @@ def _unreadable(item: InputFile, head: bytes) -> InputError:
     return InputError("unreadable image", [Problem(where(item), "has no readable header", hint)])
 
 
-def decode(data: bytes) -> np.ndarray:
-    """Decode PNG or TIFF bytes to float32 grey in [0, 1]; raise UnreadableImage otherwise."""
+def decode(data: bytes, channel: Any = None) -> np.ndarray:
+    """Decode PNG or TIFF bytes to float32 grey in [0, 1]; raise UnreadableImage otherwise.
+    ``channel``: the plane of a multi-channel TIFF (:mod:`pipelines.channels`)."""
     if not data:
         raise UnreadableImage("the file is empty (0 bytes)", "copy it again")
     if data.startswith(PNG_MAGIC):
         pixels = _decode_png(data)
     elif data[:4] in TIFF_MAGICS:
-        pixels = _decode_tiff(data)
+        pixels = _decode_tiff(data, channel)
     else:
         raise UnreadableImage(
             f"is not a PNG or TIFF image (it starts with {data[:8]!r})",
@@ -237,7 +241,7 @@ def _decode_png(data: bytes) -> np.ndarray:
     return pixels
 
 
-def _decode_tiff(data: bytes) -> np.ndarray:
+def _decode_tiff(data: bytes, channel: Any) -> np.ndarray:
     try:
         with tifffile.TiffFile(io.BytesIO(data)) as tif:
             if not tif.pages:
@@ -245,12 +249,10 @@ def _decode_tiff(data: bytes) -> np.ndarray:
                     "cannot be decoded as TIFF (it holds no image)",
                     "the file is damaged or incomplete; copy or export it again",
                 )
-            if len(tif.pages) != 1:
-                raise UnreadableImage(
-                    f"has {len(tif.pages)} pages; expected a single 2-D image",
-                    "save one image per file",
-                )
-            page = tif.pages[0]
+            try:
+                page = plane_page(tif, channel)
+            except ChannelProblem as exc:
+                raise UnreadableImage(exc.message, exc.hint) from exc
             if not isinstance(page, tifffile.TiffPage):
                 raise UnreadableImage("has no readable first page", "export it again")
             pixels = page.asarray()

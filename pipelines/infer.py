@@ -67,7 +67,8 @@ from daemon.contract.version import code_version
 from models import registry
 from models.registry import ModelError, ModelVersion
 from models.unet import UNet
-from pipelines.bounds import stored
+from pipelines.bounds import stored, where
+from pipelines.channels import ChannelProblem
 from pipelines.device import Placement, choose_device
 from pipelines.images import checksum_problem, held_still, open_item, reading, write_mask
 from pipelines.job import InputError, log, run_folder, run_job
@@ -333,6 +334,8 @@ class Segmenter:
         except InputError as exc:
             folder.unlink(target)
             return list(exc.problems)
+        except ChannelProblem as exc:
+            return [Problem(where(item), exc.message, exc.hint)]
         row = _stats(result.width, result.height, result.area, result.objects, result.intensity)
         self._done(item, digest, {**row, "confidence": round(result.confidence, 4), "tiled": 1})
         return []
@@ -347,7 +350,7 @@ class Segmenter:
         return segment_tiled(
             source, folder, target, lambda tiles: predict(self.net, tiles, where), self.threshold,
             self.min_area, int(params["tile_size"]), int(params["tile_overlap"]),
-            self.batch_size, TiledProgress(item.path),
+            self.batch_size, TiledProgress(item.path), params["channel"],
         )  # fmt: skip
 
     def _done(self, item: InputFile, digest: str, stats: dict[str, Any]) -> None:
@@ -362,7 +365,8 @@ def segment(
     """Segment every item, writing its mask; return the table rows and the input problems."""
     problems: list[Problem] = []
     max_pixels = int(inference_params(spec.params)["max_whole_pixels"])
-    reader = read_ahead(segmenter.batch, items, max_pixels, spec.resources.cpus)
+    channel = inference_params(spec.params)["channel"]
+    reader = read_ahead(segmenter.batch, items, max_pixels, spec.resources.cpus, channel)
     for loaded in reader:
         problems += loaded.problems
         if loaded.tiled:

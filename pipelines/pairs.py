@@ -12,6 +12,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
+from typing import Any
 
 import numpy as np
 
@@ -79,14 +80,15 @@ def pair_inputs(inputs: Sequence[InputFile]) -> tuple[list[Pair], list[Problem]]
 
 
 def _load_pair(
-    batch_dir: Folder, pair: Pair
+    batch_dir: Folder, pair: Pair, channel: Any = None
 ) -> tuple[np.ndarray | None, np.ndarray | None, list[Problem]]:
-    """Read both files of a pair, collecting the problems of each."""
+    """Read both files of a pair (the image's plane ``channel``), collecting the problems of
+    each."""
     loaded: list[np.ndarray | None] = []
     problems: list[Problem] = []
-    for item in (pair.image, pair.mask):
+    for item, plane in ((pair.image, channel), (pair.mask, None)):
         try:
-            loaded.append(read_image(batch_dir, item))
+            loaded.append(read_image(batch_dir, item, plane))
         except InputError as exc:
             loaded.append(None)
             problems += exc.problems
@@ -103,13 +105,16 @@ def _load_pair(
     return image, None if mask is None else mask > 0, problems
 
 
-def load_dataset(batch_dir: Folder, inputs: Sequence[InputFile]) -> TrainingData:
-    """Pair and read every input; raise InputError listing every problem found."""
+def load_dataset(
+    batch_dir: Folder, inputs: Sequence[InputFile], channel: Any = None
+) -> TrainingData:
+    """Pair and read every input (the images' plane ``channel``); raise InputError listing
+    every problem found."""
     pairs, problems = pair_inputs(inputs)
     images: list[np.ndarray] = []
     masks: list[np.ndarray] = []
     for pair in pairs:
-        image, mask, pair_problems = _load_pair(batch_dir, pair)
+        image, mask, pair_problems = _load_pair(batch_dir, pair, channel)
         problems += pair_problems
         if image is not None and mask is not None:
             images.append(image)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,8 +49,11 @@ class Loaded:
 class ShardImages(TorchDataset[Loaded]):
     """Reads and verifies the shard's images (in DataLoader workers, overlapping the net)."""
 
-    def __init__(self, batch_dir: Folder, items: list[InputFile], max_pixels: int) -> None:
+    def __init__(
+        self, batch_dir: Folder, items: list[InputFile], max_pixels: int, channel: Any = None
+    ) -> None:
         self.batch_dir, self.items, self.max_pixels = batch_dir, items, max_pixels
+        self.channel = channel  # the plane of a multi-channel TIFF (pipelines.channels)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -60,7 +64,7 @@ class ShardImages(TorchDataset[Loaded]):
         if problem is not None:
             return Loaded(item, None, (problem,))
         try:
-            found = read_bounded(self.batch_dir, item, self.max_pixels)
+            found = read_bounded(self.batch_dir, item, self.max_pixels, self.channel)
         except InputError as exc:
             return Loaded(item, None, exc.problems)
         if found is None:
@@ -98,13 +102,13 @@ def unpack(packed: Packed) -> Iterator[Loaded]:
 
 
 def read_ahead(
-    batch_dir: Folder, items: list[InputFile], max_pixels: int, cpus: int
+    batch_dir: Folder, items: list[InputFile], max_pixels: int, cpus: int, channel: Any = None
 ) -> Iterator[Loaded]:
     """The shard's inputs, read and decoded ahead by worker processes, in order."""
     # One or two reader processes hide the share's latency; the rest of the cores run the net.
     workers = min(2, max(0, cpus - 1))
     loader = DataLoader(
-        ShardImages(batch_dir, items, max_pixels),
+        ShardImages(batch_dir, items, max_pixels, channel),
         batch_size=CHUNK,
         num_workers=workers,
         collate_fn=pack,

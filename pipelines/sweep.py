@@ -153,7 +153,7 @@ def _describe_winner(
         training.write_bytes(METRICS_FILE, curves.read())
     description = train.describe(spec, published)
     training.write_text(MODEL_FILE, json.dumps(description, indent=2) + "\n")
-    data = load_dataset(batch, spec.inputs)
+    data = load_dataset(batch, spec.inputs, spec.params.get("channel"))
     params = winner["params"]
     val_idx = split(len(data.images), float(params["val_fraction"]), int(params["seed"]))[1]
     net = UNet(**published.architecture)

@@ -23,13 +23,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 import tifffile
 from scipy import ndimage
 
 from daemon.contract.heldfolder import HeldFolder, temporary_name
+from pipelines.channels import ChannelProblem, plane_page
 
 TILE = 256  # the mask's TIFF tiles (and the band height of the statistics)
 _EIGHT = np.ones((3, 3), dtype=bool)
@@ -40,15 +41,22 @@ Progress = Callable[[int, int], None]  # (window rows done, window rows in all)
 
 
 class RegionReader:
-    """Rectangular regions of a TIFF's first page as float32 grey in [0, 1], read lazily."""
+    """Rectangular regions of a TIFF's plane as float32 grey in [0, 1], read lazily."""
 
-    def __init__(self, source: Path | BinaryIO, cache_pixel_rows: int = 4 * TILE) -> None:
+    def __init__(
+        self, source: Path | BinaryIO, cache_pixel_rows: int = 4 * TILE, channel: Any = None
+    ) -> None:
         """``source``: a path, or a file open for reading at the TIFF's start (the caller
-        opened it by the batch folder's rule and closes it)."""
+        opened it by the batch folder's rule and closes it). ``channel``: the plane of a
+        multi-channel TIFF (:mod:`pipelines.channels`; raises ChannelProblem)."""
         # A file opened by descriptor is named by its number, which tifffile cannot split.
         name = source.name if isinstance(source, Path) else "input.tif"
         self.tif = tifffile.TiffFile(source, name=name)
-        page = self.tif.pages[0]
+        try:
+            page = plane_page(self.tif, channel)
+        except ChannelProblem:
+            self.tif.close()
+            raise
         assert isinstance(page, tifffile.TiffPage)
         if page.planarconfig == tifffile.PLANARCONFIG.SEPARATE and page.samplesperpixel > 1:
             self.tif.close()
@@ -279,11 +287,11 @@ class TiledResult:
 def segment_tiled(
     source: Path | BinaryIO, folder: HeldFolder, target: str, predict: Predict, threshold: float,
     min_area: int, window: int = 512, overlap: int = 64, batch: int = 1,
-    progress: Progress | None = None,
+    progress: Progress | None = None, channel: Any = None,
 ) -> TiledResult:  # fmt: skip
-    """Segment ``source`` into the tiled TIFF mask ``target`` (a name in ``folder``); the
-    per-image statistics."""
-    reader = RegionReader(source, cache_pixel_rows=window + 2 * TILE)
+    """Segment ``source`` (its plane ``channel``) into the tiled TIFF mask ``target`` (a name
+    in ``folder``); the per-image statistics."""
+    reader = RegionReader(source, cache_pixel_rows=window + 2 * TILE, channel=channel)
     components = Components()
     certainty = [0.0]
     try:

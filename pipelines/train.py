@@ -264,7 +264,7 @@ def train(spec: JobSpec, job_dir: Path, batch: HeldFolder) -> dict[str, Any] | N
         warnings.filterwarnings("ignore", message=pattern)
     os.environ.setdefault("WANDB_SILENT", "true")  # W&B's chatter would break the plain log
     registry.check_name(spec.model.name)
-    data = load_dataset(batch, spec.inputs)
+    data = load_dataset(batch, spec.inputs, spec.params.get("channel"))
     log.info("loaded %d image/mask pairs", len(data.images))
     with run_folder(spec, batch) as run:
         trial = spec.batch_kind == SWEEP_KIND

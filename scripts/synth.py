@@ -12,7 +12,11 @@ images of a batch of 100.
 Usage::
 
     python scripts/synth.py OUT --kind training --count 64 --size 128 --seed 0 \
-        [--format png|tif] [--bits 8|16] [--truth DIR]
+        [--format png|tif|ome-tif] [--bits 8|16] [--truth DIR]
+
+``ome-tif`` writes each image as a three-channel OME-TIFF, as a fluorescence microscope does:
+``DAPI`` and ``RFP`` planes beside the ``GFP`` plane that holds the droplet (segment it with
+``[params] channel = "GFP"``); masks stay single-channel.
 
 Training batches get ``OUT/images/`` and ``OUT/masks/``; inference batches ``OUT/images/``
 (and the masks in ``--truth DIR`` if given, for evaluation).
@@ -31,7 +35,8 @@ from PIL import Image
 from scipy import ndimage
 
 KINDS = ("training", "inference")
-FORMATS = {"png": ".png", "tif": ".tif"}
+FORMATS = {"png": ".png", "tif": ".tif", "ome-tif": ".ome.tif"}
+CHANNELS = ("DAPI", "GFP", "RFP")  # ome-tif: the droplet is the GFP plane
 SPHEROID_COUNTS = (0, 1, 2)
 SPHEROID_ODDS = (0.12, 0.73, 0.15)
 
@@ -127,11 +132,17 @@ def to_integer(image: np.ndarray, bits: int) -> np.ndarray:
     return np.round(image * np.iinfo(dtype).max).astype(dtype)
 
 
-def write_image(path: Path, pixels: np.ndarray) -> None:
-    """Write an integer (H, W) array as PNG or TIFF, chosen by the file suffix."""
+def write_image(path: Path, pixels: np.ndarray, channels: bool = False) -> None:
+    """Write an integer (H, W) array as PNG or TIFF, chosen by the file suffix; ``channels``:
+    an ``.ome.tif`` holds it as the GFP plane of :data:`CHANNELS`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".png":
         Image.fromarray(pixels).save(path, format="PNG")
+    elif channels and path.name.endswith(".ome.tif"):
+        top = np.iinfo(pixels.dtype).max
+        planes = np.stack([pixels // 3, pixels, top - pixels])  # DAPI, GFP, RFP
+        metadata = {"axes": "CYX", "Channel": {"Name": list(CHANNELS)}}
+        tifffile.imwrite(path, planes, ome=True, metadata=metadata, photometric="minisblack")
     else:
         tifffile.imwrite(path, pixels, photometric="minisblack")
 
@@ -160,7 +171,7 @@ def make_batch(
     for index in range(count):
         name = f"img_{index:04d}{FORMATS[fmt]}"
         drawn = sample(seed, index, size)
-        write_image(folder / "images" / name, to_integer(drawn.image, bits))
+        write_image(folder / "images" / name, to_integer(drawn.image, bits), channels=True)
         written.append(folder / "images" / name)
         if mask_dir is not None:
             write_image(Path(mask_dir) / name, to_integer(drawn.mask.astype(np.float32), 8))

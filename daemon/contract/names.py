@@ -54,6 +54,7 @@ class InferenceDefaults:
     max_whole_pixels: int = 2048 * 2048  # larger images are segmented tile by tile
     gpu_batch_size: int = 16  # images at once on a GPU (pipelines/device.py)
     mixed_precision: bool = True  # on a GPU, where the masks equal full precision's
+    channel: int | str | None = None  # a multi-channel TIFF's plane: its name or number
 
 
 INFERENCE = InferenceDefaults()

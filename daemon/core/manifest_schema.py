@@ -45,6 +45,15 @@ class _Strict(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True, strict=False)
 
 
+# Which plane of a multi-channel TIFF to segment (OME-TIFF, ImageJ): a channel's name as the
+# instrument wrote it, or its number from 0; files of one channel ignore it.
+Channel = (
+    Annotated[int, Field(ge=0, le=1023)]
+    | Annotated[str, Field(min_length=1, max_length=256)]
+    | None
+)
+
+
 class TrainingParams(_Strict):
     """Parameters of a training batch; every one has a default and bounds."""
 
@@ -58,6 +67,7 @@ class TrainingParams(_Strict):
     patience: Annotated[int, Field(ge=1, le=100)] = 5
     best_metric: Literal["val_dice", "val_iou"] = "val_dice"
     best_margin: Annotated[float, Field(ge=0, le=0.5)] = 0.0
+    channel: Channel = INFERENCE.channel  # the images' plane, as for inference
 
 
 class InferenceParams(_Strict):
@@ -71,6 +81,7 @@ class InferenceParams(_Strict):
     max_whole_pixels: Annotated[int, Field(ge=1, le=2**31)] = INFERENCE.max_whole_pixels
     gpu_batch_size: Annotated[int, Field(ge=1, le=1024)] = INFERENCE.gpu_batch_size
     mixed_precision: bool = INFERENCE.mixed_precision
+    channel: Channel = INFERENCE.channel
 
     @pydantic.field_validator("tile_overlap")
     @classmethod
