@@ -37,3 +37,20 @@ def test_uncompressed_strips_are_read_a_band_of_rows_at_a_time_as_the_whole_imag
     finally:
         reader.close()
     np.testing.assert_allclose(region, whole[10 : shape[0] - 3, 5:70], rtol=1e-6)
+
+
+def test_a_pyramidal_tiff_is_read_at_its_full_resolution() -> None:
+    """A whole-slide pyramid (reduced levels in SubIFDs, as OME-TIFF and QuPath write them)
+    is read from its first level, whatever levels follow."""
+    pixels = np.random.default_rng(0).integers(0, 255, (600, 900), dtype=np.uint8)
+    buffer = io.BytesIO()
+    with tifffile.TiffWriter(buffer, ome=True) as tif:
+        tif.write(pixels, subifds=2, tile=(256, 256), compression="zlib", metadata={"axes": "YX"})
+        for step in (2, 4):
+            tif.write(pixels[::step, ::step], subfiletype=1, tile=(256, 256), compression="zlib")
+    reader = RegionReader(io.BytesIO(buffer.getvalue()))
+    try:
+        assert (reader.height, reader.width) == pixels.shape
+        assert np.allclose(reader.region(0, 600, 0, 900), pixels / 255.0)
+    finally:
+        reader.close()
