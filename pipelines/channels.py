@@ -34,7 +34,7 @@ class Planes:
     count: int  # pages of the series (1 for a plain image)
     channels: int  # along C (1 without a C axis)
     names: tuple[str, ...]  # the channels' names (OME metadata), () when unnamed
-    stacked: str  # an axis other than C with more than one plane, e.g. "Z (12 slices)"
+    stacked: str  # an axis other than C with more than one plane, e.g. "12 Z slices"
 
     @classmethod
     def of(cls, tif: tifffile.TiffFile) -> Planes:
@@ -43,7 +43,7 @@ class Planes:
             a: n for a, n in zip(series.axes, series.shape, strict=True) if a not in PLANE_AXES
         }
         count = math.prod(sizes.values())
-        stacked = next((f"{a} ({n} planes)" for a, n in sizes.items() if a != "C" and n > 1), "")
+        stacked = next((_planes(a, n) for a, n in sizes.items() if a != "C" and n > 1), "")
         channels = sizes.get("C", 1)
         return cls(count, channels, _names(tif, channels), stacked)
 
@@ -51,7 +51,7 @@ class Planes:
         """The page of the series to segment for ``channel`` (None, a name or a number)."""
         if self.stacked:
             raise ChannelProblem(
-                f"is a stack along {self.stacked}; one plane per file is segmented",
+                f"holds {self.stacked}; one plane per file is segmented",
                 "save each plane (slice, time point) as a file of its own",
             )
         if self.channels == 1:
@@ -79,6 +79,13 @@ class Planes:
 
     def _example(self) -> str:
         return f'channel = "{self.names[0]}"' if self.names else "channel = 0"
+
+
+_PLANES = {"Z": "Z slices", "T": "time points"}  # other axes (I, Q: tifffile's guesses): pages
+
+
+def _planes(axis: str, count: int) -> str:
+    return f"{count} {_PLANES.get(axis, 'pages')}"
 
 
 def plane_page(tif: tifffile.TiffFile, channel: Any) -> tifffile.TiffPage | None:

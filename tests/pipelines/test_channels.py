@@ -66,7 +66,7 @@ def test_unnamed_channels_are_numbered_and_a_stack_of_slices_is_refused() -> Non
         decode(ome(PLANES, names=None))
     assert np.allclose(decode(ome(PLANES, names=None), 2), PLANES[2] / 65535.0)
     stack = np.stack([PLANES[:2], PLANES[:2]])  # Z, C, Y, X
-    with pytest.raises(UnreadableImage, match=r"is a stack along Z \(2 planes\)"):
+    with pytest.raises(UnreadableImage, match=r"holds 2 Z slices; one plane per file"):
         decode(ome(stack, axes="ZCYX", names=NAMES[:2]), "GFP")
 
 

@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 
 from daemon.contract.errors import CommandFailed, SubmissionError
+from daemon.contract.jobspec import Pipeline
 from daemon.core.manifest import ResourceRequest
 from daemon.core.states import Phase
 from daemon.executors import Submission
 from daemon.executors import slurm_launch as launching
+from daemon.executors.resources import given, slurm_bounds
 from daemon.executors.slurm_api import JobRecord, JobRequest, describe, exit_status, phase_of
 from daemon.executors.slurm_api import release as release_of
 from daemon.executors.slurm_cli import (
@@ -146,10 +148,15 @@ NO_REQUEST = ResourceRequest()
 
 def sub(i: int, jobs: Path, *, group: str = "b000001-infer", module: str = "pipelines.infer",
         attempt: int = 1, resources: ResourceRequest = NO_REQUEST) -> Submission:  # fmt: skip
+    """A submission shaped as the Slurm executor shapes it for the dispatcher
+    (:meth:`SlurmExecutor.allocation`: the site's defaults, the manifest's ask, the bounds)."""
     name = f"{group}-{i:04d}" if module == "pipelines.infer" else group
+    pipeline = Pipeline(module.removeprefix("pipelines."))
+    shape = given(resources, pipeline, SITE.cpus_per_task, SITE.shapes, slurm_bounds(SITE))
     return Submission(
-        i, name, module, jobs / name, group=group, attempt=attempt, resources=resources
-    )
+        i, name, module, jobs / name, shape.cpus, shape.gpus, shape.tasks, group=group,
+        attempt=attempt, resources=resources,
+    )  # fmt: skip
 
 
 def test_the_shards_of_a_stage_go_out_as_arrays_in_chunks_of_the_largest_allowed() -> None:
