@@ -24,7 +24,7 @@ import io
 import os
 import zlib
 from collections.abc import Iterator
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -33,6 +33,7 @@ from PIL import Image
 
 from daemon.contract.heldfolder import HeldFolder
 from daemon.contract.jobspec import InputFile, Problem
+from daemon.contract.names import input_format_problem
 from daemon.contract.safeopen import Folder, Presence, RefusedInput, open_input
 from pipelines.bounds import (
     PNG_MAGIC,
@@ -293,14 +294,10 @@ def _to_unit_grey(pixels: np.ndarray) -> np.ndarray:
 
 
 def check_suffix(item: InputFile) -> Problem | None:
-    """A problem if no mask can be written in this input's format (PNG or TIFF by name)."""
-    if Path(item.path).suffix.lower() in MASK_FORMATS:
-        return None
-    return Problem(
-        where(item),
-        f"'{Path(item.path).suffix}' files are not supported",
-        "save the image as .png or .tif",
-    )
+    """A problem if this input is in a format the jobs do not read (the daemon's intake says
+    the same, :func:`daemon.contract.names.input_format_problem`)."""
+    found = input_format_problem(item.path)
+    return None if found is None else Problem(where(item), *found)
 
 
 def encode_mask(mask: np.ndarray, suffix: str) -> bytes:

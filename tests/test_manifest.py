@@ -523,3 +523,18 @@ def test_the_text_scan_sees_the_nesting_the_parser_builds_whatever_the_strings_h
     text = tomli_w.dumps(document)
     assert text_nests_deeper(text, limit=5) == (depth > 5)
     assert document_nests_deeper(document, limit=5) == (depth > 5)
+
+
+def test_an_input_in_a_format_the_jobs_do_not_read_is_refused_before_any_job_runs() -> None:
+    files = [
+        {"path": "slides/a.czi"}, {"path": "b.jpg"}, {"path": "notes"}, {"path": "c.ome.tif"},
+    ]  # fmt: skip
+    found = problems_of(doc(files=files))
+    assert found == [
+        "manifest.toml, files[0] 'slides/a.czi': is a Zeiss CZI file, which watchd does not "
+        "read — export the images as OME-TIFF (e.g. Fiji: File > Save As > OME-TIFF), TIFF or PNG",
+        "manifest.toml, files[1] 'b.jpg': is a '.jpg' file; watchd reads PNG and TIFF images — "
+        "save the image as .png or .tif",
+        "manifest.toml, files[2] 'notes': has no suffix; watchd reads PNG and TIFF images — save "
+        "the image as .png or .tif",
+    ]

@@ -189,3 +189,17 @@ def test_a_name_missing_under_both_normalisations_is_missing(drop_root: Path) ->
     waiting = judge(drop_root, manifest([{"path": "Ka\u0308fer.png"}]))
     assert isinstance(waiting, Waiting)
     assert waiting.problems[0].message == "'Ka\u0308fer.png' is missing"
+
+
+def test_a_pattern_that_matches_an_instrument_file_fails_the_batch_naming_it(
+    drop_root: Path,
+) -> None:
+    (drop_root / "a.tif").write_bytes(b"x" * 10)
+    (drop_root / "b.nd2").write_bytes(b"x" * 10)
+    m = manifest([], patterns=[{"glob": "*.*"}])
+    first = judge(drop_root, m, now=1.0)
+    verdict = judge(drop_root, m, first.settle, now=6.0)
+    assert isinstance(verdict, NotReady)
+    assert verdict.reason == "inputs in a format watchd does not read"
+    (problem,) = verdict.problems
+    assert problem.where == "input 'b.nd2'" and "Nikon ND2" in problem.message

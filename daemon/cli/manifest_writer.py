@@ -31,6 +31,7 @@ from daemon.contract import atomicfile
 from daemon.contract.checksums import sha256_of_stream
 from daemon.contract.errors import ManifestError, WatchdError
 from daemon.contract.jobspec import Role
+from daemon.contract.names import IMAGE_SUFFIXES
 from daemon.contract.safeopen import open_input
 from daemon.core.manifest import (
     MANIFEST_NAME,
@@ -41,8 +42,6 @@ from daemon.core.manifest import (
     parse_manifest,
 )
 from daemon.core.manifest_schema import FORMAT_VERSION, MAX_INPUTS, MAX_PATTERNS, Kind
-
-IMAGE_SUFFIXES = frozenset({".png", ".tif", ".tiff"})
 
 ProgressHook = Callable[[int, int], None]  # (files done, files in all), after each file
 

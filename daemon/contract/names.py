@@ -1,6 +1,7 @@
 """The names and defaults the daemon and the jobs share beyond the job spec: the rule for model
-names, the registry's top level (a folder per model) and its aliases, and the defaults of the
-inference parameters.
+names, the registry's top level (a folder per model) and its aliases, the image formats the jobs
+read (by name: checked at intake, before any job runs), and the defaults of the inference
+parameters.
 
 One place for each: the manifest's validation (:mod:`daemon.core.manifest_schema`), the model
 catalogue (:mod:`models.catalog`) and the inference job (:mod:`pipelines.infer`) read them here.
@@ -12,7 +13,7 @@ import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -21,6 +22,29 @@ MODEL_NAME_RULE = "1 to 64 letters, digits, '.', '_' or '-', starting with a let
 LATEST = "latest"  # the newest version of a model
 BEST = "best"  # the version that scored best on its validation split
 ALIASES = (LATEST, BEST)
+
+
+# The inputs' file names the jobs read (the content decides the decoder) and write masks as.
+IMAGE_SUFFIXES = frozenset({".png", ".tif", ".tiff"})
+# What instruments and scanners write that the jobs do not read (yet): said by name.
+_INSTRUMENT_FORMATS = {
+    ".czi": "Zeiss CZI", ".nd2": "Nikon ND2", ".lif": "Leica LIF", ".vsi": "Olympus VSI",
+    ".svs": "Aperio SVS", ".ndpi": "Hamamatsu NDPI", ".mrxs": "3DHISTECH MRXS",
+    ".scn": "Leica SCN", ".ims": "Imaris", ".zarr": "Zarr",
+}  # fmt: skip
+_EXPORT = "export the images as OME-TIFF (e.g. Fiji: File > Save As > OME-TIFF), TIFF or PNG"
+
+
+def input_format_problem(path: str) -> tuple[str, str] | None:
+    """(what, hint) when an input named ``path`` is in a format the jobs do not read; None
+    when they do (PNG or TIFF, 8 or 16 bit, grey, RGB or multi-channel)."""
+    suffix = PurePosixPath(path).suffix.lower()
+    if suffix in IMAGE_SUFFIXES:
+        return None
+    if suffix in _INSTRUMENT_FORMATS:
+        return f"is a {_INSTRUMENT_FORMATS[suffix]} file, which watchd does not read", _EXPORT
+    named = f"is a '{suffix}' file" if suffix else "has no suffix"
+    return f"{named}; watchd reads PNG and TIFF images", "save the image as .png or .tif"
 
 
 def model_names(registry: Path) -> list[str]:

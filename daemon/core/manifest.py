@@ -22,7 +22,7 @@ import pydantic
 
 from daemon.contract.errors import ManifestError
 from daemon.contract.jobspec import InputFile, ModelRef, Problem, Role
-from daemon.contract.names import ALIASES, LATEST
+from daemon.contract.names import ALIASES, LATEST, input_format_problem
 from daemon.core.manifest_schema import PARAMS_BY_KIND, Kind, ManifestModel, TrainingParams
 from daemon.core.nesting import MAX_NESTING, document_nests_deeper, text_nests_deeper
 from daemon.core.sweep import SweepPlan, check_space, expand
@@ -251,6 +251,8 @@ def _path_problems(document: Mapping[str, Any]) -> list[Problem]:
 def _check_semantics(model: ManifestModel) -> list[Problem]:
     found: list[Problem] = []
     for i, entry in enumerate(model.files):
+        if (unread := input_format_problem(entry.path)) is not None:
+            found.append(Problem(f"{MANIFEST_NAME}, files[{i}] '{entry.path}'", *unread))
         if entry.size == 0:
             found.append(
                 Problem(

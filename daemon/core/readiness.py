@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from daemon.contract.jobspec import InputFile, Problem, summarised
+from daemon.contract.names import input_format_problem
 from daemon.contract.safeopen import Presence, describe
 from daemon.core.manifest import MANIFEST_NAME, Manifest, Pattern, pairing_problems
 
@@ -168,6 +169,13 @@ def _ready_or_wrong(manifest: Manifest, seen: InputsSeen) -> Verdict:
     if wrong:
         return NotReady(summarised(wrong), "inputs differ from the manifest")
     inputs = _resolved(manifest, seen)
+    unread = [
+        Problem(f"input '{f.path}'", *found)
+        for f in inputs
+        if (found := input_format_problem(f.path)) is not None
+    ]
+    if unread:
+        return NotReady(summarised(unread), "inputs in a format watchd does not read")
     if manifest.kind.trains and manifest.patterns:
         unpaired = pairing_problems(inputs)
         if unpaired:

@@ -56,7 +56,7 @@ def test_read_ahead_gives_every_input_in_order_as_read_in_process(
         np.testing.assert_array_equal(got.pixels, expected)
         assert got.sha256 == digest and not got.problems and not got.tiled
     assert "cannot be decoded as PNG" in by_name["cut.png"].problems[0].message
-    assert "not supported" in by_name["e.jpg"].problems[0].message
+    assert "is a '.jpg' file; watchd reads PNG and TIFF" in by_name["e.jpg"].problems[0].message
     assert by_name["big.tif"].tiled and by_name["big.tif"].pixels is None
     assert "more than params.max_whole_pixels = 10 000" in by_name["big.png"].problems[0].message
     assert all(by_name[n].pixels is None for n in ("cut.png", "e.jpg", "big.png"))
