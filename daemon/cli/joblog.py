@@ -9,7 +9,7 @@ followed (as root, that would print any file), a FIFO never waited on; both rais
 from __future__ import annotations
 
 import os
-import time
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,20 +105,24 @@ def follow(
     emit: Callable[[str], None],
     *,
     poll_seconds: float = 0.5,
+    stop: threading.Event | None = None,
 ) -> None:
-    """Emit the lines the log gains until the job has ended.
+    """Emit the lines the log gains until the job has ended, or until ``stop`` is set.
 
     A job counts as ended when two polls in a row find it so: a failed job the daemon retries
     goes back to pending in the same tick, and following should go on through the retry.
     """
+    stop = stop or threading.Event()
     ended_before = False
-    while True:
+    while not stop.is_set():
         for line in follower.read():
             emit(line)
         ended = store.job(job_id).state.terminal
         if ended and ended_before:
             break
         ended_before = ended
-        time.sleep(poll_seconds)
+        stop.wait(poll_seconds)
+    else:
+        return  # stopped: what the log holds now was printed
     for line in follower.rest():
         emit(line)

@@ -5,7 +5,9 @@ the job logs, so they work while the daemon is down; each takes ``--json``."""
 from __future__ import annotations
 
 import re
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from typing import Annotated, Any
@@ -283,6 +285,10 @@ def _unreadable(log: joblog.LogFile, exc: OSError) -> WatchdError:
 
 
 def _follow(store: Store, job: Job, log: joblog.LogFile, lines: int) -> None:
+    """Follow the log until the job ends or Ctrl-C. Ctrl-C sets an event the loop waits on (a
+    KeyboardInterrupt raised where Python swallows it, in a finaliser, would follow forever)."""
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         try:
             last = joblog.tail(log, lines)
@@ -294,11 +300,15 @@ def _follow(store: Store, job: Job, log: joblog.LogFile, lines: int) -> None:
             for line in last.lines:
                 print(visible(line), flush=True)
             follower = joblog.Follower(log, last.end, last.partial)
-        joblog.follow(store, job.id, follower, lambda line: print(visible(line), flush=True))
-    except KeyboardInterrupt:
-        return  # Ctrl-C ends following; nothing went wrong
+        joblog.follow(store, job.id, follower, _print_line, stop=stop)
     except OSError as exc:
         raise _unreadable(log, exc) from None
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _print_line(line: str) -> None:
+    print(visible(line), flush=True)
 
 
 def _said_all(key: str, rows: list[dict[str, Any]], as_json: bool) -> bool:
