@@ -123,7 +123,7 @@ def progress(config: Config, batch: Batch) -> str:
         store.close()
     done = sum(1 for j in jobs if j.state.value == "succeeded")
     running = [j.name.split("-", 1)[1] for j in jobs if j.state.live]
-    text = f"batch #{batch.id} {batch.kind}: {batch.state.value}"
+    text = f"batch #{batch.id} {batch.kind.value}: {batch.state.value}"
     if jobs:
         text += f", {done}/{len(jobs)} jobs done" + (
             f", running {', '.join(running)}" if running else ""
