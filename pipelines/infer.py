@@ -72,7 +72,16 @@ from pipelines.channels import ChannelProblem
 from pipelines.device import Placement, choose_device
 from pipelines.images import checksum_problem, held_still, open_item, reading, write_mask
 from pipelines.job import InputError, log, run_folder, run_job
-from pipelines.layout import MASKS_DIR, PARTS_DIR, ledger_name, table_csv, table_name
+from pipelines.layout import (
+    MASKS_DIR,
+    PARTS_DIR,
+    label_image_name,
+    ledger_name,
+    objects_csv,
+    objects_table_name,
+    table_csv,
+    table_name,
+)
 from pipelines.ledger import Ledger
 from pipelines.reader import read_ahead
 from pipelines.tiles import TiledResult, segment_tiled
@@ -227,9 +236,13 @@ class MaskFolders:
             self.held[folder] = self.run.folder(folder, create=True)
         return self.held[folder], name
 
-    def present(self, input_path: str) -> bool:
-        """Whether the mask of ``input_path`` is there, a plain file (nothing is made)."""
+    def present(self, input_path: str, tiled: bool) -> bool:
+        """Whether the mask of ``input_path`` is there (nothing is made): a plain file, or the
+        label image's folder for an image segmented window by window."""
         try:
+            if tiled:
+                label_image = f"{MASKS_DIR}/{label_image_name(input_path)}"
+                return stat.S_ISDIR(self.run.lstat(label_image).st_mode)
             return stat.S_ISREG(self.run.lstat(f"{MASKS_DIR}/{input_path}").st_mode)
         except (OSError, ValueError):  # missing, or a planted entry on the way
             return False
@@ -320,7 +333,8 @@ class Segmenter:
         own before them, through the same open file; :func:`held_still` makes sure that the
         file did not change in between. A problem found after the mask was written drops it.
         """
-        folder, target = self.masks.of(item.path)
+        folder, name = self.masks.of(item.path)
+        target = label_image_name(name)
         try:
             with open_item(self.batch, item) as handle, held_still(handle, item):
                 with reading(item):
@@ -332,10 +346,11 @@ class Segmenter:
                 handle.seek(0)
                 result = self._segment_tiled(item, handle, folder, target)
         except InputError as exc:
-            folder.unlink(target)
+            folder.remove_tree(target)
             return list(exc.problems)
         except ChannelProblem as exc:
             return [Problem(where(item), exc.message, exc.hint)]
+        self.masks.run.write_text(objects_table_name(item.path), objects_csv(result.table))
         row = _stats(result.width, result.height, result.area, result.objects, result.intensity)
         self._done(item, digest, {**row, "confidence": round(result.confidence, 4), "tiled": 1})
         return []
@@ -404,7 +419,7 @@ def _infer(
     masks = MaskFolders(run)
     resumed = {}
     for item in items:
-        row = ledger.done_row(item, batch, masks.present(item.path))
+        row = ledger.done_row(item, batch, masks.present)
         if row is not None:
             resumed[item.path] = row
     if resumed:

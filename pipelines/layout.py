@@ -2,7 +2,10 @@
 
 ::
 
-    masks/<input path>              one mask per input image, same name and format
+    masks/<input path>              one mask per input image, same name and format …
+    masks/<input path>.ome.zarr     … or, for an image segmented window by window, its label
+                                    image in OME-Zarr (pipelines/omezarr.py)
+    objects/<input path>.csv        one row per object of such an image (OBJECT_COLUMNS)
     parts/table-<shard:04d>.csv     per-image rows of one inference shard (TABLE_COLUMNS)
     table.csv                       all shards' rows, sorted by path (report)
     summary.json, report.html       the report
@@ -44,6 +47,8 @@ SWEEP_DIR = "sweep"
 TRIALS_TABLE = "trials.csv"
 SWEEP_FILE = "sweep.json"
 LEDGER_DIR = "ledger"
+OBJECTS_DIR = "objects"
+LABEL_IMAGE_SUFFIX = ".ome.zarr"
 TABLE_COLUMNS = (
     "path",
     "width",
@@ -60,6 +65,8 @@ TABLE_COLUMNS = (
     "manifest_sha256",
     "code_version",
 )
+OBJECT_COLUMNS = ("id", "area_px", "centroid_y", "centroid_x", "bbox_top", "bbox_left",
+                  "bbox_bottom", "bbox_right", "mean_intensity")  # fmt: skip
 CURVE_COLUMNS = ("epoch", "train_loss", "val_loss", "val_dice", "val_iou")
 
 
@@ -71,12 +78,26 @@ def ledger_name(shard_index: int) -> str:
     return f"shard-{shard_index:04d}.jsonl"
 
 
-def table_csv(rows: Iterable[Mapping[str, Any]]) -> str:
+def label_image_name(input_path: str) -> str:
+    """The label image of an input segmented window by window (below ``masks/``)."""
+    return input_path + LABEL_IMAGE_SUFFIX
+
+
+def objects_table_name(input_path: str) -> str:
+    return f"{OBJECTS_DIR}/{input_path}.csv"
+
+
+def objects_csv(rows: Iterable[Mapping[str, Any]]) -> str:
+    """A large image's object table (:data:`OBJECT_COLUMNS`) as CSV text."""
+    return table_csv(rows, OBJECT_COLUMNS)
+
+
+def table_csv(rows: Iterable[Mapping[str, Any]], columns: tuple[str, ...] = TABLE_COLUMNS) -> str:
     """The per-image table (:data:`TABLE_COLUMNS`) as CSV text. Every cell is quoted: a file
     name may hold a comma, a quote, a line feed or a carriage return, and ``csv`` leaves a
     carriage return unquoted when the line ends are plain line feeds."""
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, TABLE_COLUMNS, lineterminator="\n", quoting=csv.QUOTE_ALL)
+    writer = csv.DictWriter(buffer, columns, lineterminator="\n", quoting=csv.QUOTE_ALL)
     writer.writeheader()
     writer.writerows(rows)
     return buffer.getvalue()

@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 from daemon.contract.checksums import sha256_of_stream
@@ -73,11 +73,12 @@ class Ledger:
             return []
 
     def done_row(
-        self, item: InputFile, batch_dir: Folder, mask_present: bool
+        self, item: InputFile, batch_dir: Folder, mask_present: Callable[[str, bool], bool]
     ) -> dict[str, Any] | None:
-        """The recorded row of ``item`` if it is done with these very inputs, else None."""
+        """The recorded row of ``item`` if it is done with these very inputs and its mask is
+        there (``mask_present(path, tiled)``, asked only of a recorded image), else None."""
         entry = self.entries.get(item.path)
-        if entry is None or not mask_present:
+        if entry is None or not mask_present(item.path, str(entry["row"].get("tiled")) == "1"):
             return None
         try:
             digest = item.sha256.lower() if item.sha256 else _hash_input(batch_dir, item.path)

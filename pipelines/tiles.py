@@ -8,17 +8,20 @@ from the one that saw it in the middle). Rows of the result are final as soon as
 window over them ran, so the image streams through in bands.
 
 Each band is thresholded and labelled (8-connected); components crossing a band border are
-joined with a union-find that also adds up their areas and intensities. The mask goes to a
-tiled TIFF through an iterator of tiles. Components smaller than ``min_area`` are removed in a
-second pass over that mask (skipped when nothing is that small). The mask is written into a
-held folder (:mod:`daemon.contract.heldfolder`): first pass to a temporary name, read back through
-the folder for the second pass, renamed into place. Peak memory is about
-``window × width`` floats for the blend plus the tile cache, whatever the image's height.
+joined with a union-find whose roots carry their area, intensity, centroid sums and bounding
+box. The bands' provisional ids go to an OME-Zarr label image as they come
+(:mod:`pipelines.omezarr`); once the last band is labelled, the stored chunks are mapped to the
+final object ids (components smaller than ``min_area`` become background), the pyramid is
+built, and the per-object table comes from the roots. The label image is built in a temporary
+folder of the held masks folder and renamed into place. Peak memory is about
+``window × width`` floats for the blend plus a band of label chunks and the tile cache,
+whatever the image's height.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,6 +34,8 @@ from scipy import ndimage
 
 from daemon.contract.heldfolder import HeldFolder, temporary_name
 from pipelines.channels import ChannelProblem, plane_page
+from pipelines.layout import OBJECT_COLUMNS
+from pipelines.omezarr import LabelImage
 
 TILE = 256  # the mask's TIFF tiles (and the band height of the statistics)
 _EIGHT = np.ones((3, 3), dtype=bool)
@@ -204,14 +209,19 @@ def rebanded(bands: Iterator[tuple[int, np.ndarray]]) -> Iterator[np.ndarray]:
         yield np.concatenate(pending)
 
 
+# a node's measures: area, intensity sum, row sum, column sum, top, left, bottom, right (ends
+# exclusive); a union adds the first four and takes the outer box
+_AREA, _INTENSITY, _ROWS, _COLS, _TOP, _LEFT, _BOTTOM, _RIGHT = range(8)
+
+
 @dataclass
 class Components:
-    """Connected components over bands: union-find with areas and intensity sums per root."""
+    """Connected components over bands: a union-find whose roots carry their measures."""
 
     parent: list[int] = field(default_factory=lambda: [0])
-    area: list[int] = field(default_factory=lambda: [0])
-    intensity: list[float] = field(default_factory=lambda: [0.0])
+    measures: list[list[float]] = field(default_factory=lambda: [[0.0] * 8])
     offsets: list[int] = field(default_factory=list)  # first global id of each band, minus 1
+    rows: int = 0  # rows seen so far: the next band's first row
     previous_row: np.ndarray | None = None
 
     def find(self, node: int) -> int:
@@ -221,21 +231,26 @@ class Components:
         return node
 
     def union(self, a: int, b: int) -> None:
-        a, b = self.find(a), self.find(b)
+        # the smaller id stays the root: a component's root is then its first node, and
+        # roots in id order are the objects in the order of their first pixel (raster order)
+        a, b = sorted((self.find(a), self.find(b)))
         if a != b:
             self.parent[b] = a
-            self.area[a] += self.area[b]
-            self.intensity[a] += self.intensity[b]
+            kept, joined = self.measures[a], self.measures[b]
+            for sum_ in (_AREA, _INTENSITY, _ROWS, _COLS):
+                kept[sum_] += joined[sum_]
+            kept[_TOP], kept[_LEFT] = min(kept[_TOP], joined[_TOP]), min(kept[_LEFT], joined[_LEFT])
+            kept[_BOTTOM] = max(kept[_BOTTOM], joined[_BOTTOM])
+            kept[_RIGHT] = max(kept[_RIGHT], joined[_RIGHT])
 
     def add_band(self, mask: np.ndarray, image: np.ndarray) -> np.ndarray:
         """Label ``mask`` (the next band) and join it to the band above; its global ids."""
         labels, count = ndimage.label(mask, structure=_EIGHT)
         offset = len(self.parent) - 1
         self.offsets.append(offset)
-        index = np.arange(1, count + 1)
         self.parent += list(range(offset + 1, offset + count + 1))
-        self.area += np.bincount(labels.ravel(), minlength=count + 1)[1:].tolist()
-        self.intensity += np.atleast_1d(ndimage.sum_labels(image, labels, index)).tolist()
+        self.measures += self._measured(labels, count, image)
+        self.rows += len(mask)
         ids = np.where(labels > 0, labels + offset, 0)
         if self.previous_row is not None:
             for shift in (-1, 0, 1):
@@ -249,29 +264,54 @@ class Components:
         self.previous_row = ids[-1].copy()
         return ids
 
+    def _measured(self, labels: np.ndarray, count: int, image: np.ndarray) -> list[list[float]]:
+        """Each new component's measures, from its pixels alone (not a grid of the band)."""
+        if not count:
+            return []
+        flat = np.flatnonzero(labels)
+        which = labels.ravel()[flat]
+        rows, cols = np.divmod(flat, labels.shape[1])
+
+        def summed(weights: np.ndarray | None) -> np.ndarray:
+            return np.bincount(which, weights, minlength=count + 1)[1:]
+
+        top = self.rows
+        boxes = ndimage.find_objects(labels)
+        columns = [summed(None), summed(image.ravel()[flat]), summed(rows + top), summed(cols)]
+        return [
+            [*(float(c[n]) for c in columns), box[0].start + top, box[1].start,
+             box[0].stop + top, box[1].stop]
+            for n, box in enumerate(boxes)
+        ]  # fmt: skip
+
+    def roots(self, min_area: int) -> list[int]:
+        """The components of at least ``min_area`` pixels, in the raster order of their first
+        pixel (as ``ndimage.label`` numbers a whole image's)."""
+        found = [n for n in range(1, len(self.parent)) if self.parent[n] == n]
+        return [n for n in found if self.measures[n][_AREA] >= max(min_area, 1)]
+
     def kept(self, min_area: int) -> tuple[int, int, float]:
         """(objects, total area, total intensity) of the components of at least ``min_area``."""
-        roots = [n for n in range(1, len(self.parent)) if self.parent[n] == n]
-        big = [n for n in roots if self.area[n] >= max(min_area, 1)]
-        return len(big), sum(self.area[n] for n in big), sum(self.intensity[n] for n in big)
+        big = [self.measures[n] for n in self.roots(min_area)]
+        return len(big), int(sum(m[_AREA] for m in big)), sum(m[_INTENSITY] for m in big)
 
+    def lookup(self, min_area: int) -> np.ndarray:
+        """Each global id's final object id (1, 2, … in :meth:`roots` order; 0: removed)."""
+        final = np.zeros(len(self.parent), dtype=np.uint32)
+        final[self.roots(min_area)] = np.arange(1, len(self.roots(min_area)) + 1)
+        nodes = np.array([self.find(n) for n in range(len(self.parent))], dtype=np.int64)
+        return final[nodes]
 
-def _tiles(bands: Iterator[np.ndarray], width: int) -> Iterator[np.ndarray]:
-    for band in bands:
-        for left in range(0, width, TILE):
-            yield band[:, left : left + TILE]
-
-
-def _write_tiled(
-    folder: HeldFolder, name: str, bands: Iterator[np.ndarray], height: int, width: int
-) -> None:
-    """Write uint8 bands as a tiled, deflate-compressed TIFF ``name`` in ``folder``, atomically."""
-    with (
-        folder.writer(name) as handle,
-        tifffile.TiffWriter(tifffile.FileHandle(handle, mode="wb", name=name)) as tif,
-    ):
-        tif.write(_tiles(bands, width), shape=(height, width), dtype=np.uint8,
-                  tile=(TILE, TILE), compression="zlib", photometric="minisblack")  # fmt: skip
+    def table(self, min_area: int) -> list[dict[str, Any]]:
+        """One row per object kept (:data:`OBJECT_COLUMNS`), its id as in :meth:`lookup`."""
+        rows = []
+        for number, root in enumerate(self.roots(min_area), start=1):
+            m = self.measures[root]
+            rows.append(dict(zip(OBJECT_COLUMNS, (
+                number, int(m[_AREA]), round(m[_ROWS] / m[_AREA], 2),
+                round(m[_COLS] / m[_AREA], 2), int(m[_TOP]), int(m[_LEFT]), int(m[_BOTTOM]),
+                int(m[_RIGHT]), round(m[_INTENSITY] / m[_AREA], 6)), strict=True)))  # fmt: skip
+        return rows
 
 
 @dataclass(frozen=True)
@@ -282,6 +322,7 @@ class TiledResult:
     objects: int
     intensity: float
     confidence: float
+    table: list[dict[str, Any]]  # one row per object (OBJECT_COLUMNS)
 
 
 def segment_tiled(
@@ -289,61 +330,38 @@ def segment_tiled(
     min_area: int, window: int = 512, overlap: int = 64, batch: int = 1,
     progress: Progress | None = None, channel: Any = None,
 ) -> TiledResult:  # fmt: skip
-    """Segment ``source`` (its plane ``channel``) into the tiled TIFF mask ``target`` (a name
-    in ``folder``); the per-image statistics."""
+    """Segment ``source`` (its plane ``channel``) into the OME-Zarr label image ``target`` (a
+    folder name in ``folder``, replaced whole); the per-image statistics and object table."""
     reader = RegionReader(source, cache_pixel_rows=window + 2 * TILE, channel=channel)
     components = Components()
-    certainty = [0.0]
+    certainty = 0.0
+    building = temporary_name()
+    folder.mkdir(building)
     try:
-
-        def masks() -> Iterator[np.ndarray]:
-            bands = probability_bands(reader, predict, window, overlap, batch, progress)
-            top = 0
-            for band in rebanded(bands):
-                certainty[0] += float(np.abs(2 * band - 1).sum())
-                mask = band > threshold
-                image = reader.region(top, top + len(band), 0, reader.width)
-                components.add_band(mask, image)
-                top += len(band)
-                yield np.where(mask, np.uint8(255), np.uint8(0))
-
-        raw = temporary_name() if min_area > 1 else target
-        _write_tiled(folder, raw, masks(), reader.height, reader.width)
+        with folder.folder(building) as inside:
+            labels = LabelImage(
+                inside, reader.height, reader.width, target.removesuffix(".ome.zarr")
+            )
+            try:
+                bands = probability_bands(reader, predict, window, overlap, batch, progress)
+                for band in rebanded(bands):
+                    certainty += float(np.abs(2 * band - 1).sum())
+                    image = reader.region(components.rows, components.rows + len(band), 0,
+                                          reader.width)  # fmt: skip
+                    labels.add_rows(components.add_band(band > threshold, image), image)
+                labels.relabel(components.lookup(min_area))
+                labels.finish()
+            finally:
+                labels.close()
+            os.fsync(inside.fd)
+        folder.remove_tree(target)
+        folder.rename(building, target)
+    except BaseException:
+        folder.remove_tree(building)
+        raise
     finally:
         reader.close()
     objects, area, intensity = components.kept(min_area)
-    if raw != target:
-        nodes = range(1, len(components.parent))
-        if any(components.area[components.find(n)] < min_area for n in nodes):
-            try:
-                _remove_small(folder, raw, target, components, min_area)
-            finally:
-                folder.unlink(raw)
-        else:
-            folder.rename(raw, target)
     pixels = reader.height * reader.width
-    return TiledResult(reader.width, reader.height, area, objects, intensity, certainty[0] / pixels)
-
-
-def _remove_small(
-    folder: HeldFolder, raw: str, target: str, components: Components, min_area: int
-) -> None:
-    """Second pass: rewrite the mask without the components smaller than ``min_area``."""
-    source = folder.open_read(raw)
-    reader = RegionReader(source, cache_pixel_rows=TILE)
-    roots = np.array([components.find(n) for n in range(len(components.parent))])
-    keep = np.array([components.area[r] >= min_area for r in roots])
-    keep[0] = False
-
-    def bands() -> Iterator[np.ndarray]:
-        for number, top in enumerate(range(0, reader.height, TILE)):
-            mask = reader.region(top, min(top + TILE, reader.height), 0, reader.width) > 0.5
-            labels, _ = ndimage.label(mask, structure=_EIGHT)
-            ids = np.where(labels > 0, labels + components.offsets[number], 0)
-            yield np.where(keep[ids], np.uint8(255), np.uint8(0))
-
-    try:
-        _write_tiled(folder, target, bands(), reader.height, reader.width)
-    finally:
-        reader.close()
-        source.close()
+    return TiledResult(reader.width, reader.height, area, objects, intensity,
+                       certainty / pixels, components.table(min_area))  # fmt: skip

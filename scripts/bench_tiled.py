@@ -5,7 +5,8 @@ deflate-compressed TIFF, streamed tile by tile. The real inference job segments 
 window (it is larger than ``max_whole_pixels``); the job process's peak resident set size
 (``wait4`` rusage) is printed. Then an image small enough for whole-image inference is
 segmented twice by the job, whole and tiled (``max_whole_pixels = 1``), and the masks compared
-pixel by pixel.
+pixel by pixel. The tiled masks are OME-Zarr label images (pipelines/omezarr.py); for the large
+slide their levels, files, size on disk and object table are printed.
 
     python scripts/bench_tiled.py [--out /tmp/watchd-bench] [--size 20000] [--small 2048]
 
@@ -18,11 +19,11 @@ import argparse
 import shutil
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import tifffile
+import zarr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jobrun
@@ -31,29 +32,21 @@ import synth
 from daemon.contract.jobspec import InputFile, ModelRef, Pipeline
 
 MODEL = "bench-unet"
-CELL = 128  # one droplet
-TILE = 256
 
 
-def slide_tiles(size: int, seed: int) -> Iterator[np.ndarray]:
-    """The slide's 256² tiles in row-major order, each 2×2 droplets (the last ones cropped)."""
-    across = -(-size // CELL)
-    for top in range(0, size, TILE):
-        for left in range(0, size, TILE):
-            tile = np.zeros((TILE, TILE), dtype=np.uint8)
-            for dy in (0, CELL):
-                for dx in (0, CELL):
-                    index = ((top + dy) // CELL) * across + (left + dx) // CELL
-                    drawn = synth.sample(seed, index, CELL).image
-                    tile[dy : dy + CELL, dx : dx + CELL] = synth.to_integer(drawn, 8)
-            yield tile[: min(TILE, size - top), : min(TILE, size - left)]
+def label_image(batch_dir: Path) -> list[np.ndarray]:
+    """The levels of the job's OME-Zarr label image of images/slide.tif (the whole level 0
+    of a 20,000² slide is 1.6 GB of uint32: only the coarser levels are read for it)."""
+    group = zarr.open_group(
+        str(batch_dir / "results" / "masks" / "images" / "slide.tif.ome.zarr"), mode="r"
+    )["labels/segmentation"]
+    paths = [d["path"] for d in group.attrs["multiscales"][0]["datasets"]]
+    small = [p for p in paths if group[p].size <= 2**26]
+    return [group[p][:] for p in small]
 
 
-def write_slide(path: Path, size: int, seed: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tifffile.TiffWriter(path, bigtiff=size * size > 2**31) as tif:
-        tif.write(slide_tiles(size, seed), shape=(size, size), dtype=np.uint8, tile=(TILE, TILE),
-                  compression="zlib", photometric="minisblack")  # fmt: skip
+def disk_mb(folder: Path) -> float:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 2**20
 
 
 def segment(batch_dir: Path, registry: Path, name: str, max_pixels: int) -> jobrun.Finished:
@@ -78,7 +71,7 @@ def main() -> int:
     for folder in (big, small):
         shutil.rmtree(folder, ignore_errors=True)
     started = time.perf_counter()
-    write_slide(big / "images" / "slide.tif", args.size, seed=500)
+    synth.write_slide(big / "images" / "slide.tif", args.size, seed=500, levels=0)
     megabytes = (big / "images" / "slide.tif").stat().st_size / 2**20
     print(f"slide {args.size}×{args.size} written in {time.perf_counter() - started:.0f} s "
           f"({megabytes:.0f} MB tiled TIFF)")  # fmt: skip
@@ -87,12 +80,18 @@ def main() -> int:
     print(f"tiled inference of {args.size}²: {job.summary['seconds_per_image']:.0f} s, "
           f"peak RSS of the job {job.peak_rss_mb:.0f} MB (target <= 2048 MB)")  # fmt: skip
     print(f"  table row: {row}")
-    write_slide(small / "images" / "slide.tif", args.small, seed=600)
+    levels = label_image(big)
+    objects = (big / "results" / "objects" / "images" / "slide.tif.csv").read_text().count("\n") - 1
+    stored = sum(1 for p in (big / "results" / "masks" / "images").rglob("*") if p.is_file())
+    print(f"  label image: {len(levels)} levels {[lv.shape[0] for lv in levels]}, {stored} files, "
+          f"{disk_mb(big / 'results' / 'masks'):.0f} MB; object table {objects} rows, "
+          f"largest id at the coarsest level {int(levels[-1].max()) if levels else 0}")  # fmt: skip
+    synth.write_slide(small / "images" / "slide.tif", args.small, seed=600, levels=0)
     whole = segment(small, registry, "whole", 4096 * 4096)
     whole_mask = tifffile.imread(small / "results" / "masks" / "images" / "slide.tif") > 0
     shutil.rmtree(small / "results" / "ledger")  # the same image again, now window by window
     tiled = segment(small, registry, "tiled", 1)
-    tiled_mask = tifffile.imread(small / "results" / "masks" / "images" / "slide.tif") > 0
+    tiled_mask = label_image(small)[0] > 0
     agreement = float((whole_mask == tiled_mask).mean())
     overlap = 2 * (whole_mask & tiled_mask).sum() / max(whole_mask.sum() + tiled_mask.sum(), 1)
     print(f"{args.small}² whole ({whole.summary['seconds_per_image']:.1f} s, "

@@ -12,11 +12,17 @@ images of a batch of 100.
 Usage::
 
     python scripts/synth.py OUT --kind training --count 64 --size 128 --seed 0 \
-        [--format png|tif|ome-tif] [--bits 8|16] [--truth DIR]
+        [--format png|tif|ome-tif|slide] [--bits 8|16] [--truth DIR]
 
 ``ome-tif`` writes each image as a three-channel OME-TIFF, as a fluorescence microscope does:
 ``DAPI`` and ``RFP`` planes beside the ``GFP`` plane that holds the droplet (segment it with
 ``[params] channel = "GFP"``); masks stay single-channel.
+
+``slide`` (inference only) writes each image as a whole-slide image of ``--size``² pixels: a
+grid of droplets of 128² (image ``i`` of the slide's seed in row-major order), an 8-bit tiled
+(256²), deflate-compressed TIFF with reduced levels in SubIFDs down to about 1024 pixels across,
+as scanners and QuPath write pyramids; written tile by tile, so any size fits in memory. Larger
+than ``max_whole_pixels``, it is segmented window by window into an OME-Zarr label image.
 
 Training batches get ``OUT/images/`` and ``OUT/masks/``; inference batches ``OUT/images/``
 (and the masks in ``--truth DIR`` if given, for evaluation).
@@ -25,7 +31,9 @@ Training batches get ``OUT/images/`` and ``OUT/masks/``; inference batches ``OUT
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,8 +43,10 @@ from PIL import Image
 from scipy import ndimage
 
 KINDS = ("training", "inference")
-FORMATS = {"png": ".png", "tif": ".tif", "ome-tif": ".ome.tif"}
+FORMATS = {"png": ".png", "tif": ".tif", "ome-tif": ".ome.tif", "slide": ".tif"}
 CHANNELS = ("DAPI", "GFP", "RFP")  # ome-tif: the droplet is the GFP plane
+CELL = 128  # slide: one droplet
+SLIDE_TILE = 256  # slide: its TIFF tiles
 SPHEROID_COUNTS = (0, 1, 2)
 SPHEROID_ODDS = (0.12, 0.73, 0.15)
 
@@ -147,6 +157,38 @@ def write_image(path: Path, pixels: np.ndarray, channels: bool = False) -> None:
         tifffile.imwrite(path, pixels, photometric="minisblack")
 
 
+def slide_tiles(size: int, seed: int, step: int = 1) -> Iterator[np.ndarray]:
+    """The slide's 256² tiles at 1/``step`` of its resolution, row-major (the last ones
+    cropped), each drawn from the droplets it covers."""
+    across, span = -(-size // CELL), SLIDE_TILE * step
+    for top in range(0, size, span):
+        for left in range(0, size, span):
+            height, width = min(span, size - top), min(span, size - left)
+            region = np.zeros((span, span), dtype=np.uint8)
+            for dy in range(0, height, CELL):
+                for dx in range(0, width, CELL):
+                    index = ((top + dy) // CELL) * across + (left + dx) // CELL
+                    drawn = to_integer(sample(seed, index, CELL).image, 8)
+                    region[dy : dy + CELL, dx : dx + CELL] = drawn
+            yield region[:height:step, :width:step]
+
+
+def write_slide(path: Path, size: int, seed: int, levels: int | None = None) -> None:
+    """A ``size``² slide (:func:`slide_tiles`) as a tiled TIFF with ``levels`` reduced levels
+    in SubIFDs (by default down to about 1024 pixels across; 0: none)."""
+    if levels is None:
+        levels = max(0, math.ceil(math.log2(size / 1024)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    options = {"dtype": np.uint8, "tile": (SLIDE_TILE, SLIDE_TILE), "compression": "zlib",
+               "photometric": "minisblack"}  # fmt: skip
+    with tifffile.TiffWriter(path, bigtiff=size * size > 2**31) as tif:
+        tif.write(slide_tiles(size, seed), shape=(size, size), subifds=levels, **options)
+        for level in range(1, levels + 1):
+            side = -(-size // 2**level)
+            tif.write(slide_tiles(size, seed, 2**level), shape=(side, side), subfiletype=1,
+                      **options)  # fmt: skip
+
+
 def make_batch(
     folder: Path,
     kind: str,
@@ -165,6 +207,13 @@ def make_batch(
     """
     if kind not in KINDS or fmt not in FORMATS or bits not in (8, 16):
         raise ValueError(f"unsupported kind/format/bits: {kind!r}, {fmt!r}, {bits!r}")
+    if fmt == "slide":
+        if kind != "inference" or bits != 8 or truth_dir is not None:
+            raise ValueError("slides are 8-bit inference images, without ground truth")
+        paths = [folder / "images" / f"slide_{index:04d}.tif" for index in range(count)]
+        for index, path in enumerate(paths):
+            write_slide(path, size, seed + index)
+        return paths
     folder = Path(folder)
     mask_dir = folder / "masks" if kind == "training" else truth_dir
     written: list[Path] = []

@@ -246,6 +246,25 @@ class HeldFolder:
             return False
         return True
 
+    def remove_tree(self, relative: str | PurePosixPath) -> bool:
+        """Remove what is at ``relative``: a folder with all it holds, anything else (a link,
+        a FIFO, a file) as the one name, never followed; False if nothing is there. A folder's
+        content is removed through held descriptors, a link in it as a link."""
+        *above, name = parts_of(relative)
+        with self._parent(above) as parent:
+            found = _lstat_or_none(name, parent.fd)
+            if found is None:
+                return False
+            if not stat.S_ISDIR(found.st_mode):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=parent.fd)
+                return True
+            with parent.folder(name) as held:
+                for entry in held.entries():
+                    held.remove_tree(entry.name)
+            os.rmdir(name, dir_fd=parent.fd)
+        return True
+
     def mkdir(self, name: str) -> None:
         """Make a new folder ``name`` in this one; FileExistsError if anything has that name
         (so a name planted in advance is never taken for ours)."""

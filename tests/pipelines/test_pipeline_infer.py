@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tifffile
+from labelimages import zarr_levels
 from PIL import Image
 
 from daemon.contract.jobspec import (
@@ -321,8 +322,8 @@ def test_a_large_rgb_16_bit_tiff_is_segmented_window_by_window_like_the_whole_im
     run: Callable[..., JobRun],
     infer_params: dict[str, Any],
 ) -> None:
-    """Tiled and whole masks of the same RGB 16-bit slide agree; the tiled one is a tiled TIFF;
-    a PNG too large to decode whole is refused with a hint."""
+    """Tiled and whole masks of the same RGB 16-bit slide agree; the tiled one is an OME-Zarr
+    label image with its object table; a PNG too large to decode whole is refused with a hint."""
     grey = _grid(synth, 5, 64, seed=9)
     rgb = np.round(np.repeat(grey[..., None], 3, axis=2) * 65535).astype(np.uint16)
     batch_dir = tmp_path / "slides"
@@ -341,16 +342,22 @@ def test_a_large_rgb_16_bit_tiff_is_segmented_window_by_window_like_the_whole_im
                          params=params, job_name="tiled"))  # fmt: skip
     assert tiled.returncode == 0, tiled.log
     assert "images/slide.tif: tiled inference" in tiled.log
-    mask_path = batch_dir / "results" / "masks" / "images" / "slide.tif"
-    with tifffile.TiffFile(mask_path) as tif:
-        assert tif.pages[0].is_tiled and tif.pages[0].shape == (320, 320)
-    tiled_mask = read_mask(mask_path) > 0
+    results = batch_dir / "results"
+    level0 = zarr_levels(
+        results / "masks" / "images" / "slide.tif.ome.zarr", "labels/segmentation"
+    )[0]
+    assert level0.shape == (320, 320)
+    tiled_mask = level0 > 0
     # The session's model trained 2 epochs: many pixels sit near the threshold, where each
     # window's own standardisation tips them. scripts/bench_tiled.py measures a trained model.
     assert (tiled_mask == whole_mask).mean() > 0.9
     with open(batch_dir / "results" / "parts" / "table-0000.csv", newline="") as handle:
         (row,) = list(csv.DictReader(handle))
     assert row["tiled"] == "1" and int(row["area_px"]) == int(tiled_mask.sum())
+    with open(results / "objects" / "images" / "slide.tif.csv", newline="") as handle:
+        objects = list(csv.DictReader(handle))
+    assert len(objects) == int(row["objects"]) == int(level0.max())
+    assert sum(int(o["area_px"]) for o in objects) == int(row["area_px"])
     huge = manifest_inputs(batch_dir, [batch_dir / "images" / "huge.png"])
     refused = run(job_spec(batch_dir, Pipeline.INFER, huge, registry=registry_dir, model=model,
                            params=params, job_name="huge"))  # fmt: skip

@@ -118,3 +118,23 @@ def test_command_line_writes_a_batch(tmp_path: Path) -> None:
     assert completed.returncode == 0, completed.stderr
     assert "wrote 4 files" in completed.stdout
     assert tifffile.imread(out / "images" / "img_0001.tif").dtype == np.uint16
+
+
+def test_a_slide_is_a_pyramidal_tiled_tiff_of_droplets(tmp_path: Path, synth: ModuleType) -> None:
+    """``--format slide``: a tiled TIFF with reduced levels in SubIFDs, each level the one
+    above halved, level 0 the droplets of the seed in row-major order."""
+    (path,) = synth.make_batch(tmp_path, "inference", 1, size=700, seed=3, fmt="slide")
+    assert path.name == "slide_0000.tif"
+    with tifffile.TiffFile(path) as tif:
+        assert tif.pages[0].is_tiled
+        levels = [level.asarray() for level in tif.series[0].levels]
+    assert [level.shape for level in levels] == [(700, 700)]  # 700 < 1024: no reduced level
+    synth.write_slide(path, 700, seed=3, levels=2)
+    with tifffile.TiffFile(path) as tif:
+        levels = [level.asarray() for level in tif.series[0].levels]
+    assert [level.shape for level in levels] == [(700, 700), (350, 350), (175, 175)]
+    for number, level in enumerate(levels[1:], start=1):
+        assert np.array_equal(level, levels[0][:: 2**number, :: 2**number])
+    across = 6  # droplets of 128 across 700 pixels
+    second_row = synth.to_integer(synth.sample(3, across, 128).image, 8)
+    assert np.array_equal(levels[0][128:256, :128], second_row)

@@ -1,0 +1,271 @@
+"""Label images in OME-Zarr (NGFF 0.4), written chunk by chunk through a held folder.
+
+A large image's segmentation is a folder ``<input name>.ome.zarr`` that napari (napari-ome-zarr),
+QuPath and OMERO open::
+
+    .zattrs, .zgroup        multiscales: an overview of the input (grey, 8 bit), coarsest
+                            level about 2048 pixels across or less, at its scale in pixels
+    0, 1, …                 the overview's levels
+    labels/.zattrs          {"labels": ["segmentation"]}
+    labels/segmentation/    the label image: multiscales + image-label; uint32 object ids
+        0, 1, …             (0 background) at full resolution, then halved (nearest) until
+                            one chunk holds a level; chunks of 512², Blosc-zstd compressed
+
+Levels are Zarr v2 arrays (what NGFF 0.4 is written in, and what the viewers read today).
+Chunks that hold only background are not stored (Zarr's fill value is 0), so the glass of a
+slide costs no file. Every key is a file written through :class:`FolderStore`, which opens
+nothing by path (:mod:`daemon.contract.heldfolder`); the whole folder is built under a
+temporary name and renamed into place, so a reader sees the old output or the new one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import numcodecs
+import numpy as np
+import zarr
+from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store
+from zarr.core.buffer import Buffer, BufferPrototype
+
+from daemon.contract.heldfolder import HeldFolder, parts_of
+
+CHUNK = 512  # pixels per side of a label chunk
+OVERVIEW_SIDE = 2048  # the overview's finest level is at most this many pixels across
+LABEL_NAME = "segmentation"
+NGFF_VERSION = "0.4"
+_AXES = [{"name": "y", "type": "space"}, {"name": "x", "type": "space"}]  # in pixels
+
+
+class FolderStore(Store):
+    """A Zarr store whose keys are files below a :class:`HeldFolder`, each written atomically.
+
+    The folders on a key's way are held once and reused (a chunk write is one open, not one
+    per path component). Reading and listing go through the same held folders.
+    """
+
+    supports_writes = True
+    supports_deletes = True
+    supports_listing = True
+    supports_partial_writes = False
+
+    def __init__(self, folder: HeldFolder) -> None:
+        super().__init__(read_only=False)
+        self.root = folder
+        self.held: dict[str, HeldFolder] = {}
+
+    def __eq__(self, other: object) -> bool:
+        return other is self
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def close(self) -> None:
+        for folder in self.held.values():
+            folder.close()
+        self.held.clear()
+        super().close()
+
+    def _place(self, key: str, *, create: bool = False) -> tuple[HeldFolder, str]:
+        *above, name = parts_of(key)
+        if not above:
+            return self.root, name
+        where = "/".join(above)
+        if where not in self.held:
+            self.held[where] = self.root.folder(where, create=create)
+        return self.held[where], name
+
+    async def get(
+        self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
+    ) -> Buffer | None:
+        try:
+            folder, name = self._place(key)
+            with folder.open_read(name) as handle:
+                data = handle.read()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if isinstance(byte_range, RangeByteRequest):
+            data = data[byte_range.start : byte_range.end]
+        elif isinstance(byte_range, OffsetByteRequest):
+            data = data[byte_range.offset :]
+        elif byte_range is not None:
+            data = data[-byte_range.suffix :] if byte_range.suffix else b""
+        return prototype.buffer.from_bytes(data)
+
+    async def get_partial_values(
+        self, prototype: BufferPrototype, key_ranges: Iterable[tuple[str, ByteRequest | None]]
+    ) -> list[Buffer | None]:
+        return [await self.get(key, prototype, byte_range) for key, byte_range in key_ranges]
+
+    async def exists(self, key: str) -> bool:
+        try:
+            folder, name = self._place(key)
+            folder.lstat(name)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return True
+
+    async def set(self, key: str, value: Buffer) -> None:
+        folder, name = self._place(key, create=True)
+        # one fsync for the whole folder when it is renamed into place is enough: an output
+        # cut short by a crash is never renamed, and its run is redone
+        folder.write_bytes(name, value.to_bytes(), fsync=False)
+
+    async def delete(self, key: str) -> None:
+        try:
+            folder, name = self._place(key)
+            folder.unlink(name)
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+
+    async def list(self) -> AsyncIterator[str]:
+        for key in self._walk(self.root, ""):
+            yield key
+
+    async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        for key in self._walk(self.root, ""):
+            if key.startswith(prefix):
+                yield key
+
+    async def list_dir(self, prefix: str) -> AsyncIterator[str]:
+        prefix = prefix.rstrip("/")
+        try:
+            folder = self.root if not prefix else self._place(f"{prefix}/.")[0]
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        for entry in folder.entries():
+            yield entry.name
+
+    def _walk(self, folder: HeldFolder, prefix: str) -> Iterable[str]:
+        for entry in folder.entries():
+            if entry.is_dir(follow_symlinks=False):
+                with folder.folder(entry.name) as inner:
+                    yield from self._walk(inner, f"{prefix}{entry.name}/")
+            elif entry.is_file(follow_symlinks=False):
+                yield f"{prefix}{entry.name}"
+
+
+def _multiscale(name: str, shapes: list[tuple[int, int]], first_scale: float) -> dict[str, Any]:
+    datasets = []
+    for level in range(len(shapes)):
+        scale = first_scale * 2**level  # level n's pixel i starts at its level 0's 2ⁿ·i
+        transforms = [{"type": "scale", "scale": [scale, scale]}]
+        datasets.append({"path": str(level), "coordinateTransformations": transforms})
+    return {"version": NGFF_VERSION, "name": name, "axes": _AXES, "datasets": datasets}
+
+
+def _halved(shape: tuple[int, int]) -> tuple[int, int]:
+    return math.ceil(shape[0] / 2), math.ceil(shape[1] / 2)
+
+
+def overview_step(height: int, width: int) -> int:
+    """The power of two by which the overview samples the input (1 for a small input)."""
+    return 1 << max(0, math.ceil(math.log2(max(height, width) / OVERVIEW_SIDE)))
+
+
+class LabelImage:
+    """An OME-Zarr label image built in three passes, none holding more than a band of chunks.
+
+    :meth:`add_rows` writes provisional ids (a band's own numbering, joined later) at full
+    resolution as the bands arrive; :meth:`relabel` maps them to the final object ids through a
+    lookup table, chunk by stored chunk; :meth:`finish` builds the lower levels from the level
+    above (only where something is stored) and writes the overview and the metadata.
+    """
+
+    def __init__(self, folder: HeldFolder, height: int, width: int, name: str = "") -> None:
+        self.store = FolderStore(folder)
+        self.root = zarr.open_group(self.store, mode="w", zarr_format=2)
+        self.labels = self.root.require_group("labels").require_group(LABEL_NAME)
+        self.shapes = [(height, width)]
+        while max(self.shapes[-1]) > CHUNK:
+            self.shapes.append(_halved(self.shapes[-1]))
+        self.levels = [self._array(self.labels, str(n), shape, np.uint32)
+                       for n, shape in enumerate(self.shapes)]  # fmt: skip
+        self.name = name
+        self.step = overview_step(height, width)
+        self.overview = np.zeros(
+            (math.ceil(height / self.step), math.ceil(width / self.step)), dtype=np.uint8
+        )
+        self.pending: list[np.ndarray] = []
+        self.written = 0  # rows of level 0 written
+        self.stored: set[tuple[int, int]] = set()  # level-0 chunks holding an object
+
+    @staticmethod
+    def _array(group: Any, name: str, shape: tuple[int, int], dtype: Any) -> Any:
+        compressor = numcodecs.Blosc(cname="zstd", clevel=5, shuffle=numcodecs.Blosc.BITSHUFFLE)
+        return group.create_array(
+            name, shape=shape, chunks=(CHUNK, CHUNK), dtype=dtype, fill_value=0,
+            compressors=compressor, chunk_key_encoding={"name": "v2", "separator": "/"},
+        )  # fmt: skip
+
+    def add_rows(self, ids: np.ndarray, image: np.ndarray) -> None:
+        """The next rows: their provisional ids and their grey values (for the overview)."""
+        top = self.written + sum(len(p) for p in self.pending)
+        if ids.size and ids.max() >= 2**32:
+            raise ValueError("more than 2³² provisional objects in one image")
+        self.pending.append(ids.astype(np.uint32))
+        rows = np.arange(top, top + len(image))
+        sampled = rows % self.step == 0
+        if sampled.any():
+            grey = image[sampled][:, :: self.step]
+            self.overview[rows[sampled] // self.step] = np.round(grey * 255).astype(np.uint8)
+        if sum(len(p) for p in self.pending) >= CHUNK:
+            self._flush()
+
+    def _flush(self) -> None:
+        rows = np.concatenate(self.pending) if self.pending else np.zeros((0, 0), np.uint32)
+        while len(rows) >= CHUNK or (len(rows) and self.written + len(rows) == self.shapes[0][0]):
+            band, rows = rows[:CHUNK], rows[CHUNK:]
+            top, row = self.written, self.written // CHUNK
+            for left in range(0, band.shape[1], CHUNK):
+                if band[:, left : left + CHUNK].any():
+                    self.stored.add((row, left // CHUNK))
+            self.levels[0][top : top + len(band)] = band
+            self.written += len(band)
+        self.pending = [rows] if len(rows) else []
+
+    def relabel(self, lookup: np.ndarray) -> None:
+        """Map every stored chunk's provisional ids through ``lookup`` (0: not an object)."""
+        self._flush()
+        level = self.levels[0]
+        for row, col in sorted(self.stored):
+            ys = slice(row * CHUNK, (row + 1) * CHUNK)
+            xs = slice(col * CHUNK, (col + 1) * CHUNK)
+            level[ys, xs] = lookup[level[ys, xs]].astype(np.uint32)
+
+    def finish(self) -> None:
+        """The lower levels, the overview image and the NGFF metadata."""
+        stored = self.stored
+        for number in range(1, len(self.levels)):
+            above, level = self.levels[number - 1], self.levels[number]
+            stored = {(row // 2, col // 2) for row, col in stored}
+            for row, col in sorted(stored):
+                ys = slice(2 * row * CHUNK, 2 * (row + 1) * CHUNK)
+                xs = slice(2 * col * CHUNK, 2 * (col + 1) * CHUNK)
+                block = above[ys, xs][::2, ::2]
+                level[row * CHUNK : row * CHUNK + len(block),
+                      col * CHUNK : col * CHUNK + block.shape[1]] = block  # fmt: skip
+        self._write_overview()
+        self.labels.attrs.update(
+            multiscales=[_multiscale(LABEL_NAME, self.shapes, 1.0)],
+            **{"image-label": {"version": NGFF_VERSION, "source": {"image": "../../"}}},
+        )
+        self.root["labels"].attrs.update(labels=[LABEL_NAME])
+
+    def _write_overview(self) -> None:
+        shapes, image = [self.overview.shape], self.overview
+        self._array(self.root, "0", image.shape, np.uint8)[:] = image
+        while max(shapes[-1]) > 256:
+            image = image[::2, ::2]
+            shapes.append(image.shape)
+            self._array(self.root, str(len(shapes) - 1), image.shape, np.uint8)[:] = image
+        self.root.attrs.update(
+            multiscales=[_multiscale(self.name or "overview", shapes, float(self.step))],
+            omero={"channels": [{"label": "grey", "color": "FFFFFF", "active": True,
+                                 "window": {"start": 0, "end": 255, "min": 0, "max": 255}}]},
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self.store.close()
