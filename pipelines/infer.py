@@ -15,7 +15,9 @@ time (:mod:`pipelines.reader`); images of one size go through the net in batches
 see docs/benchmarks.md). Each image's mask is labelled, written, measured and recorded in the
 ledger by one finisher thread, in order, while the net runs on the next images. An image of
 more than ``max_whole_pixels`` pixels must be a TIFF: it is segmented window by window and its
-mask written as a tiled TIFF, in memory bounded by the window size (:mod:`pipelines.tiles`).
+mask written as an OME-Zarr label image ``masks/<input path>.ome.zarr`` with its object table
+``objects/<input path>.csv``, in memory bounded by the window size and the image's width
+(:mod:`pipelines.tiles`, :mod:`pipelines.omezarr`).
 
 A pixel is foreground when the sigmoid probability exceeds ``threshold``; connected components
 (8-connected) smaller than ``min_object_area`` pixels are removed and not counted. Per image:
