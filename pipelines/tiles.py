@@ -297,8 +297,8 @@ class Components:
 
     def lookup(self, min_area: int) -> np.ndarray:
         """Each global id's final object id (1, 2, … in :meth:`roots` order; 0: removed)."""
-        final = np.zeros(len(self.parent), dtype=np.uint32)
-        final[self.roots(min_area)] = np.arange(1, len(self.roots(min_area)) + 1)
+        final, kept = np.zeros(len(self.parent), dtype=np.uint32), self.roots(min_area)
+        final[kept] = np.arange(1, len(kept) + 1)
         nodes = np.array([self.find(n) for n in range(len(self.parent))], dtype=np.int64)
         return final[nodes]
 
