@@ -165,14 +165,59 @@ def overview_step(height: int, width: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(height, width) / OVERVIEW_SIDE)))
 
 
-class LabelImage:
-    """An OME-Zarr label image built in three passes, none holding more than a band of chunks.
+def _create_array(group: Any, name: str, shape: tuple[int, int], dtype: Any) -> Any:
+    compressor = numcodecs.Blosc(cname="zstd", clevel=5, shuffle=numcodecs.Blosc.BITSHUFFLE)
+    return group.create_array(
+        name, shape=shape, chunks=(CHUNK, CHUNK), dtype=dtype, fill_value=0,
+        compressors=compressor, chunk_key_encoding={"name": "v2", "separator": "/"},
+    )  # fmt: skip
 
-    :meth:`add_rows` writes provisional ids (a band's own numbering, joined later) at full
-    resolution as the bands arrive; :meth:`relabel` maps them to the final object ids through a
-    lookup table, chunk by stored chunk; :meth:`finish` builds the lower levels from the level
-    above (only where something is stored) and writes the overview and the metadata.
-    """
+
+def work_array(folder: HeldFolder, height: int, width: int) -> tuple[FolderStore, Any]:
+    """The provisional ids of an image being segmented (one uint32 array, chunks of CHUNK²)
+    in ``folder``: made by the first task to come, opened by the others (each region task
+    writes the same metadata, atomically, so two tasks making it at once is no harm)."""
+    store = FolderStore(folder)
+    root = zarr.open_group(store, mode="a", zarr_format=2)
+    try:
+        return store, _create_array(root, "ids", (height, width), np.uint32)
+    except zarr.errors.ContainsArrayError:
+        return store, root["ids"]
+
+
+class RowWriter:
+    """Rows of ids written to a level-0 array from row ``first`` on, a chunk row at a time;
+    which chunks hold anything is noted (the others are not stored)."""
+
+    def __init__(self, array: Any, first: int) -> None:
+        self.array, self.written = array, first
+        self.pending: list[np.ndarray] = []
+        self.stored: set[tuple[int, int]] = set()
+
+    def add(self, ids: np.ndarray) -> None:
+        if ids.size and ids.max() >= 2**32:
+            raise ValueError("more than 2³² provisional objects in one image")
+        self.pending.append(ids.astype(np.uint32))
+        if sum(len(p) for p in self.pending) >= CHUNK:
+            self.flush(final=False)
+
+    def flush(self, final: bool = True) -> None:
+        rows = np.concatenate(self.pending) if self.pending else np.zeros((0, 0), np.uint32)
+        while len(rows) >= CHUNK or (final and len(rows)):
+            band, rows = rows[:CHUNK], rows[CHUNK:]
+            for left in range(0, band.shape[1], CHUNK):
+                if band[:, left : left + CHUNK].any():
+                    self.stored.add((self.written // CHUNK, left // CHUNK))
+            self.array[self.written : self.written + len(band)] = band
+            self.written += len(band)
+        self.pending = [rows] if len(rows) else []
+
+
+class LabelImage:
+    """An OME-Zarr label image made from provisional ids: :meth:`relabelled` maps each stored
+    chunk through a lookup table to the final object ids; :meth:`finish` builds the lower
+    levels from the level above (only where something is stored) and writes the overview and
+    the metadata. No pass holds more than a few chunks."""
 
     def __init__(self, folder: HeldFolder, height: int, width: int, name: str = "") -> None:
         self.store = FolderStore(folder)
@@ -181,62 +226,22 @@ class LabelImage:
         self.shapes = [(height, width)]
         while max(self.shapes[-1]) > CHUNK:
             self.shapes.append(_halved(self.shapes[-1]))
-        self.levels = [self._array(self.labels, str(n), shape, np.uint32)
+        self.levels = [_create_array(self.labels, str(n), shape, np.uint32)
                        for n, shape in enumerate(self.shapes)]  # fmt: skip
         self.name = name
-        self.step = overview_step(height, width)
-        self.overview = np.zeros(
-            (math.ceil(height / self.step), math.ceil(width / self.step)), dtype=np.uint8
-        )
-        self.pending: list[np.ndarray] = []
-        self.written = 0  # rows of level 0 written
-        self.stored: set[tuple[int, int]] = set()  # level-0 chunks holding an object
+        self.stored: set[tuple[int, int]] = set()
 
-    @staticmethod
-    def _array(group: Any, name: str, shape: tuple[int, int], dtype: Any) -> Any:
-        compressor = numcodecs.Blosc(cname="zstd", clevel=5, shuffle=numcodecs.Blosc.BITSHUFFLE)
-        return group.create_array(
-            name, shape=shape, chunks=(CHUNK, CHUNK), dtype=dtype, fill_value=0,
-            compressors=compressor, chunk_key_encoding={"name": "v2", "separator": "/"},
-        )  # fmt: skip
-
-    def add_rows(self, ids: np.ndarray, image: np.ndarray) -> None:
-        """The next rows: their provisional ids and their grey values (for the overview)."""
-        top = self.written + sum(len(p) for p in self.pending)
-        if ids.size and ids.max() >= 2**32:
-            raise ValueError("more than 2³² provisional objects in one image")
-        self.pending.append(ids.astype(np.uint32))
-        rows = np.arange(top, top + len(image))
-        sampled = rows % self.step == 0
-        if sampled.any():
-            grey = image[sampled][:, :: self.step]
-            self.overview[rows[sampled] // self.step] = np.round(grey * 255).astype(np.uint8)
-        if sum(len(p) for p in self.pending) >= CHUNK:
-            self._flush()
-
-    def _flush(self) -> None:
-        rows = np.concatenate(self.pending) if self.pending else np.zeros((0, 0), np.uint32)
-        while len(rows) >= CHUNK or (len(rows) and self.written + len(rows) == self.shapes[0][0]):
-            band, rows = rows[:CHUNK], rows[CHUNK:]
-            top, row = self.written, self.written // CHUNK
-            for left in range(0, band.shape[1], CHUNK):
-                if band[:, left : left + CHUNK].any():
-                    self.stored.add((row, left // CHUNK))
-            self.levels[0][top : top + len(band)] = band
-            self.written += len(band)
-        self.pending = [rows] if len(rows) else []
-
-    def relabel(self, lookup: np.ndarray) -> None:
-        """Map every stored chunk's provisional ids through ``lookup`` (0: not an object)."""
-        self._flush()
-        level = self.levels[0]
-        for row, col in sorted(self.stored):
+    def relabelled(self, ids: Any, chunks: Iterable[tuple[int, int]], lookup: np.ndarray) -> None:
+        """Level 0's ``chunks`` from the provisional ``ids`` through ``lookup`` (0: none)."""
+        for row, col in sorted(chunks):
             ys = slice(row * CHUNK, (row + 1) * CHUNK)
             xs = slice(col * CHUNK, (col + 1) * CHUNK)
-            level[ys, xs] = lookup[level[ys, xs]].astype(np.uint32)
+            self.levels[0][ys, xs] = lookup[ids[ys, xs]].astype(np.uint32)
+            self.stored.add((row, col))
 
-    def finish(self) -> None:
-        """The lower levels, the overview image and the NGFF metadata."""
+    def finish(self, overview: np.ndarray, step: int) -> None:
+        """The lower levels, the overview image (the input sampled every ``step`` pixels) and
+        the NGFF metadata."""
         stored = self.stored
         for number in range(1, len(self.levels)):
             above, level = self.levels[number - 1], self.levels[number]
@@ -247,22 +252,22 @@ class LabelImage:
                 block = above[ys, xs][::2, ::2]
                 level[row * CHUNK : row * CHUNK + len(block),
                       col * CHUNK : col * CHUNK + block.shape[1]] = block  # fmt: skip
-        self._write_overview()
+        self._write_overview(overview, step)
         self.labels.attrs.update(
             multiscales=[_multiscale(LABEL_NAME, self.shapes, 1.0)],
             **{"image-label": {"version": NGFF_VERSION, "source": {"image": "../../"}}},
         )
         self.root["labels"].attrs.update(labels=[LABEL_NAME])
 
-    def _write_overview(self) -> None:
-        shapes, image = [self.overview.shape], self.overview
-        self._array(self.root, "0", image.shape, np.uint8)[:] = image
+    def _write_overview(self, image: np.ndarray, step: int) -> None:
+        shapes = [image.shape]
+        _create_array(self.root, "0", image.shape, np.uint8)[:] = image
         while max(shapes[-1]) > 256:
             image = image[::2, ::2]
             shapes.append(image.shape)
-            self._array(self.root, str(len(shapes) - 1), image.shape, np.uint8)[:] = image
+            _create_array(self.root, str(len(shapes) - 1), image.shape, np.uint8)[:] = image
         self.root.attrs.update(
-            multiscales=[_multiscale(self.name or "overview", shapes, float(self.step))],
+            multiscales=[_multiscale(self.name or "overview", shapes, float(step))],
             omero={"channels": [{"label": "grey", "color": "FFFFFF", "active": True,
                                  "window": {"start": 0, "end": 255, "min": 0, "max": 255}}]},
         )  # fmt: skip

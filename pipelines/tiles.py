@@ -20,6 +20,8 @@ whatever the image's height.
 
 from __future__ import annotations
 
+import io
+import json
 import math
 import os
 from collections import OrderedDict
@@ -34,8 +36,8 @@ from scipy import ndimage
 
 from daemon.contract.heldfolder import HeldFolder, temporary_name
 from pipelines.channels import ChannelProblem, plane_page
-from pipelines.layout import OBJECT_COLUMNS
-from pipelines.omezarr import LabelImage
+from pipelines.layout import LABEL_IMAGE_SUFFIX, OBJECT_COLUMNS
+from pipelines.omezarr import CHUNK, LabelImage, RowWriter, overview_step, work_array
 
 TILE = 256  # the mask's TIFF tiles (and the band height of the statistics)
 _EIGHT = np.ones((3, 3), dtype=bool)
@@ -170,9 +172,14 @@ def probability_bands(
     overlap: int,
     batch: int,
     progress: Progress | None = None,
+    rows_wanted: tuple[int, int] | None = None,
 ) -> Iterator[tuple[int, np.ndarray]]:
-    """(first row, blended probabilities) for consecutive bands of rows, top to bottom."""
+    """(first row, blended probabilities) for consecutive bands of rows, top to bottom: of
+    the whole image, or of its rows ``rows_wanted`` (first, end). Windows lie on the whole
+    image's grid and only those over the rows wanted run, so those rows come out exactly as
+    in the whole image's run (a region's halo is the windows that reach into it)."""
     height, width = reader.height, reader.width
+    first, end = rows_wanted or (0, height)
     win_h, win_w = min(window, height), min(window, width)
     stride = max(window - overlap, 1)
     rows, cols = starts(height, window, stride), starts(width, window, stride)
@@ -180,16 +187,21 @@ def probability_bands(
     norm_x = coverage(width, window, cols, overlap)
     norm_y = coverage(height, window, rows, overlap)
     acc = np.zeros((win_h, width), dtype=np.float32)
-    for r, top in enumerate(rows):
-        for first in range(0, len(cols), batch):
-            chunk = cols[first : first + batch]
+    over = [r for r, top in enumerate(rows) if top < end and top + win_h > first]
+    for done_windows, r in enumerate(over, start=1):
+        top = rows[r]
+        for start in range(0, len(cols), batch):
+            chunk = cols[start : start + batch]
             tiles = np.stack([reader.region(top, top + win_h, x, x + win_w) for x in chunk])
             for x, prob in zip(chunk, predict(tiles), strict=True):
                 acc[:, x : x + win_w] += prob * weight
         if progress is not None:
-            progress(r + 1, len(rows))
+            progress(done_windows, len(over))
         done = rows[r + 1] - top if r + 1 < len(rows) else win_h
-        yield top, acc[:done] / (norm_y[top : top + done, None] * norm_x[None, :])
+        low, high = max(top, first), min(top + done, end)
+        if low < high:  # rows above the region (its halo) and below it are not given
+            band = acc[low - top : high - top]
+            yield low, band / (norm_y[low:high, None] * norm_x[None, :])
         acc[: win_h - done] = acc[done:]
         acc[win_h - done :] = 0
 
@@ -253,16 +265,20 @@ class Components:
         self.rows += len(mask)
         ids = np.where(labels > 0, labels + offset, 0)
         if self.previous_row is not None:
-            for shift in (-1, 0, 1):
-                above = np.roll(self.previous_row, shift)
-                if shift:  # np.roll wraps around: the wrapped pixel is not a neighbour
-                    above[0 if shift > 0 else -1] = 0
-                touching = (ids[0] > 0) & (above > 0)
-                pairs = zip(ids[0][touching].tolist(), above[touching].tolist(), strict=True)
-                for a, b in set(pairs):
-                    self.union(a, b)
+            self.join_rows(self.previous_row, ids[0])
         self.previous_row = ids[-1].copy()
         return ids
+
+    def join_rows(self, upper: np.ndarray, lower: np.ndarray) -> None:
+        """Join the components of two adjacent rows of ids that touch (8-connected)."""
+        for shift in (-1, 0, 1):
+            above = np.roll(upper, shift)
+            if shift:  # np.roll wraps around: the wrapped pixel is not a neighbour
+                above[0 if shift > 0 else -1] = 0
+            touching = (lower > 0) & (above > 0)
+            pairs = zip(lower[touching].tolist(), above[touching].tolist(), strict=True)
+            for a, b in set(pairs):
+                self.union(a, b)
 
     def _measured(self, labels: np.ndarray, count: int, image: np.ndarray) -> list[list[float]]:
         """Each new component's measures, from its pixels alone (not a grid of the band)."""
@@ -325,32 +341,134 @@ class TiledResult:
     table: list[dict[str, Any]]  # one row per object (OBJECT_COLUMNS)
 
 
-def segment_tiled(
-    source: Path | BinaryIO, folder: HeldFolder, target: str, predict: Predict, threshold: float,
-    min_area: int, window: int = 512, overlap: int = 64, batch: int = 1,
-    progress: Progress | None = None, channel: Any = None,
+def region_rows(height: int, index: int, count: int) -> tuple[int, int]:
+    """Rows (first, end) of region ``index`` of ``count``: whole chunk rows, split evenly
+    (so no two regions write one chunk); empty when there are more regions than chunk rows."""
+    chunk_rows = math.ceil(height / CHUNK)
+    first, end = index * chunk_rows // count, (index + 1) * chunk_rows // count
+    return first * CHUNK, min(end * CHUNK, height)
+
+
+@dataclass
+class RegionRecord:
+    """What a region's task leaves for the assembly (``region-<index>.npz`` beside the ids):
+    its components, the ids of its first and last rows (to join them to its neighbours'),
+    the chunks it stored, its share of the certainty sum and of the overview, and what it
+    knew of the input (all regions must have read the same file)."""
+
+    index: int
+    count: int
+    first: int
+    end: int
+    parents: np.ndarray  # local node → its local root (node 0: background)
+    measures: np.ndarray  # (nodes + 1, 8): a root's measures (see Components)
+    top_ids: np.ndarray
+    bottom_ids: np.ndarray
+    chunks: np.ndarray  # (stored chunks, 2): row, column
+    certainty: float
+    overview: np.ndarray  # the overview's rows that fall in this region
+    meta: dict[str, Any]  # the input's size and mtime, the model's provenance
+
+    def name(self) -> str:
+        return region_record_name(self.index)
+
+    def to_bytes(self) -> bytes:
+        buffer = io.BytesIO()
+        fields = {k: v for k, v in vars(self).items() if k != "meta"}
+        np.savez(buffer, meta=np.array(json.dumps(self.meta)), **fields)
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> RegionRecord:
+        with np.load(io.BytesIO(data), allow_pickle=False) as found:
+            fields = {k: found[k] for k in found.files}
+        scalars = {k: int(fields.pop(k)) for k in ("index", "count", "first", "end")}
+        meta = json.loads(str(fields.pop("meta")))
+        return cls(**scalars, certainty=float(fields.pop("certainty")), meta=meta, **fields)
+
+
+def region_record_name(index: int) -> str:
+    return f"region-{index:04d}.npz"
+
+
+def segment_region(
+    reader: RegionReader, predict: Predict, threshold: float, ids: Any, index: int, count: int,
+    window: int = 512, overlap: int = 64, batch: int = 1, progress: Progress | None = None,
+) -> RegionRecord:  # fmt: skip
+    """Segment region ``index`` of ``count`` of the image: its provisional ids (its own
+    numbering) go to the level-0 array ``ids``, the rest to the record it returns."""
+    first, end = region_rows(reader.height, index, count)
+    components = Components(rows=first)
+    writer = RowWriter(ids, first)
+    step = overview_step(reader.height, reader.width)
+    overview: list[np.ndarray] = []
+    certainty, top_ids = 0.0, np.zeros(reader.width, dtype=np.int64)
+    bands = probability_bands(reader, predict, window, overlap, batch, progress, (first, end))
+    for band in rebanded(bands):
+        top = components.rows
+        certainty += float(np.abs(2 * band - 1).sum())
+        image = reader.region(top, top + len(band), 0, reader.width)
+        found = components.add_band(band > threshold, image)
+        top_ids = found[0].copy() if top == first else top_ids
+        writer.add(found)
+        sampled = np.arange(top, top + len(band)) % step == 0
+        overview.append(np.round(image[sampled][:, ::step] * 255).astype(np.uint8))
+    writer.flush()
+    parents = np.array([components.find(n) for n in range(len(components.parent))])
+    bottom = components.previous_row
+    return RegionRecord(
+        index, count, first, end, parents, np.array(components.measures), top_ids,
+        bottom if bottom is not None else np.zeros(reader.width, dtype=np.int64),
+        np.array(sorted(writer.stored), dtype=np.int64).reshape(-1, 2), certainty,
+        np.concatenate(overview) if overview else np.zeros((0, -(-reader.width // step)), np.uint8),
+        {},
+    )  # fmt: skip
+
+
+def joined(records: list[RegionRecord]) -> tuple[Components, list[int]]:
+    """The whole image's components from its regions' (ids offset by each region's base, so
+    they are the ids one task would have given), joined across region borders."""
+    total, bases = Components(), []
+    above: tuple[RegionRecord, int] | None = None
+    for record in records:
+        base = len(total.parent) - 1
+        bases.append(base)
+        total.parent += (record.parents[1:] + base).tolist()
+        total.measures += record.measures[1:].tolist()
+        if record.first == record.end:
+            continue
+        if above is not None:
+            upper, upper_base = above
+            total.join_rows(np.where(upper.bottom_ids > 0, upper.bottom_ids + upper_base, 0),
+                            np.where(record.top_ids > 0, record.top_ids + base, 0))  # fmt: skip
+        above = (record, base)
+    return total, bases
+
+
+def assemble(
+    records: list[RegionRecord], ids: Any, folder: HeldFolder, target: str, min_area: int,
+    height: int, width: int,
 ) -> TiledResult:  # fmt: skip
-    """Segment ``source`` (its plane ``channel``) into the OME-Zarr label image ``target`` (a
-    folder name in ``folder``, replaced whole); the per-image statistics and object table."""
-    reader = RegionReader(source, cache_pixel_rows=window + 2 * TILE, channel=channel)
-    components = Components()
-    certainty = 0.0
+    """The label image ``target`` (a folder name in ``folder``, replaced whole) and the
+    statistics and object table of an image from all its regions' records and ids."""
+    if [r.index for r in records] != list(range(len(records))) or any(
+        r.count != len(records) for r in records
+    ):
+        raise ValueError(f"regions {[r.index for r in records]} of {records[0].count}")
+    total, bases = joined(records)
+    final = total.lookup(min_area)
     building = temporary_name()
     folder.mkdir(building)
     try:
         with folder.folder(building) as inside:
-            labels = LabelImage(
-                inside, reader.height, reader.width, target.removesuffix(".ome.zarr")
-            )
+            labels = LabelImage(inside, height, width, target.removesuffix(LABEL_IMAGE_SUFFIX))
             try:
-                bands = probability_bands(reader, predict, window, overlap, batch, progress)
-                for band in rebanded(bands):
-                    certainty += float(np.abs(2 * band - 1).sum())
-                    image = reader.region(components.rows, components.rows + len(band), 0,
-                                          reader.width)  # fmt: skip
-                    labels.add_rows(components.add_band(band > threshold, image), image)
-                labels.relabel(components.lookup(min_area))
-                labels.finish()
+                for record, base in zip(records, bases, strict=True):
+                    nodes = len(record.parents) - 1
+                    local = np.concatenate([[0], final[base + 1 : base + 1 + nodes]])
+                    labels.relabelled(ids, map(tuple, record.chunks.tolist()), local)
+                step = overview_step(height, width)
+                labels.finish(np.concatenate([r.overview for r in records]), step)
             finally:
                 labels.close()
             os.fsync(inside.fd)
@@ -359,9 +477,32 @@ def segment_tiled(
     except BaseException:
         folder.remove_tree(building)
         raise
+    objects, area, intensity = total.kept(min_area)
+    certainty = sum(r.certainty for r in records) / (height * width)
+    return TiledResult(width, height, area, objects, intensity, certainty, total.table(min_area))
+
+
+def segment_tiled(
+    source: Path | BinaryIO, folder: HeldFolder, target: str, predict: Predict, threshold: float,
+    min_area: int, window: int = 512, overlap: int = 64, batch: int = 1,
+    progress: Progress | None = None, channel: Any = None,
+) -> TiledResult:  # fmt: skip
+    """Segment ``source`` (its plane ``channel``) in one task into the OME-Zarr label image
+    ``target`` (a folder name in ``folder``, replaced whole): one region, assembled at once;
+    the provisional ids lie in a temporary folder beside it meanwhile."""
+    reader = RegionReader(source, cache_pixel_rows=window + 2 * TILE, channel=channel)
+    work = temporary_name()
+    try:
+        folder.mkdir(work)
+        with folder.folder(work) as held:
+            store, ids = work_array(held, reader.height, reader.width)
+            try:
+                record = segment_region(reader, predict, threshold, ids, 0, 1, window, overlap,
+                                        batch, progress)  # fmt: skip
+                return assemble([record], ids, folder, target, min_area, reader.height,
+                                reader.width)  # fmt: skip
+            finally:
+                store.close()
     finally:
         reader.close()
-    objects, area, intensity = components.kept(min_area)
-    pixels = reader.height * reader.width
-    return TiledResult(reader.width, reader.height, area, objects, intensity,
-                       certainty / pixels, components.table(min_area))  # fmt: skip
+        folder.remove_tree(work)

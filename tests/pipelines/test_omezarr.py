@@ -22,8 +22,17 @@ from zarr.core.sync import cleanup_resources
 
 from daemon.contract.heldfolder import HeldFolder, is_temporary
 from pipelines.layout import OBJECT_COLUMNS, objects_csv
-from pipelines.omezarr import CHUNK, LABEL_NAME
-from pipelines.tiles import TILE, TiledResult, segment_tiled
+from pipelines.omezarr import CHUNK, LABEL_NAME, work_array
+from pipelines.tiles import (
+    TILE,
+    RegionReader,
+    RegionRecord,
+    TiledResult,
+    assemble,
+    region_rows,
+    segment_region,
+    segment_tiled,
+)
 
 MIN_AREA = 30
 THRESHOLD = 0.5
@@ -191,3 +200,48 @@ def test_an_earlier_output_or_a_planted_link_at_the_name_is_replaced_never_follo
     assert first.table == second.table
     assert [p.name for p in masks.iterdir() if is_temporary(p.name)] == []
     assert sorted(p.name for p in masks.iterdir()) == ["s.tif.ome.zarr"]
+
+
+@pytest.mark.parametrize("count", [3, 5], ids=["a-chunk-row-each", "more-regions-than-rows"])
+def test_regions_segmented_apart_assemble_into_the_one_task_label_image(
+    tmp_path: Path, slide: tuple[Path, np.ndarray, TiledResult], count: int
+) -> None:
+    """One slide across ``count`` tasks, run in reverse order, each with its own reader and
+    its own handle on the shared ids (as separate processes have), records kept as bytes: the
+    assembly equals the one-task label image pixel for pixel, and its object table, the
+    U-shaped objects whose arms meet below a region border included (seams are the test)."""
+    one_task, pixels, single = slide
+    source = one_task.parent / "slide.tif"
+    records = {}
+    try:
+        with HeldFolder.open(tmp_path) as folder:
+            folder.mkdir("work")
+            for index in reversed(range(count)):
+                reader = RegionReader(source)
+                with folder.folder("work") as work:
+                    store, ids = work_array(work, *pixels.shape)
+                    try:
+                        record = segment_region(reader, _thresholded, THRESHOLD, ids, index,
+                                                count, window=300, overlap=40, batch=4)  # fmt: skip
+                    finally:
+                        store.close()
+                        reader.close()
+                records[index] = RegionRecord.from_bytes(record.to_bytes())
+            with folder.folder("work") as work:
+                store, ids = work_array(work, *pixels.shape)
+                try:
+                    ordered = [records[i] for i in range(count)]
+                    result = assemble(ordered, ids, folder, "s.ome.zarr", MIN_AREA, *pixels.shape)
+                finally:
+                    store.close()
+    finally:
+        cleanup_resources()
+    assert [region_rows(1300, i, count) for i in range(count)][-1][1] == 1300
+    labels = zarr_levels(tmp_path / "s.ome.zarr", f"labels/{LABEL_NAME}")
+    expected = zarr_levels(one_task, f"labels/{LABEL_NAME}")
+    for level, wanted in zip(labels, expected, strict=True):
+        np.testing.assert_array_equal(level, wanted)
+    assert result.table == single.table
+    assert (result.objects, result.area) == (single.objects, single.area)
+    assert result.confidence == pytest.approx(single.confidence)
+    np.testing.assert_array_equal(zarr_levels(tmp_path / "s.ome.zarr")[0], pixels)
