@@ -37,7 +37,6 @@ folder of masks is held once for the job's life (:class:`MaskFolders`), not reop
 from __future__ import annotations
 
 import json
-import math
 import os
 import resource
 import stat
@@ -77,16 +76,27 @@ from pipelines.job import InputError, log, run_folder, run_job
 from pipelines.layout import (
     MASKS_DIR,
     PARTS_DIR,
+    image_stats,
     label_image_name,
     ledger_name,
     objects_csv,
     objects_table_name,
     table_csv,
     table_name,
+    work_folder_name,
 )
 from pipelines.ledger import Ledger
+from pipelines.omezarr import work_array
 from pipelines.reader import read_ahead
-from pipelines.tiles import TiledResult, segment_tiled
+from pipelines.tiles import (
+    RegionReader,
+    TiledResult,
+    job_region,
+    segment_region,
+    segment_tiled,
+    tiled_row,
+    window_cache_rows,
+)
 
 _EIGHT_CONNECTED = np.ones((3, 3), dtype=bool)
 ON_CPU = Placement("cpu", 1, False, "")
@@ -108,22 +118,11 @@ def clean_mask(
     return keep[labels], int(keep.sum())
 
 
-def _stats(width: int, height: int, area: int, objects: int, intensity: float) -> dict[str, Any]:
-    return {
-        "width": width,
-        "height": height,
-        "area_px": area,
-        "equivalent_diameter_px": round(math.sqrt(4 * area / math.pi), 3),
-        "objects": objects,
-        "mean_intensity": round(intensity / area, 6) if area else "",
-    }
-
-
 def measure(image: np.ndarray, mask: np.ndarray, objects: int) -> dict[str, Any]:
     """The per-image statistics of the table (without confidence, path and provenance)."""
     area = int(mask.sum())
     intensity = float(image[mask].sum()) if area else 0.0
-    return _stats(image.shape[1], image.shape[0], area, objects, intensity)
+    return image_stats(image.shape[1], image.shape[0], area, objects, intensity)
 
 
 def load_model(spec: JobSpec) -> tuple[UNet, ModelVersion]:
@@ -353,19 +352,56 @@ class Segmenter:
         except ChannelProblem as exc:
             return [Problem(where(item), exc.message, exc.hint)]
         self.masks.run.write_text(objects_table_name(item.path), objects_csv(result.table))
-        row = _stats(result.width, result.height, result.area, result.objects, result.intensity)
-        self._done(item, digest, {**row, "confidence": round(result.confidence, 4), "tiled": 1})
+        self._done(item, digest, tiled_row(result))
         return []
+
+    def region(self, item: InputFile, index: int, count: int) -> list[Problem]:
+        """Segment region ``index`` of ``count`` of one large TIFF: its provisional ids into the
+        image's work folder (shared by its regions' jobs), its record beside them; the
+        assembly job makes the label image, the object table and the table row."""
+        log.info("%s: region %d of %d", item.path, index + 1, count)
+        params = self.params
+        try:
+            with open_item(self.batch, item) as handle, held_still(handle, item):
+                with reading(item):
+                    stored(handle, item)
+                seen = os.fstat(handle.fileno())
+                reader = RegionReader(handle, window_cache_rows(params), params["channel"])
+                try:
+                    with self.masks.run.folder(work_folder_name(item.path), create=True) as work:
+                        store, ids = work_array(work, reader.height, reader.width)
+                        try:
+                            record = segment_region(
+                                reader, self._predict(), self.threshold, ids, index, count,
+                                int(params["tile_size"]), int(params["tile_overlap"]),
+                                self.batch_size, TiledProgress(item.path),
+                            )  # fmt: skip
+                        finally:
+                            store.close()
+                        record.meta = {"size": seen.st_size, "mtime_ns": seen.st_mtime_ns,
+                                       "height": reader.height, "width": reader.width,
+                                       "provenance": self.provenance}  # fmt: skip
+                        work.write_bytes(record.name(), record.to_bytes())
+                finally:
+                    reader.close()
+        except InputError as exc:
+            return list(exc.problems)
+        except ChannelProblem as exc:
+            return [Problem(where(item), exc.message, exc.hint)]
+        return []
+
+    def _predict(self) -> Callable[[np.ndarray], np.ndarray]:
+        # (half precision is used for windows only once whole images showed it changes no mask)
+        where = self.where if self.checked else replace(self.where, mixed_precision=False)
+        return lambda tiles: predict(self.net, tiles, where)
 
     def _segment_tiled(
         self, item: InputFile, source: BinaryIO, folder: HeldFolder, target: str
     ) -> TiledResult:
         params = self.params
         log.info("%s: tiled inference", item.path)
-        # (half precision is used for windows only once whole images showed it changes no mask)
-        where = self.where if self.checked else replace(self.where, mixed_precision=False)
         return segment_tiled(
-            source, folder, target, lambda tiles: predict(self.net, tiles, where), self.threshold,
+            source, folder, target, self._predict(), self.threshold,
             self.min_area, int(params["tile_size"]), int(params["tile_overlap"]),
             self.batch_size, TiledProgress(item.path), params["channel"],
         )  # fmt: skip
@@ -383,12 +419,17 @@ def segment(
     problems: list[Problem] = []
     max_pixels = int(inference_params(spec.params)["max_whole_pixels"])
     channel = inference_params(spec.params)["channel"]
+    region = job_region(spec.params)
     reader = read_ahead(segmenter.batch, items, max_pixels, spec.resources.cpus, channel)
     for loaded in reader:
         problems += loaded.problems
-        if loaded.tiled:
+        if loaded.tiled and region is not None:
+            problems += segmenter.region(loaded.item, *region)
+        elif loaded.tiled:
             segmenter.finish()
             problems += segmenter.tiled(loaded.item)
+        elif region is not None and region[0] > 0:
+            pass  # small enough to go whole: the first region's job does it
         elif loaded.pixels is not None:
             segmenter.add(loaded.item, loaded.sha256, loaded.pixels)
         progress.tick()
@@ -438,7 +479,8 @@ def _infer(
         masks.close()
     if problems:
         raise InputError(f"{len(problems)} problem(s) with the images of this shard", problems)
-    table_rows = [resumed.get(item.path) or rows[item.path] for item in items]
+    # a region's image has its row from the assembly job
+    table_rows = [row for item in items if (row := resumed.get(item.path) or rows.get(item.path))]
     table = PurePosixPath(PARTS_DIR, table_name(spec.shard.index))
     run.write_text(table, table_csv(table_rows))
     return {

@@ -6,6 +6,8 @@
     masks/<input path>.ome.zarr     … or, for an image segmented window by window, its label
                                     image in OME-Zarr (pipelines/omezarr.py)
     objects/<input path>.csv        one row per object of such an image (OBJECT_COLUMNS)
+    regions/<input path>.zarr/      an image segmented in regions by several jobs: their
+                                    provisional ids and records, until the assembly job
     parts/table-<shard:04d>.csv     per-image rows of one inference shard (TABLE_COLUMNS)
     table.csv                       all shards' rows, sorted by path (report)
     summary.json, report.html       the report
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -48,6 +51,8 @@ TRIALS_TABLE = "trials.csv"
 SWEEP_FILE = "sweep.json"
 LEDGER_DIR = "ledger"
 OBJECTS_DIR = "objects"
+REGIONS_DIR = "regions"
+REGIONS_TABLE = "table-regions.csv"  # under parts/: the rows the assembly job adds
 LABEL_IMAGE_SUFFIX = ".ome.zarr"
 TABLE_COLUMNS = (
     "path",
@@ -81,6 +86,24 @@ def ledger_name(shard_index: int) -> str:
 def label_image_name(input_path: str) -> str:
     """The label image of an input segmented window by window (below ``masks/``)."""
     return input_path + LABEL_IMAGE_SUFFIX
+
+
+def work_folder_name(input_path: str) -> str:
+    return f"{REGIONS_DIR}/{input_path}.zarr"
+
+
+def image_stats(
+    width: int, height: int, area: int, objects: int, intensity: float
+) -> dict[str, Any]:
+    """A table row's measures of one image (see pipelines/infer.py for what each means)."""
+    return {
+        "width": width,
+        "height": height,
+        "area_px": area,
+        "equivalent_diameter_px": round(math.sqrt(4 * area / math.pi), 3),
+        "objects": objects,
+        "mean_intensity": round(intensity / area, 6) if area else "",
+    }
 
 
 def objects_table_name(input_path: str) -> str:

@@ -25,7 +25,7 @@ import json
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -36,7 +36,7 @@ from scipy import ndimage
 
 from daemon.contract.heldfolder import HeldFolder, temporary_name
 from pipelines.channels import ChannelProblem, plane_page
-from pipelines.layout import LABEL_IMAGE_SUFFIX, OBJECT_COLUMNS
+from pipelines.layout import LABEL_IMAGE_SUFFIX, OBJECT_COLUMNS, image_stats
 from pipelines.omezarr import CHUNK, LabelImage, RowWriter, overview_step, work_array
 
 TILE = 256  # the mask's TIFF tiles (and the band height of the statistics)
@@ -341,6 +341,25 @@ class TiledResult:
     table: list[dict[str, Any]]  # one row per object (OBJECT_COLUMNS)
 
 
+def tiled_row(result: TiledResult) -> dict[str, Any]:
+    """The table row's measures of an image segmented window by window."""
+    stats = image_stats(result.width, result.height, result.area, result.objects,
+                        result.intensity)  # fmt: skip
+    return {**stats, "confidence": round(result.confidence, 4), "tiled": 1}
+
+
+def job_region(params: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(index, count) of the region a job segments of its one image (its ``region`` param,
+    set by the daemon for a slide split across jobs), or None: whole images."""
+    region = params.get("region")
+    return None if region is None else (int(region["index"]), int(region["count"]))
+
+
+def window_cache_rows(params: Mapping[str, Any]) -> int:
+    """Rows of the input the window-by-window reader keeps decoded: a window's and two tiles."""
+    return int(params["tile_size"]) + 2 * TILE
+
+
 def region_rows(height: int, index: int, count: int) -> tuple[int, int]:
     """Rows (first, end) of region ``index`` of ``count``: whole chunk rows, split evenly
     (so no two regions write one chunk); empty when there are more regions than chunk rows."""
@@ -490,7 +509,7 @@ def segment_tiled(
     """Segment ``source`` (its plane ``channel``) in one task into the OME-Zarr label image
     ``target`` (a folder name in ``folder``, replaced whole): one region, assembled at once;
     the provisional ids lie in a temporary folder beside it meanwhile."""
-    reader = RegionReader(source, cache_pixel_rows=window + 2 * TILE, channel=channel)
+    reader = RegionReader(source, window_cache_rows({"tile_size": window}), channel)
     work = temporary_name()
     try:
         folder.mkdir(work)

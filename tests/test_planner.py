@@ -541,3 +541,45 @@ def test_the_retry_budget_counts_from_the_operators_last_fresh_start() -> None:
     view = BatchView(batch(1, BatchState.RUNNING), manifest(), (fresh,))
     actions = plan(snap(view, seen=[JobSeen(1, Phase.ENDED, -9)]))
     assert actions[1] == MoveJob(1, JobState.PENDING, "retry 2 of 3", batch_id=1)
+
+
+def test_a_slide_larger_than_region_bytes_is_split_into_region_jobs_then_assembled() -> None:
+    """The small images are sharded as ever; each large file becomes jobs of one region each
+    in the same stage (one array), counted once in the batch's images; once they all
+    succeeded the assembly job follows, then the report, then done."""
+    doc = {"watchd": 1, "kind": "inference", "owner": {"name": "A"}, "model": {"name": "m"},
+           "files": [{"path": "small.png", "size": 10}, {"path": "slide.tif", "size": 2500},
+                     {"path": "other.tif", "size": 1001}]}  # fmt: skip
+    m = parse_manifest(tomli_w.dumps(doc).encode())
+    policy = replace(POLICY, shards=Sharding(size=2, region_bytes=1000))
+    view = BatchView(batch(), m, (), Ready(m.files))
+    planned = plan(replace(snap(view), policy=policy))[1]
+    assert isinstance(planned, PlanJobs)
+    described = [
+        (j.name, [f.path for f in j.inputs], dict(j.params), j.images) for j in planned.jobs
+    ]
+    slide, other = {"count": 3, "image": "slide.tif"}, {"count": 2, "image": "other.tif"}
+    assert described == [
+        ("b000001-infer-0000", ["small.png"], {}, 1),
+        ("b000001-infer-0001", ["slide.tif"], {"region": {**slide, "index": 0}}, 1),
+        ("b000001-infer-0002", ["slide.tif"], {"region": {**slide, "index": 1}}, 0),
+        ("b000001-infer-0003", ["slide.tif"], {"region": {**slide, "index": 2}}, 0),
+        ("b000001-infer-0004", ["other.tif"], {"region": {**other, "index": 0}}, 1),
+        ("b000001-infer-0005", ["other.tif"], {"region": {**other, "index": 1}}, 0),
+    ]
+    assert {(j.stage, j.shard_count) for j in planned.jobs} == {(0, 6)}
+    running = batch(state=BatchState.RUNNING)
+    done = tuple(
+        replace(job(i + 1, JobState.SUCCEEDED), params=dict(j.params))
+        for i, j in enumerate(planned.jobs)
+    )
+    (assembly,) = plan(snap(BatchView(running, m, done)))
+    assert isinstance(assembly, PlanJobs)
+    (assemble,) = assembly.jobs
+    assert (assemble.name, assemble.pipeline, assemble.stage) == (
+        "b000001-assemble", Pipeline.ASSEMBLE, 1)  # fmt: skip
+    assert assemble.inherit_inputs and assemble.params == {"regional": ["other.tif", "slide.tif"]}
+    assembled = (*done, job(7, JobState.SUCCEEDED, pipeline=Pipeline.ASSEMBLE, stage=1))
+    (report,) = plan(snap(BatchView(running, m, assembled)))
+    assert isinstance(report, PlanJobs) and report.jobs[0].pipeline is Pipeline.REPORT
+    assert report.jobs[0].stage == 2

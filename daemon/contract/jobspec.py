@@ -37,6 +37,7 @@ class Pipeline(enum.Enum):
     TRAIN = "train"
     INFER = "infer"
     SWEEP = "sweep"  # compares a sweep's trials and registers the best
+    ASSEMBLE = "assemble"  # the label images of slides split across inference jobs
     REPORT = "report"
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import Any
 
 from daemon.contract.jobspec import InputFile, JobSpec, Pipeline, Resources, Role, Shard
 from daemon.core.manifest import Manifest
@@ -21,6 +22,7 @@ from daemon.core.sweep import trial_params
 # the fixed size of before, so sizing only ever makes jobs larger. A job on a cluster pays
 # 10-30 s to start (Python and torch from a cold shared filesystem); 64 images take ~20 s.
 MIN_SIZED_SHARD = 64
+MAX_REGIONS = 256  # jobs one slide is split across, at most
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,16 @@ class Sharding:
     size: int = 0
     max_size: int = 2000
     width: int | None = None  # None: no limit (then jobs of max_size)
+    # An image file larger than this (a whole-slide image) is segmented by several jobs, one
+    # region of it each (one per this many bytes, at most MAX_REGIONS); 0: never.
+    region_bytes: int = 0
+
+    def regions(self, image: InputFile) -> int:
+        """How many jobs segment ``image``: 1, or its regions' count."""
+        size = image.size or 0  # (not known: one job)
+        if not self.region_bytes or size <= self.region_bytes:
+            return 1
+        return min(-(-size // self.region_bytes), MAX_REGIONS)
 
     def slices(self, count: int) -> list[slice]:
         """The images of each job, in order: ``count`` images in parts that differ by one at
@@ -75,21 +87,35 @@ def compute_jobs(
             for i, params in enumerate(trials)
         )
     images = [f for f in inputs if f.role is Role.IMAGE]
-    parts = shards.slices(len(images))
-    jobs = [
-        NewJob(f"{prefix}-infer-{i:04d}", Pipeline.INFER, 0, i, len(parts),
-               tuple(images[part]), executor)
-        for i, part in enumerate(parts)
+    slides = [(f, shards.regions(f)) for f in images if shards.regions(f) > 1]
+    whole = [f for f in images if shards.regions(f) == 1]
+    # the shards of whole images, then each slide's regions: one stage, one array
+    work: list[tuple[tuple[InputFile, ...], dict[str, Any]]] = [
+        (tuple(whole[part]), {}) for part in (shards.slices(len(whole)) if whole or not slides
+                                              else [])
     ]  # fmt: skip
-    return tuple(jobs)
+    for slide, count in slides:
+        region = {"count": count, "image": slide.path}
+        work += [((slide,), {"region": {**region, "index": k}}) for k in range(count)]
+    return tuple(
+        NewJob(f"{prefix}-infer-{i:04d}", Pipeline.INFER, 0, i, len(work), part, executor,
+               params=params)
+        for i, (part, params) in enumerate(work)
+    )  # fmt: skip
 
 
 def next_stage_job(
     batch: Batch, manifest: Manifest | None, jobs: Sequence[Job], executor: str
 ) -> NewJob:
     """The job after ``jobs``, all succeeded: a sweep's trials are followed by the sweep job
-    (compare, register the best), compute jobs by the report."""
+    (compare, register the best), a slide's regions by their assembly, compute jobs by the
+    report."""
     stage = max(j.stage for j in jobs) + 1
+    pipelines = {j.pipeline for j in jobs}
+    regional = sorted({_region_image(j) for j in jobs if "region" in j.params})
+    if regional and Pipeline.ASSEMBLE not in pipelines:
+        return NewJob(f"b{batch.id:06d}-assemble", Pipeline.ASSEMBLE, stage, 0, 1, (), executor,
+                      inherit_inputs=True, params={"regional": regional})  # fmt: skip
     if batch.kind is Kind.SWEEP and Pipeline.SWEEP not in {j.pipeline for j in jobs}:
         plan = manifest.sweep if manifest else None
         params = {"sweep": plan.describe() if plan else {}}
@@ -97,6 +123,11 @@ def next_stage_job(
                       executor, inherit_inputs=True, params=params)  # fmt: skip
     return NewJob(f"b{batch.id:06d}-report", Pipeline.REPORT, stage, 0, 1, (),
                   executor, inherit_inputs=True)  # fmt: skip
+
+
+def _region_image(job: Job) -> str:
+    """The image a region job segments (its params say which, beside its region)."""
+    return str(job.params["region"]["image"])
 
 
 def job_spec(

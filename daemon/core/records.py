@@ -121,6 +121,15 @@ class NewJob:
     inherit_inputs: bool = False  # take the inputs of the batch's stage-0 jobs (the report)
     params: Mapping[str, Any] = field(default_factory=dict)  # merged over the manifest's
 
+    @property
+    def images(self) -> int:
+        """The images this job counts towards its batch's progress: an inference shard's; a
+        slide split in regions counts once, in its first region's job."""
+        if self.pipeline is not Pipeline.INFER:
+            return 0
+        region = self.params.get("region")
+        return len(self.inputs) if region is None or region["index"] == 0 else 0
+
 
 @dataclass(frozen=True)
 class Event:

@@ -53,7 +53,8 @@ def build_service(
     dispatch = Dispatcher(store, executor, str(config.registry.path))
     metrics = Metrics()
     planner = config.planner
-    shards = Sharding(planner.shard_size, planner.max_shard_size, executor.width())
+    shards = Sharding(planner.shard_size, planner.max_shard_size, executor.width(),
+                      planner.region_bytes)  # fmt: skip
     mailer = Mailer.from_config(config.mail)
     return Service(
         Parts(

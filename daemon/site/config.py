@@ -91,6 +91,9 @@ class PlannerSection(_Section):
     # width), each of at most max_shard_size images; N: jobs of N images.
     shard_size: Annotated[int, Field(ge=0, le=100_000)] = 0
     max_shard_size: Annotated[int, Field(ge=1, le=1_000_000)] = 2000
+    # an image file larger than this many bytes (a whole-slide image) is segmented by several
+    # jobs, one region each, then assembled; 0: every image by one job
+    region_bytes: Annotated[int, Field(ge=0)] = 1 << 30
     max_attempts: Annotated[int, Field(ge=1, le=20)] = 3
 
 

@@ -8,7 +8,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from daemon.contract.errors import IllegalTransition, NotFound
-from daemon.contract.jobspec import InputFile, Pipeline, inputs_json
+from daemon.contract.jobspec import InputFile, inputs_json
 from daemon.core.records import Job, JobChange, NewJob
 from daemon.core.states import JobState, job_can_move
 from daemon.store.base import StoreBase
@@ -30,7 +30,7 @@ class JobStore(StoreBase):
                     if new.inherit_inputs
                     else json.dumps(inputs_json(new.inputs)),
                     "params": json.dumps(dict(new.params), sort_keys=True),
-                    "images": len(new.inputs) if new.pipeline is Pipeline.INFER else 0,
+                    "images": new.images,
                     "batch_id": batch_id,
                     "state": JobState.PENDING.value,
                     "created_at": now,

@@ -19,6 +19,7 @@ from daemon.contract.jobspec import (
     PROGRESS_FILE,
     ErrorKind,
     InputFile,
+    JobSpec,
     ModelRef,
     Pipeline,
     Role,
@@ -443,3 +444,56 @@ def test_any_legal_file_name_round_trips_through_the_shard_table_and_the_report(
         with open(batch_dir / "results" / table, newline="", encoding="utf-8") as handle:
             assert sorted(row["path"] for row in csv.DictReader(handle)) == expected, table
     assert all((batch_dir / "results" / "masks" / "images" / name).is_file() for name in ODD_NAMES)
+
+
+def test_a_slide_split_across_region_jobs_assembles_into_the_one_job_label_image(
+    tmp_path: Path,
+    synth: ModuleType,
+    inferred: InferredBatch,
+    job_spec: Callable[..., JobSpec],
+    manifest_inputs: Callable[..., Any],
+    run: Callable[..., JobRun],
+    infer_params: dict[str, Any],
+) -> None:
+    """Three inference jobs, each one region of a slide (as the daemon plans a large file),
+    then the assembly job: the label image, the object table and the table row equal those
+    of one job segmenting the whole slide with the trained model; the work folder is gone."""
+    slides = {}
+    for name in ("one", "regions"):
+        batch_dir = tmp_path / name
+        synth.write_slide(batch_dir / "images" / "slide.tif", 1100, seed=4)
+        slides[name] = (
+            batch_dir,
+            manifest_inputs(batch_dir, [batch_dir / "images" / "slide.tif"], checksums=True),
+        )
+    registry_dir, model = inferred.model.registry, ModelRef(inferred.model.name, "1")
+    params = {**infer_params, "max_whole_pixels": 100_000, "tile_size": 256, "tile_overlap": 32}
+    one_dir, inputs = slides["one"]
+    one = run(
+        job_spec(one_dir, Pipeline.INFER, inputs, registry=registry_dir, model=model, params=params)
+    )
+    assert one.returncode == 0, one.log
+    batch_dir, inputs = slides["regions"]
+    for index in (2, 0, 1):
+        region = {"region": {"index": index, "count": 3, "image": "images/slide.tif"}}
+        job = run(job_spec(batch_dir, Pipeline.INFER, inputs, registry=registry_dir, model=model,
+                           params={**params, **region}, shard=Shard(index, 3)))  # fmt: skip
+        assert job.returncode == 0, job.log
+        assert f"images/slide.tif: region {index + 1} of 3" in job.log
+    assembly = run(job_spec(batch_dir, Pipeline.ASSEMBLE, inputs, registry=registry_dir, model=model,
+                            params={**params, "regional": ["images/slide.tif"]}))  # fmt: skip
+    assert assembly.returncode == 0, assembly.log
+    results, expected = batch_dir / "results", one_dir / "results"
+    label = "masks/images/slide.tif.ome.zarr"
+    for got, want in zip(zarr_levels(results / label, "labels/segmentation"),
+                         zarr_levels(expected / label, "labels/segmentation"), strict=True):  # fmt: skip
+        np.testing.assert_array_equal(got, want)
+    objects = "objects/images/slide.tif.csv"
+    assert (results / objects).read_text() == (expected / objects).read_text()
+    with open(results / "parts" / "table-regions.csv", newline="") as handle:
+        (row,) = list(csv.DictReader(handle))
+    with open(expected / "parts" / "table-0000.csv", newline="") as handle:
+        (wanted,) = list(csv.DictReader(handle))
+    assert row == wanted
+    assert not (results / "regions" / "images" / "slide.tif.zarr").exists()
+    assert int(row["objects"]) > 10  # droplets found, so the comparison means something

@@ -107,3 +107,47 @@ def test_a_sweep_drop_runs_its_trials_together_and_ends_with_the_best_trial_regi
     assert summary["sweep"]["winner"] == winner and summary["sweep"]["trials"] == 2
     assert summary["training"]["model"]["version"] == before + 1
     assert "<h2>Sweep</h2>" in (run_dir / "report.html").read_text()
+
+
+def test_a_slide_larger_than_region_bytes_is_segmented_by_region_jobs_assembled_and_reported(
+    tmp_path: Path, config_for: Callable[..., Config], registry: Path, drop_root: Path
+) -> None:
+    """A drop of small images and one pyramidal slide: the slide's file is larger than
+    ``[planner] region_bytes``, so three jobs segment a region of it each, beside the small
+    images' shard; the assembly job makes its label image and object table; the report
+    lists every image; the batch is done and no work folder is left."""
+    staging = tmp_path / "staging" / "slides"
+    synth.make_batch(staging, "inference", count=3, size=64, seed=5)
+    synth.write_slide(staging / "images" / "scan.tif", 1300, seed=6, levels=1)
+    slide_bytes = (staging / "images" / "scan.tif").stat().st_size
+    params = {"max_whole_pixels": 500_000, "tile_size": 256, "tile_overlap": 32}
+    (staging / "manifest.toml").write_bytes(
+        manifest_text(staging, Kind.INFERENCE, model=MODEL, version="latest", params=params)
+    )
+    config = config_for(planner={"region_bytes": slide_bytes // 3 + 1})
+    with Replay(config) as replay:
+        replay.run(copy_slowly(staging, drop_root / "slides", 0.0, 0.01), timeout=240)
+    ((batch, jobs),) = batches_and_jobs(config).values()
+    assert batch.state is BatchState.DONE, batch.reason
+    assert [(j.name.split("-", 1)[1], j.state) for j in jobs] == [
+        ("infer-0000", JobState.SUCCEEDED),
+        ("infer-0001", JobState.SUCCEEDED),
+        ("infer-0002", JobState.SUCCEEDED),
+        ("infer-0003", JobState.SUCCEEDED),
+        ("assemble", JobState.SUCCEEDED),
+        ("report", JobState.SUCCEEDED),
+    ]
+    assert [j.params.get("region", {}).get("index") for j in jobs[:4]] == [None, 0, 1, 2]
+    assert sum(j.images for j in jobs) == 4
+    run = Path(batch.run_dir)
+    assert (run / "masks" / "images" / "scan.tif.ome.zarr" / "labels" / "segmentation").is_dir()
+    with open(run / "table.csv", newline="") as handle:
+        rows = {row["path"]: row for row in csv.DictReader(handle)}
+    assert sorted(rows) == ["images/img_0000.png", "images/img_0001.png", "images/img_0002.png",
+                            "images/scan.tif"]  # fmt: skip
+    objects = (run / "objects" / "images" / "scan.tif.csv").read_text().splitlines()
+    assert rows["images/scan.tif"]["tiled"] == "1"
+    assert len(objects) - 1 == int(rows["images/scan.tif"]["objects"])
+    assert not (run / "regions" / "images" / "scan.tif.zarr").exists()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["inference"]["images"] == 4
