@@ -22,6 +22,7 @@ from typing import BinaryIO
 import tifffile
 
 from daemon.contract.jobspec import InputFile, Problem
+from daemon.contract.names import TIFF_SUFFIXES
 from pipelines.channels import Planes
 from pipelines.job import InputError
 
@@ -165,7 +166,7 @@ def check_windowable(item: InputFile, declared: Declared, max_pixels: int) -> No
         f"is {declared.width}×{declared.height} pixels ({_spaced(declared.pixels)}), more "
         f"than params.max_whole_pixels = {_spaced(max_pixels)} allows to segment as a whole"
     )
-    if declared.kind != "TIFF" or Path(item.path).suffix.lower() not in (".tif", ".tiff"):
+    if declared.kind != "TIFF" or Path(item.path).suffix.lower() not in TIFF_SUFFIXES:
         hint = (
             "raise params.max_whole_pixels in the manifest (a 2048×2048 image needs about "
             "2 GB), or save it as a TIFF: those are segmented window by window"

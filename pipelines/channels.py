@@ -88,10 +88,11 @@ def _planes(axis: str, count: int) -> str:
     return f"{count} {_PLANES.get(axis, 'pages')}"
 
 
-def plane_page(tif: tifffile.TiffFile, channel: Any) -> tifffile.TiffPage | None:
+def plane_page(tif: tifffile.TiffFile, channel: Any, level: int = 0) -> tifffile.TiffPage | None:
     """The page of ``tif`` to segment for ``channel`` (a page for each plane; None where the
-    series has none to give); raises ChannelProblem."""
-    page = tif.series[0].pages[Planes.of(tif).page(channel)]
+    series has none to give), at its pyramid's ``level`` (0: full resolution, -1: the
+    smallest); raises ChannelProblem."""
+    page = tif.series[0].levels[level].pages[Planes.of(tif).page(channel)]
     return page.aspage() if isinstance(page, tifffile.TiffFrame) else page
 
 

@@ -48,7 +48,7 @@ from pipelines.bounds import (
 from pipelines.channels import ChannelProblem, plane_page
 from pipelines.job import InputError
 
-MASK_FORMATS = {".png": "PNG", ".tif": "TIFF", ".tiff": "TIFF"}
+MASK_FORMATS = {".png": "PNG", ".tif": "TIFF", ".tiff": "TIFF", ".svs": "TIFF"}
 _UNRECOGNISED_BYTES = 64 * 2**10  # read of a file that is no PNG or TIFF, to say what it is
 _LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
 _PNG_ERRORS = (OSError, SyntaxError, ValueError, EOFError, zlib.error, Image.DecompressionBombError)

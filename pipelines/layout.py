@@ -64,6 +64,8 @@ TABLE_COLUMNS = (
     "mean_intensity",
     "confidence",
     "tiled",
+    "windows_run",  # of an image segmented window by window: windows the net ran on,
+    "windows_glass",  # and windows over glass only, not run (pipelines.tissue)
     "model_name",
     "model_version",
     "model_sha256",

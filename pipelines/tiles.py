@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import os
 from collections import OrderedDict
@@ -38,10 +39,13 @@ from daemon.contract.heldfolder import HeldFolder, temporary_name
 from pipelines.channels import ChannelProblem, plane_page
 from pipelines.layout import LABEL_IMAGE_SUFFIX, OBJECT_COLUMNS, image_stats
 from pipelines.omezarr import CHUNK, LabelImage, RowWriter, overview_step, work_array
+from pipelines.tissue import MAX_LEVEL_PIXELS, TissueMask, Windows
 
 TILE = 256  # the mask's TIFF tiles (and the band height of the statistics)
 _EIGHT = np.ones((3, 3), dtype=bool)
 _LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
+
+log = logging.getLogger("pipelines")
 
 Predict = Callable[[np.ndarray], np.ndarray]  # (N, h, w) grey → (N, h, w) probabilities
 Progress = Callable[[int, int], None]  # (window rows done, window rows in all)
@@ -51,11 +55,14 @@ class RegionReader:
     """Rectangular regions of a TIFF's plane as float32 grey in [0, 1], read lazily."""
 
     def __init__(
-        self, source: Path | BinaryIO, cache_pixel_rows: int = 4 * TILE, channel: Any = None
-    ) -> None:
+        self, source: Path | BinaryIO, cache_pixel_rows: int = 4 * TILE, channel: Any = None,
+        glass_tolerance: float = 0.0,
+    ) -> None:  # fmt: skip
         """``source``: a path, or a file open for reading at the TIFF's start (the caller
         opened it by the batch folder's rule and closes it). ``channel``: the plane of a
-        multi-channel TIFF (:mod:`pipelines.channels`; raises ChannelProblem)."""
+        multi-channel TIFF (:mod:`pipelines.channels`; raises ChannelProblem).
+        ``glass_tolerance``: above 0, windows over glass only are skipped
+        (:mod:`pipelines.tissue`), where the TIFF has a reduced level to tell."""
         # A file opened by descriptor is named by its number, which tifffile cannot split.
         name = source.name if isinstance(source, Path) else "input.tif"
         self.tif = tifffile.TiffFile(source, name=name)
@@ -82,6 +89,29 @@ class RegionReader:
         self.cache: OrderedDict[int, np.ndarray] = OrderedDict()
         # enough whole rows of segments to hold ``cache_pixel_rows`` rows of the image
         self.cache_size = (math.ceil(cache_pixel_rows / self.seg_h) + 1) * self.across
+        self.tissue = self._tissue(channel, glass_tolerance) if glass_tolerance > 0 else None
+
+    def _tissue(self, channel: Any, tolerance: float) -> TissueMask | None:
+        """The tissue mask of the pyramid's smallest level, if it has a small enough one."""
+        level = plane_page(self.tif, channel, -1)
+        if not isinstance(level, tifffile.TiffPage) or level.imagelength == self.height:
+            log.info("no reduced level to find the tissue in: every window runs")
+            return None
+        if level.imagelength * level.imagewidth > MAX_LEVEL_PIXELS:
+            log.info("smallest level %dx%d too large to read whole: every window runs",
+                     level.imagewidth, level.imagelength)  # fmt: skip
+            return None
+        pixels = np.asarray(level.asarray())
+        grey = self.grey(pixels.reshape(*pixels.shape[:2], -1))
+        mask = TissueMask.of_level(grey, self.height, self.width, tolerance)
+        log.info("tissue mask from the %dx%d level: glass grey %.3f, tissue %.1f %% of the slide",
+                 level.imagewidth, level.imagelength, mask.glass, 100 * mask.fraction)  # fmt: skip
+        return mask
+
+    def has_tissue(self, top: int, bottom: int, left: int, right: int) -> bool:
+        """Whether the rows ``top:bottom``, columns ``left:right`` are worth running the net
+        on: they touch tissue, or there is no tissue mask."""
+        return self.tissue is None or self.tissue.any(top, bottom, left, right)
 
     def close(self) -> None:
         self.tif.close()
@@ -99,7 +129,7 @@ class RegionReader:
             data = handle.read(self.page.databytecounts[index])
             decoded, _, _ = self.page.decode(data, index, jpegtables=self.page.jpegtables)
             decoded = np.asarray(decoded)[0]
-        self.cache[index] = segment = self._grey(decoded)
+        self.cache[index] = segment = self.grey(decoded)
         if len(self.cache) > self.cache_size:
             self.cache.popitem(last=False)
         return segment
@@ -122,7 +152,8 @@ class RegionReader:
             raise ValueError(f"the strips end before row {bottom} (the file is cut short)")
         return np.frombuffer(data, dtype).reshape(bottom - top, self.width, -1)
 
-    def _grey(self, pixels: np.ndarray) -> np.ndarray:
+    def grey(self, pixels: np.ndarray) -> np.ndarray:
+        """Decoded samples (rows, columns, samples) of the page as float32 grey in [0, 1]."""
         if self.scale is None:
             raise ValueError(f"{pixels.dtype} samples; only 8- and 16-bit unsigned are supported")
         if pixels.shape[-1] >= 3:
@@ -173,11 +204,15 @@ def probability_bands(
     batch: int,
     progress: Progress | None = None,
     rows_wanted: tuple[int, int] | None = None,
+    windows: Windows | None = None,
 ) -> Iterator[tuple[int, np.ndarray]]:
     """(first row, blended probabilities) for consecutive bands of rows, top to bottom: of
     the whole image, or of its rows ``rows_wanted`` (first, end). Windows lie on the whole
     image's grid and only those over the rows wanted run, so those rows come out exactly as
-    in the whole image's run (a region's halo is the windows that reach into it)."""
+    in the whole image's run (a region's halo is the windows that reach into it). Windows
+    over glass only (:meth:`RegionReader.has_tissue`) are not run: they add nothing. The
+    windows whose top lies in the rows wanted are counted in ``windows`` (a halo's windows run
+    again in the region above, but count there only)."""
     height, width = reader.height, reader.width
     first, end = rows_wanted or (0, height)
     win_h, win_w = min(window, height), min(window, width)
@@ -188,10 +223,15 @@ def probability_bands(
     norm_y = coverage(height, window, rows, overlap)
     acc = np.zeros((win_h, width), dtype=np.float32)
     over = [r for r, top in enumerate(rows) if top < end and top + win_h > first]
+    windows = windows if windows is not None else Windows()
     for done_windows, r in enumerate(over, start=1):
         top = rows[r]
-        for start in range(0, len(cols), batch):
-            chunk = cols[start : start + batch]
+        run = [x for x in cols if reader.has_tissue(top, top + win_h, x, x + win_w)]
+        if first <= top < end:  # counted by the region its top lies in: once per image
+            windows.run += len(run)
+            windows.glass += len(cols) - len(run)
+        for start in range(0, len(run), batch):
+            chunk = run[start : start + batch]
             tiles = np.stack([reader.region(top, top + win_h, x, x + win_w) for x in chunk])
             for x, prob in zip(chunk, predict(tiles), strict=True):
                 acc[:, x : x + win_w] += prob * weight
@@ -339,13 +379,16 @@ class TiledResult:
     intensity: float
     confidence: float
     table: list[dict[str, Any]]  # one row per object (OBJECT_COLUMNS)
+    windows_run: int = 0
+    windows_glass: int = 0
 
 
 def tiled_row(result: TiledResult) -> dict[str, Any]:
     """The table row's measures of an image segmented window by window."""
     stats = image_stats(result.width, result.height, result.area, result.objects,
                         result.intensity)  # fmt: skip
-    return {**stats, "confidence": round(result.confidence, 4), "tiled": 1}
+    return {**stats, "confidence": round(result.confidence, 4), "tiled": 1,
+            "windows_run": result.windows_run, "windows_glass": result.windows_glass}  # fmt: skip
 
 
 def job_region(params: Mapping[str, Any]) -> tuple[int, int] | None:
@@ -387,6 +430,8 @@ class RegionRecord:
     certainty: float
     overview: np.ndarray  # the overview's rows that fall in this region
     meta: dict[str, Any]  # the input's size and mtime, the model's provenance
+    windows_run: int = 0  # windows the net ran on
+    windows_glass: int = 0  # windows skipped as glass (pipelines.tissue)
 
     def name(self) -> str:
         return region_record_name(self.index)
@@ -401,9 +446,12 @@ class RegionRecord:
     def from_bytes(cls, data: bytes) -> RegionRecord:
         with np.load(io.BytesIO(data), allow_pickle=False) as found:
             fields = {k: found[k] for k in found.files}
-        scalars = {k: int(fields.pop(k)) for k in ("index", "count", "first", "end")}
+        scalars = {k: int(fields.pop(k)) for k in _RECORD_INTS}
         meta = json.loads(str(fields.pop("meta")))
         return cls(**scalars, certainty=float(fields.pop("certainty")), meta=meta, **fields)
+
+
+_RECORD_INTS = ("index", "count", "first", "end", "windows_run", "windows_glass")
 
 
 def region_record_name(index: int) -> str:
@@ -422,7 +470,9 @@ def segment_region(
     step = overview_step(reader.height, reader.width)
     overview: list[np.ndarray] = []
     certainty, top_ids = 0.0, np.zeros(reader.width, dtype=np.int64)
-    bands = probability_bands(reader, predict, window, overlap, batch, progress, (first, end))
+    windows = Windows()
+    bands = probability_bands(reader, predict, window, overlap, batch, progress, (first, end),
+                              windows)  # fmt: skip
     for band in rebanded(bands):
         top = components.rows
         certainty += float(np.abs(2 * band - 1).sum())
@@ -440,7 +490,7 @@ def segment_region(
         bottom if bottom is not None else np.zeros(reader.width, dtype=np.int64),
         np.array(sorted(writer.stored), dtype=np.int64).reshape(-1, 2), certainty,
         np.concatenate(overview) if overview else np.zeros((0, -(-reader.width // step)), np.uint8),
-        {},
+        {}, windows.run, windows.glass,
     )  # fmt: skip
 
 
@@ -498,18 +548,21 @@ def assemble(
         raise
     objects, area, intensity = total.kept(min_area)
     certainty = sum(r.certainty for r in records) / (height * width)
-    return TiledResult(width, height, area, objects, intensity, certainty, total.table(min_area))
+    run, glass = sum(r.windows_run for r in records), sum(r.windows_glass for r in records)
+    return TiledResult(width, height, area, objects, intensity, certainty, total.table(min_area),
+                       run, glass)  # fmt: skip
 
 
 def segment_tiled(
     source: Path | BinaryIO, folder: HeldFolder, target: str, predict: Predict, threshold: float,
     min_area: int, window: int = 512, overlap: int = 64, batch: int = 1,
-    progress: Progress | None = None, channel: Any = None,
+    progress: Progress | None = None, channel: Any = None, glass_tolerance: float = 0.0,
 ) -> TiledResult:  # fmt: skip
     """Segment ``source`` (its plane ``channel``) in one task into the OME-Zarr label image
     ``target`` (a folder name in ``folder``, replaced whole): one region, assembled at once;
     the provisional ids lie in a temporary folder beside it meanwhile."""
-    reader = RegionReader(source, window_cache_rows({"tile_size": window}), channel)
+    reader = RegionReader(source, window_cache_rows({"tile_size": window}), channel,
+                          glass_tolerance)  # fmt: skip
     work = temporary_name()
     try:
         folder.mkdir(work)

@@ -12,7 +12,7 @@ images of a batch of 100.
 Usage::
 
     python scripts/synth.py OUT --kind training --count 64 --size 128 --seed 0 \
-        [--format png|tif|ome-tif|slide] [--bits 8|16] [--truth DIR]
+        [--format png|tif|ome-tif|slide|svs] [--bits 8|16] [--truth DIR] [--tissue 0.1]
 
 ``ome-tif`` writes each image as a three-channel OME-TIFF, as a fluorescence microscope does:
 ``DAPI`` and ``RFP`` planes beside the ``GFP`` plane that holds the droplet (segment it with
@@ -21,7 +21,10 @@ Usage::
 ``slide`` (inference only) writes each image as a whole-slide image of ``--size``² pixels: a
 grid of droplets of 128² (image ``i`` of the slide's seed in row-major order), an 8-bit tiled
 (256²), deflate-compressed TIFF with reduced levels in SubIFDs down to about 1024 pixels across,
-as scanners and QuPath write pyramids; written tile by tile, so any size fits in memory. Larger
+as scanners and QuPath write pyramids; written tile by tile, so any size fits in memory.
+``--tissue 0.1`` keeps a tenth of the droplets, in islands, the rest bare glass. ``svs``
+writes the same slide as an Aperio scanner does (RGB, JPEG tiles, a thumbnail, levels reduced
+by four in pages of their own; needs imagecodecs). Larger
 than ``max_whole_pixels``, it is segmented window by window into an OME-Zarr label image.
 
 Training batches get ``OUT/images/`` and ``OUT/masks/``; inference batches ``OUT/images/``
@@ -43,10 +46,11 @@ from PIL import Image
 from scipy import ndimage
 
 KINDS = ("training", "inference")
-FORMATS = {"png": ".png", "tif": ".tif", "ome-tif": ".ome.tif", "slide": ".tif"}
+FORMATS = {"png": ".png", "tif": ".tif", "ome-tif": ".ome.tif", "slide": ".tif", "svs": ".svs"}
 CHANNELS = ("DAPI", "GFP", "RFP")  # ome-tif: the droplet is the GFP plane
 CELL = 128  # slide: one droplet
 SLIDE_TILE = 256  # slide: its TIFF tiles
+GLASS = 0.92  # slide: the grey of bare glass (bright field)
 SPHEROID_COUNTS = (0, 1, 2)
 SPHEROID_ODDS = (0.12, 0.73, 0.15)
 
@@ -157,9 +161,27 @@ def write_image(path: Path, pixels: np.ndarray, channels: bool = False) -> None:
         tifffile.imwrite(path, pixels, photometric="minisblack")
 
 
-def slide_tiles(size: int, seed: int, step: int = 1) -> Iterator[np.ndarray]:
+def tissue_cells(size: int, seed: int, tissue: float) -> np.ndarray:
+    """Which droplet cells of a slide hold tissue (the others are glass): all for ``tissue``
+    1, else islands of about that share of the cells (a smooth random field's highest)."""
+    across = -(-size // CELL)
+    if tissue >= 1:
+        return np.ones((across, across), dtype=bool)
+    field = _smooth_noise(np.random.default_rng([seed, across]), across, max(across / 12, 1.0))
+    return field > np.quantile(field, 1 - tissue)
+
+
+def _glass(seed: int) -> np.ndarray:
+    """A cell of bare glass: bright, with a little sensor noise."""
+    noise = np.random.default_rng([seed, 1]).normal(0, 0.01, (CELL, CELL))
+    return to_integer(np.clip(GLASS + noise, 0, 1).astype(np.float32), 8)
+
+
+def slide_tiles(size: int, seed: int, step: int = 1, tissue: float = 1.0) -> Iterator[np.ndarray]:
     """The slide's 256² tiles at 1/``step`` of its resolution, row-major (the last ones
-    cropped), each drawn from the droplets it covers."""
+    cropped), each drawn from the droplets it covers (glass where :func:`tissue_cells` has
+    none)."""
+    present, glass = tissue_cells(size, seed, tissue), _glass(seed)
     across, span = -(-size // CELL), SLIDE_TILE * step
     for top in range(0, size, span):
         for left in range(0, size, span):
@@ -167,26 +189,74 @@ def slide_tiles(size: int, seed: int, step: int = 1) -> Iterator[np.ndarray]:
             region = np.zeros((span, span), dtype=np.uint8)
             for dy in range(0, height, CELL):
                 for dx in range(0, width, CELL):
-                    index = ((top + dy) // CELL) * across + (left + dx) // CELL
-                    drawn = to_integer(sample(seed, index, CELL).image, 8)
+                    row, col = (top + dy) // CELL, (left + dx) // CELL
+                    drawn = (to_integer(sample(seed, row * across + col, CELL).image, 8)
+                             if present[row, col] else glass)  # fmt: skip
                     region[dy : dy + CELL, dx : dx + CELL] = drawn
             yield region[:height:step, :width:step]
 
 
-def write_slide(path: Path, size: int, seed: int, levels: int | None = None) -> None:
-    """A ``size``² slide (:func:`slide_tiles`) as a tiled TIFF with ``levels`` reduced levels
-    in SubIFDs (by default down to about 1024 pixels across; 0: none)."""
+def write_slide(
+    path: Path, size: int, seed: int, levels: int | None = None, tissue: float = 1.0
+) -> None:
+    """A ``size``² slide (:func:`slide_tiles`, ``tissue`` its share of droplets) as a tiled
+    TIFF with ``levels`` reduced levels in SubIFDs (by default down to about 1024 pixels
+    across; 0: none); as an Aperio SVS where ``path`` ends in ``.svs``."""
     if levels is None:
         levels = max(0, math.ceil(math.log2(size / 1024)))
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".svs":
+        _write_svs(path, size, seed, levels, tissue)
+        return
     options = {"dtype": np.uint8, "tile": (SLIDE_TILE, SLIDE_TILE), "compression": "zlib",
                "photometric": "minisblack"}  # fmt: skip
     with tifffile.TiffWriter(path, bigtiff=size * size > 2**31) as tif:
-        tif.write(slide_tiles(size, seed), shape=(size, size), subifds=levels, **options)
+        tif.write(slide_tiles(size, seed, 1, tissue), shape=(size, size), subifds=levels,
+                  **options)  # fmt: skip
         for level in range(1, levels + 1):
             side = -(-size // 2**level)
-            tif.write(slide_tiles(size, seed, 2**level), shape=(side, side), subfiletype=1,
-                      **options)  # fmt: skip
+            tif.write(slide_tiles(size, seed, 2**level, tissue), shape=(side, side),
+                      subfiletype=1, **options)  # fmt: skip
+
+
+def _write_svs(path: Path, size: int, seed: int, levels: int, tissue: float) -> None:
+    """The slide as a scanner's Aperio SVS: RGB (the grey in each colour), JPEG tiles, the
+    reduced levels (by four, as Aperio scans) as pages after a thumbnail, each described the
+    way Aperio's library does."""
+    header = "Aperio Image Library v12.0.15 \r\n"
+    options = {"tile": (SLIDE_TILE, SLIDE_TILE), "compression": "jpeg", "photometric": "rgb",
+               "compressionargs": {"level": 90}}  # fmt: skip
+
+    def rgb(tiles: Iterator[np.ndarray]) -> Iterator[np.ndarray]:
+        return (np.repeat(tile[..., None], 3, axis=2) for tile in tiles)
+
+    steps = [4**k for k in range(1, levels) if size // 4**k >= SLIDE_TILE]
+    thumb = max(1, size // 768)
+    with tifffile.TiffWriter(path, bigtiff=3 * size * size > 2**31) as tif:
+        tif.write(rgb(slide_tiles(size, seed, 1, tissue)), shape=(size, size, 3), dtype=np.uint8,
+                  description=f"{header}{size}x{size} [0,0 {size}x{size}] (256x256) JPEG/RGB "
+                  "Q=90|AppMag = 20|MPP = 0.5", **options)  # fmt: skip
+        small = np.concatenate([np.concatenate(list(row), axis=1) for row in _tile_rows(
+            slide_tiles(size, seed, thumb, tissue), size, thumb)])  # fmt: skip
+        thumbnail = f"{header}{size}x{size} -> {small.shape[1]}x{small.shape[0]}"
+        tif.write(np.repeat(small[..., None], 3, axis=2), photometric="rgb", compression="jpeg",
+                  description=thumbnail)  # fmt: skip
+        for step in steps:
+            side = -(-size // step)
+            tif.write(rgb(slide_tiles(size, seed, step, tissue)), shape=(side, side, 3),
+                      dtype=np.uint8, subfiletype=1, description=f"{header}{size}x{size} -> "
+                      f"{side}x{side} - |AppMag = 20|MPP = {0.5 * step}", **options)  # fmt: skip
+
+
+def _tile_rows(tiles: Iterator[np.ndarray], size: int, step: int) -> Iterator[Iterator[np.ndarray]]:
+    """:func:`slide_tiles`' tiles (at 1/``step``) grouped in rows."""
+    across = -(-size // (SLIDE_TILE * step))
+    row: list[np.ndarray] = []
+    for tile in tiles:
+        row.append(tile)
+        if len(row) == across:
+            yield iter(row)
+            row = []
 
 
 def make_batch(
@@ -198,6 +268,7 @@ def make_batch(
     fmt: str = "png",
     bits: int = 8,
     truth_dir: Path | None = None,
+    tissue: float = 1.0,
 ) -> list[Path]:
     """Write ``count`` images (and masks) for a ``kind`` batch; return the files in ``folder``.
 
@@ -207,12 +278,12 @@ def make_batch(
     """
     if kind not in KINDS or fmt not in FORMATS or bits not in (8, 16):
         raise ValueError(f"unsupported kind/format/bits: {kind!r}, {fmt!r}, {bits!r}")
-    if fmt == "slide":
+    if fmt in ("slide", "svs"):
         if kind != "inference" or bits != 8 or truth_dir is not None:
             raise ValueError("slides are 8-bit inference images, without ground truth")
-        paths = [folder / "images" / f"slide_{index:04d}.tif" for index in range(count)]
+        paths = [folder / "images" / f"slide_{index:04d}{FORMATS[fmt]}" for index in range(count)]
         for index, path in enumerate(paths):
-            write_slide(path, size, seed + index)
+            write_slide(path, size, seed + index, tissue=tissue)
         return paths
     folder = Path(folder)
     mask_dir = folder / "masks" if kind == "training" else truth_dir
@@ -239,10 +310,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", choices=sorted(FORMATS), default="png")
     parser.add_argument("--bits", type=int, choices=(8, 16), default=8)
     parser.add_argument("--truth", type=Path, help="inference only: write ground truth here")
-    args = parser.parse_args(argv)
-    files = make_batch(
-        args.out, args.kind, args.count, args.size, args.seed, args.format, args.bits, args.truth
+    parser.add_argument(
+        "--tissue", type=float, default=1.0, help="slide: the share of droplets; the rest glass"
     )
+    args = parser.parse_args(argv)
+    if not 0 < args.tissue <= 1:
+        parser.error("--tissue must be in (0, 1]")
+    files = make_batch(args.out, args.kind, args.count, args.size, args.seed, args.format,
+                       args.bits, args.truth, args.tissue)  # fmt: skip
     print(f"wrote {len(files)} files to {args.out}")
     return 0
 

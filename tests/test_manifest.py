@@ -148,7 +148,7 @@ def test_parameters_are_bounded_and_unknown_ones_listed() -> None:
     found = problems_of(doc(params={"threshold": 2.0, "treshold": 0.1}))
     assert "manifest.toml, params.threshold: Input should be less than 1 (got 2.0)" in found
     assert (
-        "manifest.toml, params.treshold: unknown key 'treshold' (valid keys: batch_size, channel, gpu_batch_size, max_whole_pixels, min_object_area, mixed_precision, threshold, tile_overlap, tile_size)"
+        "manifest.toml, params.treshold: unknown key 'treshold' (valid keys: batch_size, channel, glass_tolerance, gpu_batch_size, max_whole_pixels, min_object_area, mixed_precision, threshold, tile_overlap, tile_size)"
         in found
     )
 
@@ -526,8 +526,10 @@ def test_the_text_scan_sees_the_nesting_the_parser_builds_whatever_the_strings_h
 
 
 def test_an_input_in_a_format_the_jobs_do_not_read_is_refused_before_any_job_runs() -> None:
+    """A vendor format is named with the export to make; an Aperio SVS (a TIFF) is taken."""
     files = [
         {"path": "slides/a.czi"}, {"path": "b.jpg"}, {"path": "notes"}, {"path": "c.ome.tif"},
+        {"path": "slides/d.svs"},
     ]  # fmt: skip
     found = problems_of(doc(files=files))
     assert found == [

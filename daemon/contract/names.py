@@ -24,12 +24,14 @@ BEST = "best"  # the version that scored best on its validation split
 ALIASES = (LATEST, BEST)
 
 
-# The inputs' file names the jobs read (the content decides the decoder) and write masks as.
-IMAGE_SUFFIXES = frozenset({".png", ".tif", ".tiff"})
+# The inputs' file names the jobs read (the content decides the decoder) and write masks as:
+# TIFF's, an Aperio SVS slide (a tiled TIFF, JPEG tiles, its pyramid in pages) among them.
+TIFF_SUFFIXES = frozenset({".tif", ".tiff", ".svs"})
+IMAGE_SUFFIXES = frozenset({".png"}) | TIFF_SUFFIXES
 # What instruments and scanners write that the jobs do not read (yet): said by name.
 _INSTRUMENT_FORMATS = {
     ".czi": "Zeiss CZI", ".nd2": "Nikon ND2", ".lif": "Leica LIF", ".vsi": "Olympus VSI",
-    ".svs": "Aperio SVS", ".ndpi": "Hamamatsu NDPI", ".mrxs": "3DHISTECH MRXS",
+    ".ndpi": "Hamamatsu NDPI", ".mrxs": "3DHISTECH MRXS",
     ".scn": "Leica SCN", ".ims": "Imaris", ".zarr": "Zarr",
 }  # fmt: skip
 _EXPORT = "export the images as OME-TIFF (e.g. Fiji: File > Save As > OME-TIFF), TIFF or PNG"
@@ -37,7 +39,7 @@ _EXPORT = "export the images as OME-TIFF (e.g. Fiji: File > Save As > OME-TIFF),
 
 def input_format_problem(path: str) -> tuple[str, str] | None:
     """(what, hint) when an input named ``path`` is in a format the jobs do not read; None
-    when they do (PNG or TIFF, 8 or 16 bit, grey, RGB or multi-channel)."""
+    when they do (PNG or TIFF, 8 or 16 bit, grey, RGB or multi-channel; Aperio SVS)."""
     suffix = PurePosixPath(path).suffix.lower()
     if suffix in IMAGE_SUFFIXES:
         return None
@@ -79,6 +81,9 @@ class InferenceDefaults:
     gpu_batch_size: int = 16  # images at once on a GPU (pipelines/device.py)
     mixed_precision: bool = True  # on a GPU, where the masks equal full precision's
     channel: int | str | None = None  # a multi-channel TIFF's plane: its name or number
+    # a slide's windows over glass only (its smallest level's grey within this of the glass's)
+    # are not run through the net (pipelines/tissue.py); 0: every window runs
+    glass_tolerance: float = 0.05
 
 
 INFERENCE = InferenceDefaults()

@@ -82,6 +82,7 @@ class InferenceParams(_Strict):
     gpu_batch_size: Annotated[int, Field(ge=1, le=1024)] = INFERENCE.gpu_batch_size
     mixed_precision: bool = INFERENCE.mixed_precision
     channel: Channel = INFERENCE.channel
+    glass_tolerance: Annotated[float, Field(ge=0, le=1)] = INFERENCE.glass_tolerance
 
     @pydantic.field_validator("tile_overlap")
     @classmethod

@@ -42,6 +42,8 @@ TABLE_HEADER = [
     "mean_intensity",
     "confidence",
     "tiled",
+    "windows_run",
+    "windows_glass",
     "model_name",
     "model_version",
     "model_sha256",
@@ -314,6 +316,39 @@ def test_a_rerun_skips_images_already_done_with_the_same_bytes_and_model(
     assert changed.result.summary["resumed"] == 2
 
 
+def test_an_aperio_svs_slide_is_read_by_its_pyramid_like_the_same_slide_as_a_tiff(
+    inferred: InferredBatch,
+    synth: ModuleType,
+    tmp_path: Path,
+    job_spec: Callable[..., Any],
+    manifest_inputs: Callable[..., Any],
+    run: Callable[..., JobRun],
+    infer_params: dict[str, Any],
+) -> None:
+    """A scanner's SVS (RGB, JPEG tiles, its levels in pages after a thumbnail): segmented
+    window by window, its glass found on its smallest level, its label image that of the
+    same slide written as a grey TIFF but for what JPEG changed."""
+    batch_dir = tmp_path / "svs"
+    for name in ("slide.svs", "slide.tif"):
+        synth.write_slide(batch_dir / "images" / name, 1100, seed=4, levels=2, tissue=0.3)
+    registry_dir, model = inferred.model.registry, ModelRef(inferred.model.name, "1")
+    params = {**infer_params, "max_whole_pixels": 100_000, "tile_size": 256, "tile_overlap": 32}
+    images = [batch_dir / "images" / name for name in ("slide.svs", "slide.tif")]
+    job = run(job_spec(batch_dir, Pipeline.INFER, manifest_inputs(batch_dir, images),
+                       registry=registry_dir, model=model, params=params))  # fmt: skip
+    assert job.returncode == 0, job.log
+    assert "images/slide.svs: tiled inference" in job.log
+    assert "tissue mask from the 275x275 level" in job.log
+    with open(batch_dir / "results" / "parts" / "table-0000.csv", newline="") as handle:
+        svs, tif = list(csv.DictReader(handle))
+    assert svs["path"] == "images/slide.svs" and int(svs["windows_glass"]) > 0
+    assert (svs["windows_run"], svs["windows_glass"]) == (tif["windows_run"], tif["windows_glass"])
+    masks = batch_dir / "results" / "masks" / "images"
+    got = zarr_levels(masks / "slide.svs.ome.zarr", "labels/segmentation")[0] > 0
+    want = zarr_levels(masks / "slide.tif.ome.zarr", "labels/segmentation")[0] > 0
+    assert want.sum() > 1000 and (got == want).mean() > 0.99
+
+
 def test_a_large_rgb_16_bit_tiff_is_segmented_window_by_window_like_the_whole_image(
     inferred: InferredBatch,
     synth: ModuleType,
@@ -457,11 +492,12 @@ def test_a_slide_split_across_region_jobs_assembles_into_the_one_job_label_image
 ) -> None:
     """Three inference jobs, each one region of a slide (as the daemon plans a large file),
     then the assembly job: the label image, the object table and the table row equal those
-    of one job segmenting the whole slide with the trained model; the work folder is gone."""
+    of one job segmenting the whole slide with the trained model, the windows skipped as glass
+    counted once; the work folder is gone."""
     slides = {}
     for name in ("one", "regions"):
         batch_dir = tmp_path / name
-        synth.write_slide(batch_dir / "images" / "slide.tif", 1100, seed=4)
+        synth.write_slide(batch_dir / "images" / "slide.tif", 1100, seed=4, tissue=0.3)
         slides[name] = (
             batch_dir,
             manifest_inputs(batch_dir, [batch_dir / "images" / "slide.tif"], checksums=True),
@@ -495,5 +531,6 @@ def test_a_slide_split_across_region_jobs_assembles_into_the_one_job_label_image
     with open(expected / "parts" / "table-0000.csv", newline="") as handle:
         (wanted,) = list(csv.DictReader(handle))
     assert row == wanted
+    assert int(row["windows_glass"]) > 0 and int(row["windows_run"]) > 0
     assert not (results / "regions" / "images" / "slide.tif.zarr").exists()
     assert int(row["objects"]) > 10  # droplets found, so the comparison means something
