@@ -15,7 +15,9 @@ Levels are Zarr v2 arrays (what NGFF 0.4 is written in, and what the viewers rea
 Chunks that hold only background are not stored (Zarr's fill value is 0), so the glass of a
 slide costs no file. Every key is a file written through :class:`FolderStore`, which opens
 nothing by path (:mod:`daemon.contract.heldfolder`); the whole folder is built under a
-temporary name and renamed into place, so a reader sees the old output or the new one.
+temporary name and renamed into place, so a reader sees the old output or the new one. The
+report reads the overview and the matching label level back the same way
+(:func:`overview_and_labels`), checking their shapes before it reads a pixel.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ class FolderStore(Store):
     """A Zarr store whose keys are files below a :class:`HeldFolder`, each written atomically.
 
     The folders on a key's way are held once and reused (a chunk write is one open, not one
-    per path component). Reading and listing go through the same held folders.
+    per path component). Reading and listing go through the same held folders. A store made
+    ``read_only`` refuses writes (what zarr's mode "r" asks for).
     """
 
     supports_writes = True
@@ -51,8 +54,8 @@ class FolderStore(Store):
     supports_listing = True
     supports_partial_writes = False
 
-    def __init__(self, folder: HeldFolder) -> None:
-        super().__init__(read_only=False)
+    def __init__(self, folder: HeldFolder, *, read_only: bool = False) -> None:
+        super().__init__(read_only=read_only)
         self.root = folder
         self.held: dict[str, HeldFolder] = {}
 
@@ -108,12 +111,14 @@ class FolderStore(Store):
         return True
 
     async def set(self, key: str, value: Buffer) -> None:
+        self._check_writable()
         folder, name = self._place(key, create=True)
         # one fsync for the whole folder when it is renamed into place is enough: an output
         # cut short by a crash is never renamed, and its run is redone
         folder.write_bytes(name, value.to_bytes(), fsync=False)
 
     async def delete(self, key: str) -> None:
+        self._check_writable()
         try:
             folder, name = self._place(key)
             folder.unlink(name)
@@ -274,3 +279,51 @@ class LabelImage:
 
     def close(self) -> None:
         self.store.close()
+
+
+def overview_and_labels(folder: HeldFolder) -> tuple[np.ndarray, np.ndarray]:
+    """The overview of the label image held as ``folder`` (uint8) and its object ids on the
+    overview's grid: the label level whose pixel is the overview's (log2 of the overview's
+    step, both sampled by picking), cropped or padded with background to the overview's shape.
+
+    The folder is the batch owner's to alter: every key is read through it, and the arrays are
+    checked to be what :class:`LabelImage` writes (2-D, of its types, the overview at most
+    OVERVIEW_SIDE across, chunks at most CHUNK²) before any pixel is read, so that no array
+    declared huge is allocated. One that is not raises (OSError, ValueError, LookupError, …).
+    """
+    store = FolderStore(folder, read_only=True)
+    try:
+        root = zarr.open_group(store, mode="r", zarr_format=2)
+        step = _overview_step(root.attrs.asdict())
+        overview = _checked(root, "0", np.uint8, OVERVIEW_SIDE)[:]
+        level = _checked(root, f"labels/{LABEL_NAME}/{step.bit_length() - 1}", np.uint32)
+        labels = np.zeros(overview.shape, np.uint32)
+        rows, cols = (min(a, b) for a, b in zip(overview.shape, level.shape, strict=True))
+        labels[:rows, :cols] = level[:rows, :cols]
+        return overview, labels
+    finally:
+        store.close()
+
+
+def _overview_step(attrs: dict[str, Any]) -> int:
+    """The overview's step: its finest level's scale in input pixels, a power of two."""
+    scale = attrs["multiscales"][0]["datasets"][0]["coordinateTransformations"][0]["scale"]
+    step = int(scale[0])
+    if step < 1 or step & (step - 1) or list(scale) != [step, step]:
+        raise ValueError(f"the overview's scale {scale!r} is not a power of two")
+    return step
+
+
+def _checked(root: Any, key: str, dtype: Any, side: int | None = None) -> Any:
+    """The array ``key`` of ``root`` if it is shaped as :class:`LabelImage` writes it."""
+    try:
+        array = root[key]
+    except KeyError:
+        raise ValueError(f"it has no {key}") from None
+    if not isinstance(array, zarr.Array) or array.ndim != 2 or array.dtype != dtype:
+        raise ValueError(f"{key} is not a 2-D array of {np.dtype(dtype)}")
+    too_large = side is not None and max(array.shape) > side
+    if min(array.shape) < 1 or too_large or max(array.chunks) > CHUNK:
+        raise ValueError(f"{key} has shape {array.shape} in chunks of {array.chunks}: "
+                         "not an array this label image format writes")  # fmt: skip
+    return array

@@ -61,11 +61,17 @@ def _inference(part: Mapping[str, Any]) -> dict[str, Any]:
         "model": f"{model['name']} version {model['version']}",
         "model sha256": model["sha256"],
     }
+    if "windows" in summary:  # tables written before windows were counted have none
+        windows = summary["windows"]
+        facts["window by window"] = (f"{windows['run']:,} windows run, {windows['glass']:,} "
+                                     "skipped as glass (no tissue)")  # fmt: skip
     first = rows[:MAX_ROWS]
     return {
         "facts": facts,
         "histogram": part["histogram"],
         "overlays": part["overlays"],
+        "slides": part["slides"],
+        "tiled": sum(1 for row in rows if row.get("tiled") == "1"),
         "shown": len(first),
         "total": len(rows),
         "headers": TABLE_VIEW,

@@ -12,8 +12,9 @@
 
 What to report is decided by what the run left: shard tables (inference),
 ``training/model.json`` (training, or a sweep's registered winner) and ``sweep/sweep.json``.
-Overlays show the most and least confident images and random others; training previews the
-best, the worst and a random validation image by Dice.
+Overlays show the most and least confident images and random others; an image segmented window
+by window is shown as its label image's overview with the objects drawn over it (the first
+SLIDES of them). Training previews the best, the worst and a random validation image by Dice.
 """
 
 from __future__ import annotations
@@ -51,11 +52,14 @@ from pipelines.layout import (
     TRAINING_DIR,
     TRIALS_DIR,
     TRIALS_TABLE,
+    label_image_name,
     table_csv,
 )
+from pipelines.omezarr import overview_and_labels
 from pipelines.page import render
 
 OVERLAYS = 6
+SLIDES = 4  # overviews of images segmented window by window, at most
 
 
 def merge_tables(run_dir: Path) -> list[dict[str, str]]:
@@ -116,9 +120,22 @@ def _area_stats(rows: list[dict[str, str]]) -> dict[str, float | None]:
     }
 
 
+def _tiled(rows: list[dict[str, str]]) -> list[dict[str, str]]:
+    return [row for row in rows if row.get("tiled") == "1"]
+
+
+def windows_of(row: dict[str, str]) -> tuple[int, int] | None:
+    """(windows run, windows skipped as glass) of an image segmented window by window; None
+    for a row without them (a table written before they were counted)."""
+    run, glass = row.get("windows_run"), row.get("windows_glass")
+    if not run and not glass:
+        return None
+    return int(run or 0), int(glass or 0)
+
+
 def inference_summary(rows: list[dict[str, str]]) -> dict[str, Any]:
     first = rows[0] if rows else {}
-    return {
+    summary: dict[str, Any] = {
         "images": len(rows),
         "images_with_objects": sum(1 for row in rows if int(row["objects"])),
         "objects": sum(int(row["objects"]) for row in rows),
@@ -130,6 +147,11 @@ def inference_summary(rows: list[dict[str, str]]) -> dict[str, Any]:
         },
         "table": TABLE_FILE,
     }
+    counted = [found for found in map(windows_of, _tiled(rows)) if found is not None]
+    if counted:
+        summary["windows"] = {"run": sum(w[0] for w in counted),
+                              "glass": sum(w[1] for w in counted)}  # fmt: skip
+    return summary
 
 
 def overlay_picks(rows: list[dict[str, str]], seed: int = 0) -> list[tuple[str, dict[str, str]]]:
@@ -168,6 +190,37 @@ def sample_overlays(
             f"confidence {float(row['confidence']):.3f}"
         )
         pictures.append((caption, figures.data_uri(figures.overlay(image, mask > 0.5))))
+    return pictures
+
+
+def _slide_caption(row: dict[str, str]) -> str:
+    def count(text: str) -> str:
+        return f"{int(text):,}" if text.isdigit() else text
+
+    caption = (f"{row['path']}: {count(row['objects'])} object(s), "
+               f"{count(row['width'])} × {count(row['height'])} px")  # fmt: skip
+    windows = windows_of(row)
+    if windows is not None:
+        caption += f", {windows[0]:,} windows run, {windows[1]:,} skipped as glass"
+    return caption
+
+
+def slide_overviews(rows: list[dict[str, str]], run: HeldFolder) -> list[tuple[str, str]]:
+    """(caption, data URI) for the first SLIDES images segmented window by window: the overview
+    their label image holds, objects drawn over it, read through the held run folder. A label
+    image missing, or not as its writer leaves it, is warned about and left out."""
+    pictures = []
+    for row in _tiled(rows)[:SLIDES]:
+        try:
+            with run.folder(f"{MASKS_DIR}/{label_image_name(row['path'])}") as held:
+                grey, ids = overview_and_labels(held)
+        # the owner may have altered or replaced it; zarr and its codecs raise all these on
+        # a damaged one, and a picture is not worth a failed report
+        except (OSError, ValueError, LookupError, TypeError, RuntimeError) as exc:
+            log.warning("no slide overview for %s: %s", row["path"], exc)
+            continue
+        picture = figures.label_overlay(grey, ids)
+        pictures.append((_slide_caption(row), figures.data_uri(picture)))
     return pictures
 
 
@@ -261,6 +314,7 @@ def _inference(
         "summary": summary,
         "rows": rows,
         "overlays": sample_overlays(spec, rows, batch),
+        "slides": slide_overviews(rows, run),
         "histogram": figures.png_uri(histogram),
     }
     return summary, page

@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import base64
 import csv
+import html
+import io
 import json
 import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from daemon.contract.jobspec import ErrorKind, InputFile, Pipeline
-from pipelines.layout import TABLE_COLUMNS
+import numpy as np
+import tifffile
+from labelimages import zarr_levels
+from PIL import Image
+from zarr.core.sync import cleanup_resources
+
+from daemon.contract.heldfolder import HeldFolder
+from daemon.contract.jobspec import ErrorKind, InputFile, ModelRef, Pipeline
+from pipelines.layout import TABLE_COLUMNS, label_image_name, table_csv
+from pipelines.omezarr import LABEL_NAME, overview_step
 from pipelines.page import render
+from pipelines.report import inference_summary
+from pipelines.tiles import TiledResult, segment_tiled, tiled_row
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -160,19 +173,145 @@ def test_every_value_from_the_batch_is_escaped_by_the_template() -> None:
         "code_version": "test",
         "jobs": [{"job": HOSTILE, "pipeline": "infer", "ok": True, "elapsed_s": 1.5}],
     }
-    row = {column: "1" for column in TABLE_COLUMNS} | {"path": f"{HOSTILE}.png"}
+    row = {column: "1" for column in TABLE_COLUMNS} | {"path": f"{HOSTILE}.png", "tiled": "0"}
     model = {"name": HOSTILE, "version": 1, "sha256": "0" * 64}
     inference = {
         "summary": {
             "images": 1, "images_with_objects": 1, "objects": 1, "model": model,
             "area_px_of_images_with_objects": {"mean": 1.0, "median": 1.0},
         },
-        "rows": [row],
+        "rows": [row, row | {"tiled": "1"}],
         "overlays": [(HOSTILE, "data:image/png;base64,AAAA")],
+        "slides": [(HOSTILE, "data:image/png;base64,AAAA")],
         "histogram": "data:image/png;base64,AAAA",
     }  # fmt: skip
     page = render(summary, {"inference": inference})
     assert "<img src=x" not in page and 'onerror="' not in page
     escaped = "&lt;img src=x onerror=&#34;alert(1)&#34;&gt;&amp;"
-    assert page.count(escaped) >= 7  # title ×2, folder, parameter, path, caption, job, model
+    assert (
+        page.count(escaped) >= 9
+    )  # title ×2, folder, parameter, paths ×2, captions ×2, job, model
     assert '<td class="num">1</td>' in page and "<td>–</td>" in page  # a job's missing host
+
+
+SLIDE_SHAPE = (2600, 2200)  # over 2048 rows: an overview of every 2nd pixel, 1300 × 1100
+
+
+def _slide_pixels() -> np.ndarray:
+    """Bright discs on a dark slide, some touching, some on window borders."""
+    rng = np.random.default_rng(11)
+    pixels = np.full(SLIDE_SHAPE, 30, dtype=np.uint8)
+    rows, cols = np.ogrid[: SLIDE_SHAPE[0], : SLIDE_SHAPE[1]]
+    for _ in range(60):
+        y, x, r = (
+            rng.integers(0, SLIDE_SHAPE[0]),
+            rng.integers(0, SLIDE_SHAPE[1]),
+            rng.integers(8, 60),
+        )
+        pixels[(rows - y) ** 2 + (cols - x) ** 2 < r * r] = rng.integers(140, 255)
+    return pixels
+
+
+def _segmented(masks: HeldFolder, image: Path, relative: str) -> TiledResult:
+    """``image`` segmented window by window into its label image under ``masks`` by a net that
+    thresholds each pixel (as a job does; zarr's threads are stopped after)."""
+
+    def net(tiles: np.ndarray) -> np.ndarray:
+        return np.where(tiles > 0.5, 0.95, 0.05).astype(np.float32)
+
+    *folders, name = label_image_name(relative).split("/")
+    try:
+        with masks.folder("/".join(folders), create=True) as held:
+            return segment_tiled(image, held, name, net, 0.5, 30, window=300, overlap=40, batch=4)
+    finally:
+        cleanup_resources()
+
+
+def _table_row(relative: str, result: TiledResult) -> dict[str, Any]:
+    row = {column: "" for column in TABLE_COLUMNS} | tiled_row(result)
+    row |= {"path": relative, "model_name": "spheroids", "model_version": 1}
+    return {column: row[column] for column in TABLE_COLUMNS}
+
+
+def _pictures(page: str) -> dict[str, Image.Image]:
+    """The page's pictures by their alt text."""
+    found = {}
+    for uri, alt in re.findall(r'<img src="data:image/png;base64,([^"]*)" alt="([^"]*)">', page):
+        found[html.unescape(alt)] = Image.open(io.BytesIO(base64.b64decode(uri))).convert("RGB")
+    return found
+
+
+def test_a_slide_is_shown_as_its_overview_with_its_objects_a_planted_link_is_not_followed(
+    tmp_path: Path, job_spec: Callable[..., Any], run: Callable[..., JobRun]
+) -> None:
+    """An image segmented window by window is drawn from its label image: the overview at
+    most 1024 pixels across (here 1300 × 1100 reduced), every object pixel tinted orange and
+    every other pixel grey. A second slide whose label image the owner replaced by a link to
+    the first's gets a warning and no picture; the report succeeds."""
+    batch_dir = tmp_path / "drop folder"
+    (batch_dir / "slides ü").mkdir(parents=True)
+    pixels = _slide_pixels()
+    names = ["slides ü/slide 'one'.tif", "slides ü/slide two.tif"]
+    for name in names:
+        tifffile.imwrite(batch_dir / name, pixels, tile=(256, 256), compression="zlib")
+    masks = batch_dir / "results" / "masks"
+    masks.mkdir(parents=True)
+    with HeldFolder.open(masks) as held:
+        result = _segmented(held, batch_dir / names[0], names[0])
+    first = masks / label_image_name(names[0])
+    (masks / label_image_name(names[1])).symlink_to(first.name)
+    rows = [_table_row(name, result) for name in names]
+    (batch_dir / "results" / "parts").mkdir()
+    (batch_dir / "results" / "parts" / "table-0000.csv").write_text(table_csv(rows), "utf-8")
+    inputs = tuple(InputFile(name, (batch_dir / name).stat().st_size) for name in names)
+    spec = job_spec(batch_dir, Pipeline.REPORT, inputs, registry=tmp_path / "registry",
+                    model=ModelRef("spheroids"), params={}, job_name="report")  # fmt: skip
+    job = run(spec)
+    assert job.returncode == 0, job.log
+    assert f"no slide overview for {names[1]}" in job.log and "symbolic link" in job.log
+    page = (batch_dir / "results" / "report.html").read_text(encoding="utf-8")
+    assert_self_contained(page)
+    assert "Slide overview</h3>" in page and "(1 shown of 2)" in page
+    objects = f"{result.objects} object(s), 2,200 × 2,600 px"
+    slides = {alt: image for alt, image in _pictures(page).items() if objects in alt}
+    assert list(slides) == [f"{names[0]}: {objects}" + (
+        f", {result.windows_run} windows run, 0 skipped as glass"
+        if "windows_run" in TABLE_COLUMNS else "")]  # fmt: skip
+    picture = np.asarray(next(iter(slides.values())), dtype=np.int16)
+    step = overview_step(*SLIDE_SHAPE)
+    assert step == 2 and picture.shape == (1024, 866, 3)  # the 1300 × 1100 overview, reduced
+    level = zarr_levels(first, f"labels/{LABEL_NAME}")[1]  # every 2nd pixel, as the overview
+    centres = [(2 * np.arange(shown) + 1) * side // (2 * shown)  # the pixel under each centre
+               for side, shown in zip(level.shape, (1024, 866), strict=True)]  # fmt: skip
+    objects_shown = level[np.ix_(*centres)] > 0
+    red, green, blue = picture[..., 0], picture[..., 1], picture[..., 2]
+    assert objects_shown.sum() > 1000 and result.objects > 10
+    assert (red > blue)[objects_shown].all()  # objects: orange over grey
+    assert ((red == green) & (green == blue))[~objects_shown].all()  # the rest: grey
+    assert len(np.unique(red[~objects_shown])) > 1  # ... and not blank: the overview itself
+
+
+def test_windows_run_and_skipped_as_glass_are_summed_and_shown_where_the_table_has_them() -> None:
+    """Rows of slides carry the windows the net ran on and those skipped as glass: the summary
+    sums them and the page says so; a table from before they were counted has neither."""
+    base = {column: "1" for column in TABLE_COLUMNS} | {"model_version": "1"}
+    rows = [
+        base | {"path": "a.tif", "tiled": "1", "windows_run": "1000", "windows_glass": "5000"},
+        base | {"path": "b.tif", "tiled": "1", "windows_run": "234", "windows_glass": "678"},
+        base | {"path": "c.png", "tiled": "0", "windows_run": "", "windows_glass": ""},
+    ]
+    summary = inference_summary(rows)
+    assert summary["windows"] == {"run": 1234, "glass": 5678}
+    meta = {"batch": {"id": 1, "revision": 1, "kind": "inference", "title": "t", "dir": "d"},
+            "manifest_sha256": "0", "generated_at": "now", "code_version": "test"}  # fmt: skip
+    part = {"summary": summary, "rows": rows, "overlays": [], "slides": [],
+            "histogram": "data:image/png;base64,AAAA"}  # fmt: skip
+    page = render(meta, {"inference": part})
+    assert (
+        "<th>window by window</th><td>1,234 windows run, 5,678 skipped as glass (no tissue)</td>"
+        in page
+    )
+    older = [{k: v for k, v in row.items() if not k.startswith("windows_")} for row in rows]
+    assert "windows" not in inference_summary(older)
+    page = render(meta, {"inference": part | {"summary": inference_summary(older)}})
+    assert "<th>window by window</th>" not in page and "Slide overview</h3>" in page
