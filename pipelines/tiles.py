@@ -160,12 +160,24 @@ class RegionReader:
             return (pixels[..., :3].astype(np.float32) @ _LUMA) / self.scale
         return pixels[..., 0].astype(np.float32) / self.scale
 
-    def region(self, top: int, bottom: int, left: int, right: int) -> np.ndarray:
+    def region(
+        self, top: int, bottom: int, left: int, right: int, glass_unread: bool = False
+    ) -> np.ndarray:
+        """Rows ``top:bottom``, columns ``left:right``. ``glass_unread``: a tile (strip) that
+        touches no tissue is not decoded but given as the glass's grey: for the overview and
+        the objects' measures, never for the net (an object the net found on such a tile,
+        from a window that touched tissue elsewhere, is measured against that grey)."""
         out = np.empty((bottom - top, right - left), dtype=np.float32)
         for row in range(top // self.seg_h, (bottom - 1) // self.seg_h + 1):
             for col in range(left // self.seg_w, (right - 1) // self.seg_w + 1):
-                seg = self._segment(row * self.across + col)
                 y0, x0 = row * self.seg_h, col * self.seg_w
+                if glass_unread and not self.has_tissue(y0, y0 + self.seg_h, x0, x0 + self.seg_w):
+                    assert self.tissue is not None
+                    ys = slice(max(top, y0) - top, min(bottom, y0 + self.seg_h) - top)
+                    xs = slice(max(left, x0) - left, min(right, x0 + self.seg_w) - left)
+                    out[ys, xs] = self.tissue.glass
+                    continue
+                seg = self._segment(row * self.across + col)
                 ys = slice(max(top, y0), min(bottom, y0 + seg.shape[0], self.height))
                 xs = slice(max(left, x0), min(right, x0 + seg.shape[1], self.width))
                 out[ys.start - top : ys.stop - top, xs.start - left : xs.stop - left] = seg[
@@ -476,7 +488,7 @@ def segment_region(
     for band in rebanded(bands):
         top = components.rows
         certainty += float(np.abs(2 * band - 1).sum())
-        image = reader.region(top, top + len(band), 0, reader.width)
+        image = reader.region(top, top + len(band), 0, reader.width, glass_unread=True)
         found = components.add_band(band > threshold, image)
         top_ids = found[0].copy() if top == first else top_ids
         writer.add(found)

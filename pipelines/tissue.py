@@ -6,9 +6,11 @@ a pixel farther from it than ``glass_tolerance`` (on the 0-1 grey scale) is tiss
 mask is grown by :data:`GROW` level pixels, so that the rim of an object whose low-resolution
 pixel was averaged into the glass still counts. A window none of whose pixels lie under the
 mask is not read and not run: its probabilities are 0 (background), which is what the net
-gives for glass. A window over any tissue pixel runs, so every pixel of the mask gets the same
-probabilities as without it; only glass beside tissue can differ (a skipped neighbour no longer
-adds its near-zero share to the blend). The windows run and skipped are counted for the report.
+gives for glass; a TIFF tile under no tissue is never decoded (the overview and the objects'
+measures take it as the glass's grey). A window over any tissue pixel runs, so every pixel
+of the mask gets the same probabilities as without it; only glass beside tissue can differ (a
+skipped neighbour no longer adds its near-zero share to the blend). The windows run and
+skipped are counted for the report.
 
 A TIFF without reduced levels, or whose smallest level is larger than :data:`MAX_LEVEL_PIXELS`,
 has no mask: every window runs (the log says so).
