@@ -122,6 +122,26 @@ def test_strays_are_only_the_daemons_own_temporaries(batch: Path) -> None:
     assert is_temporary(stray) and not is_temporary(".tmp-watchd-status.txt.png")
 
 
+def test_a_half_built_folder_a_crash_left_is_a_stray_below_not_here(batch: Path) -> None:
+    """A label image a crash left under its temporary name goes whole, when the strays below
+    are removed (by the report in its run folder, once the jobs are done); a link so named is
+    not followed; the status writer's clean-up of the owner's batch folder (here only) never
+    takes a folder for a stray."""
+    built, planted, top = temporary_name(), temporary_name(), temporary_name()
+    (batch / "masks" / built / "labels" / "0").mkdir(parents=True)
+    (batch / "masks" / built / "labels" / "0" / "0.0").write_bytes(b"chunk")
+    (batch.parent / "elsewhere").mkdir()
+    (batch.parent / "elsewhere" / "keep").write_text("theirs")
+    (batch / "masks" / planted).symlink_to(batch.parent / "elsewhere")
+    (batch / top).mkdir()
+    with HeldFolder.open(batch) as held:
+        assert held.remove_strays(below=False) == []
+        assert (batch / top).is_dir()
+        assert sorted(held.remove_strays()) == sorted([f"masks/{built}/", f"{top}/"])
+    assert sorted(p.name for p in (batch / "masks").iterdir()) == [planted]
+    assert (batch.parent / "elsewhere" / "keep").read_text() == "theirs"
+
+
 def test_strays_only_here_leave_the_folders_below_alone(batch: Path) -> None:
     """The status writer cleans the batch folder itself while jobs write below it."""
     here, below = temporary_name(), temporary_name()

@@ -272,12 +272,16 @@ class HeldFolder:
 
     def remove_strays(self, *, below: bool = True) -> list[str]:
         """Remove the temporaries interrupted writes left here, and anywhere below when
-        ``below`` (regular files named like :func:`temporary_name`); the relative paths
-        removed. Only where no one else writes: a write in progress has such a file too.
-        Links are neither followed nor removed."""
+        ``below`` (regular files named like :func:`temporary_name`, and below, folders so
+        named: a label image a crash left half built, with all they hold); the relative
+        paths removed. Only where no one else writes: a write in progress has such a file
+        too. Links are neither followed nor removed."""
         removed: list[str] = []
         for entry in self.entries():
-            if entry.is_dir(follow_symlinks=False) and below:
+            if entry.is_dir(follow_symlinks=False) and below and is_temporary(entry.name):
+                self.remove_tree(entry.name)
+                removed.append(f"{entry.name}/")
+            elif entry.is_dir(follow_symlinks=False) and below:
                 with contextlib.suppress(OSError), self.folder(entry.name) as inner:
                     removed += [f"{entry.name}/{r}" for r in inner.remove_strays()]
             elif is_temporary(entry.name) and entry.is_file(follow_symlinks=False):
