@@ -6,8 +6,9 @@ the records the regions' jobs left in ``regions/<image>.zarr/`` (:mod:`pipelines
 joins the objects that cross region borders, writes the label image
 ``masks/<image>.ome.zarr`` (only the stored chunks are read and written), the object table
 ``objects/<image>.csv`` and the image's table row (``parts/table-regions.csv``), then removes
-the work folder. All regions must have read the same file (size and modification time); a
-checksum the manifest gives is verified here, once, not by every region's job.
+the work folder (and ``regions/`` once every image is assembled). All regions must have read
+the same file (size and modification time); a checksum the manifest gives is verified here,
+once, not by every region's job.
 
 No model is loaded: the job is I/O and bookkeeping, on one CPU.
 """
@@ -27,6 +28,7 @@ from pipelines.job import InputError, log, run_folder, run_job
 from pipelines.layout import (
     MASKS_DIR,
     PARTS_DIR,
+    REGIONS_DIR,
     REGIONS_TABLE,
     label_image_name,
     objects_csv,
@@ -52,6 +54,7 @@ def assemble_job(spec: JobSpec, job_dir: Path, batch: HeldFolder) -> dict[str, A
                 problems += exc.problems
         if problems:
             raise InputError(f"{len(problems)} problem(s) assembling the regions", problems)
+        run.remove_tree(REGIONS_DIR)  # every slide's work folder is gone: the folders above
         table = PurePosixPath(PARTS_DIR, REGIONS_TABLE)
         run.write_text(table, table_csv(rows))
     return {"images": len(rows), "objects": sum(int(r["objects"]) for r in rows),
