@@ -33,7 +33,7 @@ from PIL import Image
 
 from daemon.contract.heldfolder import HeldFolder
 from daemon.contract.jobspec import InputFile, Problem
-from daemon.contract.names import input_format_problem
+from daemon.contract.names import VENDOR_FORMATS, input_format_problem
 from daemon.contract.safeopen import Folder, Presence, RefusedInput, open_input
 from pipelines.bounds import (
     PNG_MAGIC,
@@ -47,8 +47,9 @@ from pipelines.bounds import (
 )
 from pipelines.channels import ChannelProblem, plane_page
 from pipelines.job import InputError
+from pipelines.vendor import read_vendor
 
-MASK_FORMATS = {".png": "PNG", ".tif": "TIFF", ".tiff": "TIFF", ".svs": "TIFF"}
+MASK_FORMATS = {".png": "PNG", ".tif": "TIFF", ".tiff": "TIFF"}  # (pipelines.layout.mask_name)
 _UNRECOGNISED_BYTES = 64 * 2**10  # read of a file that is no PNG or TIFF, to say what it is
 _LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
 _PNG_ERRORS = (OSError, SyntaxError, ValueError, EOFError, zlib.error, Image.DecompressionBombError)
@@ -170,6 +171,17 @@ def read_bounded(
     """
     with open_item(batch_dir, item) as handle, reading(item):
         size = stored(handle, item)
+        if PurePosixPath(item.path).suffix.lower() in VENDOR_FORMATS:
+            with held_still(handle, item):
+                pixels, digest = read_vendor(handle, item, max_pixels, channel)
+            problem = checksum_problem(item, digest)
+            if problem is not None:
+                raise InputError("checksum mismatch", [problem])
+            try:
+                return _to_unit_grey(_unsigned(pixels, "OME-TIFF")), digest
+            except UnreadableImage as exc:
+                problem = Problem(where(item), exc.message, exc.hint)
+                raise InputError("unreadable image", [problem]) from exc
         declared = declared_size(handle, item)
         if declared is not None and max_pixels is not None and declared.pixels > max_pixels:
             check_windowable(item, declared, max_pixels)
@@ -266,13 +278,19 @@ def _decode_tiff(data: bytes, channel: Any) -> np.ndarray:
             "the file is damaged, incomplete or uses an unsupported compression; "
             "export it again as uncompressed or deflate TIFF",
         ) from exc
+    pixels = _unsigned(pixels, "TIFF")
+    return np.iinfo(pixels.dtype).max - pixels if inverted else pixels
+
+
+def _unsigned(pixels: np.ndarray, export: str) -> np.ndarray:
+    """``pixels`` if 8- or 16-bit unsigned, else UnreadableImage (hint: export as ``export``)."""
     if pixels.dtype not in (np.uint8, np.uint16):
         raise UnreadableImage(
             f"has {pixels.dtype.itemsize * 8}-bit {pixels.dtype.kind!r}-type samples "
             f"({pixels.dtype}); only 8- and 16-bit unsigned integer images are supported",
-            "export it as an 8- or 16-bit TIFF",
+            f"export it as an 8- or 16-bit {export}",
         )
-    return np.iinfo(pixels.dtype).max - pixels if inverted else pixels
+    return pixels
 
 
 def _to_unit_grey(pixels: np.ndarray) -> np.ndarray:

@@ -79,6 +79,7 @@ from pipelines.layout import (
     image_stats,
     label_image_name,
     ledger_name,
+    mask_name,
     objects_csv,
     objects_table_name,
     table_csv,
@@ -230,7 +231,8 @@ class MaskFolders:
         self.held: dict[str, HeldFolder] = {}
 
     def of(self, input_path: str) -> tuple[HeldFolder, str]:
-        """The held folder of the mask of ``input_path``, and the mask's name in it."""
+        """The held folder of the mask of ``input_path``, and the input's name (its mask's
+        is :func:`mask_name` of it, its label image's :func:`label_image_name`)."""
         *above, name = parts_of(input_path)
         folder = "/".join((MASKS_DIR, *above))
         if folder not in self.held:
@@ -244,7 +246,7 @@ class MaskFolders:
             if tiled:
                 label_image = f"{MASKS_DIR}/{label_image_name(input_path)}"
                 return stat.S_ISDIR(self.run.lstat(label_image).st_mode)
-            return stat.S_ISREG(self.run.lstat(f"{MASKS_DIR}/{input_path}").st_mode)
+            return stat.S_ISREG(self.run.lstat(f"{MASKS_DIR}/{mask_name(input_path)}").st_mode)
         except (OSError, ValueError):  # missing, or a planted entry on the way
             return False
 
@@ -311,7 +313,8 @@ class Segmenter:
     ) -> None:
         """In the finisher thread: label, write the mask, measure, record in the ledger."""
         mask, objects = clean_mask(probabilities, self.threshold, self.min_area)
-        write_mask(*self.masks.of(item.path), mask)
+        folder, name = self.masks.of(item.path)
+        write_mask(folder, mask_name(name), mask)
         confidence = float(np.abs(2 * probabilities - 1).mean())
         row = {**measure(pixels, mask, objects), "confidence": round(confidence, 4)}
         self._done(item, digest, {**row, "tiled": 0})

@@ -85,6 +85,13 @@ def ledger_name(shard_index: int) -> str:
     return f"shard-{shard_index:04d}.jsonl"
 
 
+def mask_name(input_path: str) -> str:
+    """The mask of an input segmented whole (below ``masks/``): the input's path for a PNG or
+    TIFF (the mask in its format), else the path with ``.tif`` added (a vendor's file, an SVS)."""
+    keeps = input_path.lower().endswith((".png", ".tif", ".tiff"))
+    return input_path if keeps else f"{input_path}.tif"
+
+
 def label_image_name(input_path: str) -> str:
     """The label image of an input segmented window by window (below ``masks/``)."""
     return input_path + LABEL_IMAGE_SUFFIX

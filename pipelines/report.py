@@ -53,6 +53,7 @@ from pipelines.layout import (
     TRIALS_DIR,
     TRIALS_TABLE,
     label_image_name,
+    mask_name,
     table_csv,
 )
 from pipelines.omezarr import overview_and_labels
@@ -180,7 +181,7 @@ def sample_overlays(
         try:
             with open_input(batch, row["path"]) as handle:
                 image = decode(handle.read())
-            with open_input(batch, f"{masks}/{row['path']}") as handle:
+            with open_input(batch, f"{masks}/{mask_name(row['path'])}") as handle:
                 mask = decode(handle.read())
         except (OSError, RefusedInput, UnreadableImage) as exc:
             log.warning("no overlay for %s: %s", row["path"], exc)

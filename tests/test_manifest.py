@@ -528,12 +528,12 @@ def test_the_text_scan_sees_the_nesting_the_parser_builds_whatever_the_strings_h
 def test_an_input_in_a_format_the_jobs_do_not_read_is_refused_before_any_job_runs() -> None:
     """A vendor format is named with the export to make; an Aperio SVS (a TIFF) is taken."""
     files = [
-        {"path": "slides/a.czi"}, {"path": "b.jpg"}, {"path": "notes"}, {"path": "c.ome.tif"},
+        {"path": "slides/a.lif"}, {"path": "b.jpg"}, {"path": "notes"}, {"path": "c.ome.tif"},
         {"path": "slides/d.svs"},
     ]  # fmt: skip
     found = problems_of(doc(files=files))
     assert found == [
-        "manifest.toml, files[0] 'slides/a.czi': is a Zeiss CZI file, which watchd does not "
+        "manifest.toml, files[0] 'slides/a.lif': is a Leica LIF file, which watchd does not "
         "read — export the images as OME-TIFF (e.g. Fiji: File > Save As > OME-TIFF), TIFF or PNG",
         "manifest.toml, files[1] 'b.jpg': is a '.jpg' file; watchd reads PNG and TIFF images — "
         "save the image as .png or .tif",

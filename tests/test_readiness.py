@@ -195,11 +195,11 @@ def test_a_pattern_that_matches_an_instrument_file_fails_the_batch_naming_it(
     drop_root: Path,
 ) -> None:
     (drop_root / "a.tif").write_bytes(b"x" * 10)
-    (drop_root / "b.nd2").write_bytes(b"x" * 10)
+    (drop_root / "b.lif").write_bytes(b"x" * 10)
     m = manifest([], patterns=[{"glob": "*.*"}])
     first = judge(drop_root, m, now=1.0)
     verdict = judge(drop_root, m, first.settle, now=6.0)
     assert isinstance(verdict, NotReady)
     assert verdict.reason == "inputs in a format watchd does not read"
     (problem,) = verdict.problems
-    assert problem.where == "input 'b.nd2'" and "Nikon ND2" in problem.message
+    assert problem.where == "input 'b.lif'" and "Leica LIF" in problem.message
