@@ -28,6 +28,7 @@ import ctypes
 import logging
 import os
 import platform
+import resource
 import sys
 import time
 import traceback
@@ -203,6 +204,11 @@ def write_result(job_dir: Path, spec: JobSpec | None, result: JobResult) -> None
         folder.write_text(RESULT_FILE, text)
 
 
+def _peak_rss_mb() -> float:
+    """This process's largest resident set so far (Linux reports KiB): what the job needed."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def run_job(pipeline: Pipeline, work: Work, argv: Sequence[str] | None = None) -> int:
     """Run ``work`` on the job directory named by ``argv``; write result.json; return the status."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -219,7 +225,8 @@ def run_job(pipeline: Pipeline, work: Work, argv: Sequence[str] | None = None) -
     elapsed = round(time.monotonic() - started, 3)
     finished = datetime.now(UTC).isoformat(timespec="seconds")
     if status == EXIT_OK:
-        summary = {**(outcome or {}), "elapsed_s": elapsed, "host": platform.node()}
+        summary = {**(outcome or {}), "elapsed_s": elapsed, "host": platform.node(),
+                   "peak_rss_mb": round(_peak_rss_mb(), 1)}  # fmt: skip
         summary["code_version"] = code_version()
         result = JobResult(ok=True, pipeline=pipeline.value, finished_at=finished, summary=summary)
     else:
