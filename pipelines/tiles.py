@@ -415,12 +415,37 @@ def window_cache_rows(params: Mapping[str, Any]) -> int:
     return int(params["tile_size"]) + 2 * TILE
 
 
-def region_rows(height: int, index: int, count: int) -> tuple[int, int]:
-    """Rows (first, end) of region ``index`` of ``count``: whole chunk rows, split evenly
-    (so no two regions write one chunk); empty when there are more regions than chunk rows."""
+def region_rows(
+    height: int, index: int, count: int, work: np.ndarray | None = None
+) -> tuple[int, int]:
+    """Rows (first, end) of region ``index`` of ``count``: whole chunk rows (so no two regions
+    write one chunk), split so that each region has an even share of ``work`` (per chunk row;
+    without it, or with none, of the rows); empty when there are more regions than chunk rows."""
     chunk_rows = math.ceil(height / CHUNK)
-    first, end = index * chunk_rows // count, (index + 1) * chunk_rows // count
+    if work is None or not work.sum():
+        first, end = index * chunk_rows // count, (index + 1) * chunk_rows // count
+    else:
+        done = np.concatenate([[0], np.cumsum(work)])
+        shares = [done[-1] * k / count for k in (index, index + 1)]
+        first, end = (int(np.searchsorted(done, share)) for share in shares)
+        end = chunk_rows if index == count - 1 else end
+        first = 0 if index == 0 else first
     return first * CHUNK, min(end * CHUNK, height)
+
+
+def tissue_work(reader: RegionReader, window: int, overlap: int) -> np.ndarray | None:
+    """The windows the net will run, per chunk row of their top (what a region's time goes
+    to); None without a tissue mask (every window runs: the rows are the work)."""
+    if reader.tissue is None:
+        return None
+    height, width = reader.height, reader.width
+    win_h, win_w = min(window, height), min(window, width)
+    stride = max(window - overlap, 1)
+    work = np.zeros(math.ceil(height / CHUNK), dtype=np.int64)
+    for top in starts(height, window, stride):
+        work[top // CHUNK] += sum(reader.has_tissue(top, top + win_h, x, x + win_w)
+                                  for x in starts(width, window, stride))  # fmt: skip
+    return work
 
 
 @dataclass
@@ -476,7 +501,8 @@ def segment_region(
 ) -> RegionRecord:  # fmt: skip
     """Segment region ``index`` of ``count`` of the image: its provisional ids (its own
     numbering) go to the level-0 array ``ids``, the rest to the record it returns."""
-    first, end = region_rows(reader.height, index, count)
+    # every region's task finds the same split: the same file, the same tissue mask
+    first, end = region_rows(reader.height, index, count, tissue_work(reader, window, overlap))
     components = Components(rows=first)
     writer = RowWriter(ids, first)
     step = overview_step(reader.height, reader.width)

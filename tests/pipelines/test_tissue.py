@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from itertools import pairwise
 from pathlib import Path
 from types import ModuleType
 
@@ -13,8 +14,8 @@ from labelimages import zarr_levels
 from zarr.core.sync import cleanup_resources
 
 from daemon.contract.heldfolder import HeldFolder
-from pipelines.omezarr import LABEL_NAME
-from pipelines.tiles import RegionReader, TiledResult, segment_tiled, starts
+from pipelines.omezarr import CHUNK, LABEL_NAME
+from pipelines.tiles import RegionReader, TiledResult, region_rows, segment_tiled, starts
 from pipelines.tissue import GROW
 
 GLASS = 235
@@ -113,3 +114,21 @@ def test_a_synthetic_slide_keeps_the_share_of_droplets_asked_in_islands(synth: M
     _, islands = ndimage.label(cells)
     assert islands < 40  # islands, not scattered cells
     assert synth.tissue_cells(300, 3, 1.0).all()
+
+
+@pytest.mark.parametrize("count", [2, 3, 7, 40])
+def test_regions_share_the_windows_to_run_not_the_rows(count: int) -> None:
+    """With a tissue mask, a slide's regions are cut where the windows the net will run are
+    shared evenly (glass rows cost nothing): whole chunk rows, in order, covering the image,
+    each region's work within one chunk row's of an even share."""
+    work = np.array([0, 0, 12, 30, 3, 0, 0, 0, 0, 9, 14, 0, 0, 1])
+    height = len(work) * CHUNK - 100
+    spans = [region_rows(height, i, count, work) for i in range(count)]
+    assert spans[0][0] == 0 and spans[-1][1] == height
+    assert all(a[1] == b[0] for a, b in pairwise(spans))
+    assert all(first % CHUNK == 0 and first <= end for first, end in spans)
+    shares = [int(work[first // CHUNK : -(-end // CHUNK)].sum()) for first, end in spans]
+    assert sum(shares) == work.sum()
+    assert max(shares) <= work.sum() / count + work.max()
+    even = [region_rows(height, i, count) for i in range(count)]
+    assert even == [region_rows(height, i, count, np.zeros_like(work)) for i in range(count)]
