@@ -72,7 +72,7 @@ from pipelines.bounds import stored, where
 from pipelines.channels import ChannelProblem
 from pipelines.device import Placement, choose_device
 from pipelines.images import checksum_problem, held_still, open_item, reading, write_mask
-from pipelines.job import InputError, log, run_folder, run_job
+from pipelines.job import InputError, give_back_freed_memory, log, run_folder, run_job
 from pipelines.layout import (
     MASKS_DIR,
     PARTS_DIR,
@@ -208,13 +208,15 @@ class Progress:
 
 
 class TiledProgress:
-    """Logs "rows of windows done" of one large image at most every 30 s, and at the end."""
+    """After each row of windows of one large image: logs "rows of windows done" at most every
+    30 s, and at the end; hands the heap's freed memory back (:func:`give_back_freed_memory`)."""
 
     def __init__(self, path: str) -> None:
         self.path, self.started = path, time.monotonic()
         self.last = self.started
 
     def __call__(self, done: int, total: int) -> None:
+        give_back_freed_memory()
         now = time.monotonic()
         if now - self.last > _PROGRESS_EVERY_S or done == total:
             self.last = now

@@ -191,31 +191,38 @@ def work_array(folder: HeldFolder, height: int, width: int) -> tuple[FolderStore
 
 
 class RowWriter:
-    """Rows of ids written to a level-0 array from row ``first`` on, a chunk row at a time;
-    which chunks hold anything is noted (the others are not stored)."""
+    """Rows of ids written to a level-0 array from row ``first`` on, a chunk row at a time
+    (gathered in one buffer of a chunk row); which chunks hold anything is noted (the others
+    are not stored)."""
 
     def __init__(self, array: Any, first: int) -> None:
         self.array, self.written = array, first
-        self.pending: list[np.ndarray] = []
+        self.buffer = np.zeros((CHUNK, array.shape[1]), dtype=np.uint32)
+        self.held = 0
         self.stored: set[tuple[int, int]] = set()
 
     def add(self, ids: np.ndarray) -> None:
         if ids.size and ids.max() >= 2**32:
             raise ValueError("more than 2³² provisional objects in one image")
-        self.pending.append(ids.astype(np.uint32))
-        if sum(len(p) for p in self.pending) >= CHUNK:
-            self.flush(final=False)
+        used = 0
+        while used < len(ids):
+            count = min(CHUNK - self.held, len(ids) - used)
+            self.buffer[self.held : self.held + count] = ids[used : used + count]
+            self.held, used = self.held + count, used + count
+            if self.held == CHUNK:
+                self.flush()
 
-    def flush(self, final: bool = True) -> None:
-        rows = np.concatenate(self.pending) if self.pending else np.zeros((0, 0), np.uint32)
-        while len(rows) >= CHUNK or (final and len(rows)):
-            band, rows = rows[:CHUNK], rows[CHUNK:]
-            for left in range(0, band.shape[1], CHUNK):
-                if band[:, left : left + CHUNK].any():
-                    self.stored.add((self.written // CHUNK, left // CHUNK))
-            self.array[self.written : self.written + len(band)] = band
-            self.written += len(band)
-        self.pending = [rows] if len(rows) else []
+    def flush(self) -> None:
+        """Write the rows held (a whole chunk row, or the last rows of the region)."""
+        if not self.held:
+            return
+        band = self.buffer[: self.held]
+        for left in range(0, band.shape[1], CHUNK):
+            if band[:, left : left + CHUNK].any():
+                self.stored.add((self.written // CHUNK, left // CHUNK))
+        self.array[self.written : self.written + len(band)] = band
+        self.written += len(band)
+        self.held = 0
 
 
 class LabelImage:

@@ -13,9 +13,15 @@ box. The bands' provisional ids go to an OME-Zarr label image as they come
 (:mod:`pipelines.omezarr`); once the last band is labelled, the stored chunks are mapped to the
 final object ids (components smaller than ``min_area`` become background), the pyramid is
 built, and the per-object table comes from the roots. The label image is built in a temporary
-folder of the held masks folder and renamed into place. Peak memory is about
-``window × width`` floats for the blend plus a band of label chunks and the tile cache,
-whatever the image's height.
+folder of the held masks folder and renamed into place.
+
+Memory grows with the image's width, never its height: per column, the blend's ``window``
+rows of float32, a TILE-row band of probabilities, grey and labels (float32, int32), a chunk
+row of ids (uint32) and the decoded tiles of about ``window`` + 3 tiles' rows, kept as
+decoded (one byte a pixel for 8-bit grey): about 8.5 kB a column for 512² windows, so 0.85 GB
+at 100,000 wide besides the interpreter, torch and the net. No step makes a band-sized
+temporary, and the heap's freed memory is handed back after each row of windows (the infer
+job's progress calls :func:`pipelines.job.give_back_freed_memory`).
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ from pipelines.tissue import MAX_LEVEL_PIXELS, TissueMask, Windows
 TILE = 256  # the mask's TIFF tiles (and the band height of the statistics)
 _EIGHT = np.ones((3, 3), dtype=bool)
 _LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
+_NORM_ROWS = 32  # rows of a band normalised at once (the temporary is this many rows wide)
+_MEASURE_ROWS = 32  # rows of a band whose pixels are measured at once
 
 log = logging.getLogger("pipelines")
 
@@ -129,7 +137,8 @@ class RegionReader:
             data = handle.read(self.page.databytecounts[index])
             decoded, _, _ = self.page.decode(data, index, jpegtables=self.page.jpegtables)
             decoded = np.asarray(decoded)[0]
-        self.cache[index] = segment = self.grey(decoded)
+        # kept as decoded (a quarter of its float32 grey for 8-bit grey), made grey per read
+        self.cache[index] = segment = decoded
         if len(self.cache) > self.cache_size:
             self.cache.popitem(last=False)
         return segment
@@ -177,7 +186,7 @@ class RegionReader:
                     xs = slice(max(left, x0) - left, min(right, x0 + self.seg_w) - left)
                     out[ys, xs] = self.tissue.glass
                     continue
-                seg = self._segment(row * self.across + col)
+                seg = self.grey(self._segment(row * self.across + col))
                 ys = slice(max(top, y0), min(bottom, y0 + seg.shape[0], self.height))
                 xs = slice(max(left, x0), min(right, x0 + seg.shape[1], self.width))
                 out[ys.start - top : ys.stop - top, xs.start - left : xs.stop - left] = seg[
@@ -253,24 +262,34 @@ def probability_bands(
         low, high = max(top, first), min(top + done, end)
         if low < high:  # rows above the region (its halo) and below it are not given
             band = acc[low - top : high - top]
-            yield low, band / (norm_y[low:high, None] * norm_x[None, :])
+            for row in range(0, len(band), _NORM_ROWS):  # in place: no band-sized temporary
+                stop = min(row + _NORM_ROWS, len(band))
+                band[row:stop] /= norm_y[low + row : low + stop, None] * norm_x[None, :]
+            yield low, band
         acc[: win_h - done] = acc[done:]
         acc[win_h - done :] = 0
 
 
 def rebanded(bands: Iterator[tuple[int, np.ndarray]]) -> Iterator[np.ndarray]:
-    """The same rows regrouped into bands of exactly TILE rows (the last one shorter)."""
-    pending: list[np.ndarray] = []
+    """The same rows regrouped into bands of exactly TILE rows (the last one shorter), copied
+    into one buffer: a band given is valid until the next is asked for, and a band it is
+    given may be overwritten once it asks for the next (as :func:`probability_bands` does)."""
+    buffer: np.ndarray | None = None
     held = 0
     for _, band in bands:
-        pending.append(band)
-        held += len(band)
-        while held >= TILE:
-            joined = np.concatenate(pending)
-            yield joined[:TILE]
-            pending, held = [joined[TILE:]], held - TILE
+        if buffer is None:
+            buffer = np.empty((TILE, band.shape[1]), dtype=band.dtype)
+        used = 0
+        while used < len(band):
+            count = min(TILE - held, len(band) - used)
+            buffer[held : held + count] = band[used : used + count]
+            held, used = held + count, used + count
+            if held == TILE:
+                yield buffer
+                held = 0
     if held:
-        yield np.concatenate(pending)
+        assert buffer is not None
+        yield buffer[:held]
 
 
 # a node's measures: area, intensity sum, row sum, column sum, top, left, bottom, right (ends
@@ -315,7 +334,9 @@ class Components:
         self.parent += list(range(offset + 1, offset + count + 1))
         self.measures += self._measured(labels, count, image)
         self.rows += len(mask)
-        ids = np.where(labels > 0, labels + offset, 0)
+        # in place: the band's labels become its global ids (int32 while they fit)
+        ids = labels.astype(np.int32 if offset + count < 2**31 else np.int64, copy=False)
+        np.add(ids, offset, out=ids, where=mask)
         if self.previous_row is not None:
             self.join_rows(self.previous_row, ids[0])
         self.previous_row = ids[-1].copy()
@@ -333,19 +354,22 @@ class Components:
                 self.union(a, b)
 
     def _measured(self, labels: np.ndarray, count: int, image: np.ndarray) -> list[list[float]]:
-        """Each new component's measures, from its pixels alone (not a grid of the band)."""
+        """Each new component's measures, from its pixels alone (not a grid of the band),
+        a few rows at a time (a pixel's index arrays are 8 bytes each per foreground pixel)."""
         if not count:
             return []
-        flat = np.flatnonzero(labels)
-        which = labels.ravel()[flat]
-        rows, cols = np.divmod(flat, labels.shape[1])
-
-        def summed(weights: np.ndarray | None) -> np.ndarray:
-            return np.bincount(which, weights, minlength=count + 1)[1:]
-
+        columns = [np.zeros(count, dtype=np.float64) for _ in range(4)]
+        for first in range(0, len(labels), _MEASURE_ROWS):
+            part = labels[first : first + _MEASURE_ROWS]
+            flat = np.flatnonzero(part)
+            which = part.ravel()[flat]
+            rows, cols = np.divmod(flat, part.shape[1])
+            weights = (None, image[first : first + _MEASURE_ROWS].ravel()[flat],
+                       rows + (self.rows + first), cols)  # fmt: skip
+            for column, weight in zip(columns, weights, strict=True):
+                column += np.bincount(which, weight, minlength=count + 1)[1:]
         top = self.rows
         boxes = ndimage.find_objects(labels)
-        columns = [summed(None), summed(image.ravel()[flat]), summed(rows + top), summed(cols)]
         return [
             [*(float(c[n]) for c in columns), box[0].start + top, box[1].start,
              box[0].stop + top, box[1].stop]
@@ -513,7 +537,10 @@ def segment_region(
                               windows)  # fmt: skip
     for band in rebanded(bands):
         top = components.rows
-        certainty += float(np.abs(2 * band - 1).sum())
+        sure = np.multiply(band, 2)  # |2p - 1| in one temporary, summed as one array
+        sure -= 1
+        certainty += float(np.abs(sure, out=sure).sum())
+        del sure
         image = reader.region(top, top + len(band), 0, reader.width, glass_unread=True)
         found = components.add_band(band > threshold, image)
         top_ids = found[0].copy() if top == first else top_ids

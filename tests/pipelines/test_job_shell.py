@@ -1,4 +1,5 @@
-"""The job shell's allocator setting: freed memory is reused, not faulted in again."""
+"""The job shell's allocator settings and its peak memory: freed memory is reused, not
+faulted in again; handed back where it lies between live blocks; a peak is the job's own."""
 
 from __future__ import annotations
 
@@ -40,3 +41,61 @@ def test_a_job_process_reuses_the_memory_it_freed() -> None:
     default, kept = _faults("default"), _faults("kept")
     assert default > 10 * 2048, "glibc's default no longer returns such blocks"  # 8 MiB: 2048
     assert kept < default / 100
+
+
+# Blocks of 1 MiB (served from the heap once freed memory is kept), each followed by a small
+# block that stays: the pattern of a slide's rows of windows around its long-lived arrays.
+# Frees the large ones; prints the resident MiB then, and after give_back_freed_memory.
+HOLES = textwrap.dedent(
+    """
+    import ctypes
+    from pipelines.job import give_back_freed_memory, keep_freed_memory
+    assert keep_freed_memory()
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    def resident():
+        return int(open("/proc/self/statm").read().split()[1]) * 4096 // 2**20
+    large, small = [], []
+    for _ in range(400):
+        block = libc.malloc(2**20)
+        ctypes.memset(block, 1, 2**20)
+        large.append(block)
+        small.append(libc.malloc(64))
+    for block in large:
+        libc.free(block)
+    held = resident()
+    give_back_freed_memory()
+    print(held, resident())
+    """
+)
+
+
+def test_freed_heap_memory_between_live_blocks_is_given_back() -> None:
+    done = subprocess.run([sys.executable, "-c", HOLES], capture_output=True, text=True, check=True)
+    held, after = map(int, done.stdout.split())
+    assert held > 400, "400 MiB freed between live blocks stays resident until given back"
+    assert after < held - 350
+
+
+# A parent that touched 600 MiB starts a child python: the child's peak is its own.
+PARENT = textwrap.dedent(
+    """
+    import resource, subprocess, sys
+    import numpy as np
+    kept = np.ones(600 * 2**17)  # 600 MiB, written
+    child = "from pipelines.job import _peak_rss_mb; print(_peak_rss_mb())"
+    said = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                          check=True).stdout
+    print(float(said), resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
+    """
+)
+
+
+def test_a_job_s_peak_memory_is_its_own_not_its_parent_s() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", PARENT], capture_output=True, text=True, check=True
+    )
+    own, getrusage = map(float, done.stdout.split())
+    assert getrusage > 600, "getrusage counts the parent's memory at the fork"
+    assert own < 400

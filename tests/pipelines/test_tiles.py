@@ -54,3 +54,23 @@ def test_a_pyramidal_tiff_is_read_at_its_full_resolution() -> None:
         assert np.allclose(reader.region(0, 600, 0, 900), pixels / 255.0)
     finally:
         reader.close()
+
+
+def test_bands_are_regrouped_into_tile_rows_through_one_buffer() -> None:
+    """rebanded copies each band it is given before asking for the next, so a producer may
+    reuse its array (as probability_bands does): the rows come out in order, TILE at a time."""
+    from pipelines.tiles import rebanded
+
+    rows = np.arange(1000 * 3, dtype=np.float32).reshape(1000, 3)
+    reused = np.empty((448, 3), dtype=np.float32)
+
+    def produced():
+        for top in range(0, 1000, 448):
+            band = reused[: min(448, 1000 - top)]
+            band[:] = rows[top : top + len(band)]
+            yield top, band
+            band[:] = -1  # overwritten once the next band is asked for
+
+    out = [band.copy() for band in rebanded(produced())]
+    assert [len(band) for band in out] == [TILE, TILE, TILE, 1000 - 3 * TILE]
+    assert np.array_equal(np.concatenate(out), rows)
