@@ -5,7 +5,9 @@ Two synthetic pyramidal slides (scripts/synth.py, written tile by tile, ``--tiss
 droplets kept, in islands, the rest glass): one of ``--crop``² pixels (a slide of its own,
 same seed, not cut out of the large one), then one of ``--size``² (the small one first: its
 comparison comes back in a minute, before hours on the large one). Each slide is written once
-under OUT/slide/ and kept for the next run.
+under OUT/slide/ and kept for the next run. ``--rows``: of the large slide only its strip of
+that many rows with the most tissue, as wide as the slide (a job's memory grows with the
+slide's width, its time with the area: the strip shows the first at a fraction of the time).
 Each is dropped twice, as a batch of that one image, into a daemon whose jobs go to the test
 cluster (scripts/slurm-cluster) through the CLI client: ``one``, ``planner.region_bytes = 0``
 (one task segments the slide); ``regions``, region_bytes just above the file's size divided by
@@ -21,7 +23,7 @@ in memory: unstored chunks are background in both); the object tables. Then PASS
 against the targets: every job's peak RSS <= 2 GB, level-0 pixel agreement >= 0.999 (target
 exact), the same objects. Peak RSS is Slurm's MaxRSS (sacct) where the cluster keeps
 accounting; the test cluster keeps none (no slurmdbd, jobacct_gather/none), so it is each
-job's own ``getrusage`` maximum, in its result.json (a job is one process: the reader starts
+job's own VmHWM, in its result.json (a job is one process: the reader starts
 no workers with one CPU).
 
     .venv/bin/python scripts/bench_accuracy.py --train 96 --test 16   # the model, once
@@ -106,13 +108,21 @@ class Run:
     daemon_log: Path
 
 
-def slide_file(out: Path, size: int, tissue: float, seed: int) -> Path:
-    """The slide, written once per size, share of tissue and seed (it takes a while)."""
-    path = out / f"slide-{size}-{tissue}-{seed}.tif"
+def slide_path(out: Path, size: int, tissue: float, seed: int, rows: int | None = None) -> Path:
+    """Where :func:`slide_file` keeps the slide (its strip of ``rows`` rows)."""
+    where = "" if rows is None else f"-{synth.densest_rows(size, seed, tissue, rows)}+{rows}"
+    return out / f"slide-{size}{where}-{tissue}-{seed}.tif"
+
+
+def slide_file(out: Path, size: int, tissue: float, seed: int, rows: int | None = None) -> Path:
+    """The slide, written once per size, share of tissue and seed (it takes a while); with
+    ``rows``, its strip of that many rows with the most tissue (synth.densest_rows)."""
+    strip = None if rows is None else (synth.densest_rows(size, seed, tissue, rows), rows)
+    path = slide_path(out, size, tissue, seed, rows)
     if not path.exists():
         started = time.monotonic()
         partial = path.with_suffix(".part.tif")
-        synth.write_slide(partial, size, seed, tissue=tissue)
+        synth.write_slide(partial, size, seed, tissue=tissue, rows=strip)
         os.rename(partial, path)
         print(f"wrote {path}: {path.stat().st_size:,} bytes in "
               f"{time.monotonic() - started:.0f} s")  # fmt: skip
@@ -296,16 +306,16 @@ def _num(value: float | None, width: int, digits: int) -> str:
     return f"{value:>{width}.{digits}f}" if value is not None else "?".rjust(width)
 
 
-def compare_runs(size: int, one: Run, regions: Run, cores: int, throttle: int) -> list[str]:
+def compare_runs(name: str, one: Run, regions: Run, cores: int, throttle: int) -> list[str]:
     """Print the speed-up and the agreement of one slide's two runs; its verdict lines."""
-    verdicts = [rss_verdict(size, [one, regions])]
+    verdicts = [rss_verdict(name, [one, regions])]
     if one.state == "done" and regions.state == "done":
         print_speed_up(one, regions, cores, throttle)
     else:
-        verdicts.append(_verdict(False, f"{size:,}²: both batches done", "see above"))
+        verdicts.append(_verdict(False, f"{name}: both batches done", "see above"))
     if one.results is None or regions.results is None:
         return verdicts
-    return verdicts + agreement_verdicts(size, one.results, regions.results)
+    return verdicts + agreement_verdicts(name, one.results, regions.results)
 
 
 def print_speed_up(one: Run, regions: Run, cores: int, throttle: int) -> None:
@@ -323,10 +333,10 @@ def print_speed_up(one: Run, regions: Run, cores: int, throttle: int) -> None:
           f"{assembly:.1f} s")  # fmt: skip
 
 
-def agreement_verdicts(size: int, one: Path, regions: Path) -> list[str]:
+def agreement_verdicts(name: str, one: Path, regions: Path) -> list[str]:
     """Print the label images' and object tables' comparison; its verdict lines."""
     if not (one / LABELS).is_dir() or not (regions / LABELS).is_dir():
-        return [_verdict(False, f"{size:,}²: both label images written", f"{LABELS} missing")]
+        return [_verdict(False, f"{name}: both label images written", f"{LABELS} missing")]
     levels = compare_labels(one / LABELS, regions / LABELS)
     for level in levels:
         print(f"  label level {level.key}: {level.pixels:,} pixels, chunks stored "
@@ -339,21 +349,21 @@ def agreement_verdicts(size: int, one: Path, regions: Path) -> list[str]:
     print(f"  object tables: {rows[0]} and {rows[1]} rows; byte for byte equal: "
           f"{'yes' if same else 'no'}")  # fmt: skip
     return [
-        _verdict(agree >= AGREEMENT_TARGET, f"{size:,}²: level-0 pixel agreement >= "
+        _verdict(agree >= AGREEMENT_TARGET, f"{name}: level-0 pixel agreement >= "
                  f"{AGREEMENT_TARGET}", f"{agree:.6f}; every level exactly equal: {equal}"),
-        _verdict(rows[0] == rows[1] and rows[0] is not None, f"{size:,}²: the same objects",
+        _verdict(rows[0] == rows[1] and rows[0] is not None, f"{name}: the same objects",
                  f"{rows[0]} and {rows[1]} rows"),
     ]  # fmt: skip
 
 
-def rss_verdict(size: int, runs: list[Run]) -> str:
+def rss_verdict(name: str, runs: list[Run]) -> str:
     """Every job's peak RSS within the target (a job without a figure fails it)."""
     known = [(t.rss_mb, t.name, r.name) for r in runs for t in r.tasks if t.rss_mb is not None]
     missing = [t.name for r in runs for t in r.tasks if t.rss_mb is None]
     rss, job, run = max(known) if known else (0.0, "none", "")
     detail = f"largest {rss:.0f} MB, {run} {job}" + (f"; no figure: {missing}" if missing else "")
     ok = rss <= RSS_TARGET_MB and not missing
-    return _verdict(ok, f"{size:,}²: every job's peak RSS <= {RSS_TARGET_MB} MB", detail)
+    return _verdict(ok, f"{name}: every job's peak RSS <= {RSS_TARGET_MB} MB", detail)
 
 
 def _verdict(ok: bool, what: str, detail: str) -> str:
@@ -373,6 +383,9 @@ def main() -> int:
     parser.add_argument("--crop", type=int, default=8192, help="the small slide's side")
     parser.add_argument("--tissue", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--rows", type=int, help="only the large slide's strip of this many "
+                        "rows with the most tissue (as wide as the slide: a job's memory "
+                        "grows with the width, its time with the area)")  # fmt: skip
     parser.add_argument("--regions", type=int, default=16, help="region tasks per slide")
     parser.add_argument("--throttle", type=int, help="region tasks at once (default: the cores)")
     parser.add_argument("--registry", type=Path, help="default: OUT/registry")
@@ -394,8 +407,9 @@ def main() -> int:
           f"cores; the test node claims {node_cpus(conf)} CPUs; every job 1 CPU (one torch "
           f"thread); region tasks {throttle} at once")  # fmt: skip
     verdicts: list[str] = []
-    for size in sorted({args.crop, args.size}):
-        verdicts += one_slide(size, out, args, slurm, cores, throttle)
+    if args.crop != args.size:
+        verdicts += one_slide(args.crop, None, out, args, slurm, cores, throttle)
+    verdicts += one_slide(args.size, args.rows, out, args, slurm, cores, throttle)
     print("targets:")
     for line in verdicts:
         print(f"  {line}")
@@ -404,25 +418,33 @@ def main() -> int:
     return 0 if passed else 1
 
 
-def one_slide(size: int, out: Path, args: argparse.Namespace, slurm: dict[str, Any], cores: int,
-              throttle: int) -> list[str]:  # fmt: skip
-    """Both runs of one slide, printed; the verdict lines."""
-    slide = slide_file(out, size, args.tissue, args.seed)
+def one_slide(size: int, rows: int | None, out: Path, args: argparse.Namespace,
+              slurm: dict[str, Any], cores: int, throttle: int) -> list[str]:  # fmt: skip
+    """Both runs of one slide (its strip of ``rows`` rows), printed; the verdict lines."""
+    slide = slide_file(out, size, args.tissue, args.seed, rows)
+    name = f"{size:,}²" if rows is None else f"{size:,} × {rows:,} strip"
     nbytes = slide.stat().st_size
     region_bytes = -(-nbytes // args.regions)
-    print(f"slide {size:,}² ({nbytes:,} bytes, {args.tissue:.0%} of its droplets kept): "
+    print(f"slide {name} ({nbytes:,} bytes, {args.tissue:.0%} of the slide's droplets kept): "
           f"region_bytes {region_bytes:,} → {-(-nbytes // region_bytes)} regions")  # fmt: skip
-    one = run_batch("one", out / str(size) / "one", slide, args, slurm, 0)
-    regions = run_batch("regions", out / str(size) / "regions", slide, args, slurm, region_bytes)
+    if rows is not None:
+        first = synth.densest_rows(size, args.seed, args.tissue, rows)
+        share = synth.tissue_cells(size, args.seed, args.tissue)[
+            first // synth.CELL : (first + rows) // synth.CELL].mean()  # fmt: skip
+        print(f"  the {size:,}² slide's rows {first:,}..{first + rows:,}, the most tissue: "
+              f"{share:.1%} of their droplet cells")  # fmt: skip
+    base = out / (str(size) if rows is None else f"{size}x{rows}")
+    one = run_batch("one", base / "one", slide, args, slurm, 0)
+    regions = run_batch("regions", base / "regions", slide, args, slurm, region_bytes)
     slurm_rss, why = sacct_rss(one.tasks + regions.tasks, slurm["slurm_conf"])
     print("  peak RSS: " + ("Slurm's MaxRSS (sacct)" if slurm_rss else
-          f"each job's own getrusage maximum (result.json); sacct: {why}"))  # fmt: skip
+          f"each job's own VmHWM (result.json); sacct: {why}"))  # fmt: skip
     for run in (one, regions):
         report_run(run, slurm_rss)
     if slurm_rss:  # the verdict on Slurm's figure, where there is one
         for run in (one, regions):
             run.tasks = [replace(t, rss_mb=slurm_rss.get(t.handle, t.rss_mb)) for t in run.tasks]
-    return compare_runs(size, one, regions, cores, throttle)
+    return compare_runs(name, one, regions, cores, throttle)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@
 Writes a synthetic slide, a grid of DMA droplets (scripts/synth.py, 128² each), as a tiled,
 deflate-compressed TIFF, streamed tile by tile. The real inference job segments it window by
 window (it is larger than ``max_whole_pixels``); the job process's peak resident set size
-(``wait4`` rusage) is printed. Then an image small enough for whole-image inference is
-segmented twice by the job, whole and tiled (``max_whole_pixels`` = one 256² tile), and the
-masks compared pixel by pixel. The tiled masks are OME-Zarr label images
+(its own VmHWM, in its result.json) is printed. Then an image small enough for whole-image
+inference is segmented twice by the job, whole and tiled (``max_whole_pixels`` = one 256²
+tile), and the masks compared pixel by pixel. The tiled masks are OME-Zarr label images
 (pipelines/omezarr.py); for the large slide its levels, files, size on disk and object table
 are printed.
 

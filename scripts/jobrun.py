@@ -34,7 +34,7 @@ class Finished:
     returncode: int
     result: JobResult | None
     wall_s: float
-    peak_rss_mb: float  # the job process's largest resident set size
+    peak_rss_mb: float  # the job process's largest resident set size (its own VmHWM)
 
     @property
     def summary(self) -> Mapping[str, Any]:
@@ -90,7 +90,10 @@ def run(
     wall = time.perf_counter() - started
     result_path = spec.job_dir / RESULT_FILE
     result = JobResult.from_json(result_path.read_text("utf-8")) if result_path.exists() else None
-    peak = usage.ru_maxrss / 1024  # wait4: this job's process (Linux reports KiB)
+    # the job's own VmHWM (result.json); wait4's maximum also counts what this process held
+    # when it forked the job, so it is only the fallback (a job that wrote no summary)
+    summary = result.summary if result is not None and result.summary else {}
+    peak = float(summary.get("peak_rss_mb") or usage.ru_maxrss / 1024)
     if process.returncode != 0:
         sys.stderr.write((spec.job_dir / LOG_FILE).read_text("utf-8")[-3000:])
     return Finished(spec, process.returncode, result, wall, peak)

@@ -177,15 +177,19 @@ def _glass(seed: int) -> np.ndarray:
     return to_integer(np.clip(GLASS + noise, 0, 1).astype(np.float32), 8)
 
 
-def slide_tiles(size: int, seed: int, step: int = 1, tissue: float = 1.0) -> Iterator[np.ndarray]:
+def slide_tiles(
+    size: int, seed: int, step: int = 1, tissue: float = 1.0, rows: tuple[int, int] | None = None
+) -> Iterator[np.ndarray]:
     """The slide's 256² tiles at 1/``step`` of its resolution, row-major (the last ones
     cropped), each drawn from the droplets it covers (glass where :func:`tissue_cells` has
-    none)."""
+    none); ``rows`` (first, count): only that strip of the slide's rows."""
     present, glass = tissue_cells(size, seed, tissue), _glass(seed)
     across, span = -(-size // CELL), SLIDE_TILE * step
-    for top in range(0, size, span):
+    first, count = rows or (0, size)
+    end = first + count
+    for top in range(first, end, span):
         for left in range(0, size, span):
-            height, width = min(span, size - top), min(span, size - left)
+            height, width = min(span, end - top), min(span, size - left)
             region = np.zeros((span, span), dtype=np.uint8)
             for dy in range(0, height, CELL):
                 for dx in range(0, width, CELL):
@@ -196,26 +200,41 @@ def slide_tiles(size: int, seed: int, step: int = 1, tissue: float = 1.0) -> Ite
             yield region[:height:step, :width:step]
 
 
+def densest_rows(size: int, seed: int, tissue: float, count: int) -> int:
+    """The first of the ``count`` rows of the size² slide that hold the most tissue (a
+    multiple of the droplet cell): the strip where a job's bands are fullest."""
+    cells = max(1, count // CELL)
+    per_row = tissue_cells(size, seed, tissue).sum(axis=1)
+    return int(np.argmax(np.convolve(per_row, np.ones(cells), "valid"))) * CELL
+
+
 def write_slide(
-    path: Path, size: int, seed: int, levels: int | None = None, tissue: float = 1.0
-) -> None:
+    path: Path, size: int, seed: int, levels: int | None = None, tissue: float = 1.0,
+    rows: tuple[int, int] | None = None,
+) -> None:  # fmt: skip
     """A ``size``² slide (:func:`slide_tiles`, ``tissue`` its share of droplets) as a tiled
     TIFF with ``levels`` reduced levels in SubIFDs (by default down to about 1024 pixels
-    across; 0: none); as an Aperio SVS where ``path`` ends in ``.svs``."""
+    across; 0: none); as an Aperio SVS where ``path`` ends in ``.svs``. ``rows`` (first,
+    count; a multiple of the droplet cell first): only that strip of it, ``size`` wide."""
     if levels is None:
         levels = max(0, math.ceil(math.log2(size / 1024)))
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".svs":
+        if rows is not None:
+            raise ValueError("a strip of a slide is written as a TIFF, not an SVS")
         _write_svs(path, size, seed, levels, tissue)
         return
+    if rows is not None and rows[0] % CELL:
+        raise ValueError(f"a strip starts at a multiple of {CELL} rows, not {rows[0]}")
+    height = size if rows is None else rows[1]
     options = {"dtype": np.uint8, "tile": (SLIDE_TILE, SLIDE_TILE), "compression": "zlib",
                "photometric": "minisblack"}  # fmt: skip
-    with tifffile.TiffWriter(path, bigtiff=size * size > 2**31) as tif:
-        tif.write(slide_tiles(size, seed, 1, tissue), shape=(size, size), subifds=levels,
-                  **options)  # fmt: skip
+    with tifffile.TiffWriter(path, bigtiff=height * size > 2**31) as tif:
+        tif.write(slide_tiles(size, seed, 1, tissue, rows), shape=(height, size),
+                  subifds=levels, **options)  # fmt: skip
         for level in range(1, levels + 1):
-            side = -(-size // 2**level)
-            tif.write(slide_tiles(size, seed, 2**level, tissue), shape=(side, side),
+            shape = (-(-height // 2**level), -(-size // 2**level))
+            tif.write(slide_tiles(size, seed, 2**level, tissue, rows), shape=shape,
                       subfiletype=1, **options)  # fmt: skip
 
 

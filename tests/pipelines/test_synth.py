@@ -138,3 +138,24 @@ def test_a_slide_is_a_pyramidal_tiled_tiff_of_droplets(tmp_path: Path, synth: Mo
     across = 6  # droplets of 128 across 700 pixels
     second_row = synth.to_integer(synth.sample(3, across, 128).image, 8)
     assert np.array_equal(levels[0][128:256, :128], second_row)
+
+
+def test_a_strip_of_a_slide_is_its_rows_with_their_own_levels(
+    tmp_path: Path, synth: ModuleType
+) -> None:
+    """``rows``: that strip of the size² slide, as wide as the slide, its own reduced levels;
+    densest_rows finds the strip with the most tissue."""
+    whole, strip = tmp_path / "whole.tif", tmp_path / "strip.tif"
+    synth.write_slide(whole, 1100, seed=4, levels=2, tissue=0.3)
+    first = synth.densest_rows(1100, 4, 0.3, 384)
+    assert first % 128 == 0 and 0 <= first <= 1100 - 384
+    synth.write_slide(strip, 1100, seed=4, levels=2, tissue=0.3, rows=(first, 384))
+    with tifffile.TiffFile(whole) as tif:
+        full = tif.series[0].levels[0].asarray()
+    with tifffile.TiffFile(strip) as tif:
+        levels = [level.asarray() for level in tif.series[0].levels]
+    assert [level.shape for level in levels] == [(384, 1100), (192, 550), (96, 275)]
+    assert np.array_equal(levels[0], full[first : first + 384])
+    assert np.array_equal(levels[2], levels[0][::4, ::4])
+    with pytest.raises(ValueError, match="multiple of 128"):
+        synth.write_slide(strip, 1100, seed=4, rows=(100, 384))
