@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,13 +230,31 @@ def write_slide(
     height = size if rows is None else rows[1]
     options = {"dtype": np.uint8, "tile": (SLIDE_TILE, SLIDE_TILE), "compression": "zlib",
                "photometric": "minisblack"}  # fmt: skip
-    with tifffile.TiffWriter(path, bigtiff=height * size > 2**31) as tif:
-        tif.write(slide_tiles(size, seed, 1, tissue, rows), shape=(height, size),
-                  subifds=levels, **options)  # fmt: skip
-        for level in range(1, levels + 1):
-            shape = (-(-height // 2**level), -(-size // 2**level))
-            tif.write(slide_tiles(size, seed, 2**level, tissue, rows), shape=shape,
-                      subfiletype=1, **options)  # fmt: skip
+    # The droplets are drawn once: the reduced levels (every 2^k-th pixel of level 0, as
+    # slide_tiles draws them) are filled from level 0's tiles as they pass, in arrays on disk
+    # beside the slide (a 100,000² slide's are 3.3 GB), and written after it.
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".levels-") as scratch:
+        reduced = [
+            np.lib.format.open_memmap(Path(scratch) / f"{level}.npy", "w+", np.uint8,
+                                      (-(-height // 2**level), -(-size // 2**level)))
+            for level in range(1, levels + 1)
+        ]  # fmt: skip
+        across = -(-size // SLIDE_TILE)
+
+        def level_zero() -> Iterator[np.ndarray]:
+            for number, tile in enumerate(slide_tiles(size, seed, 1, tissue, rows)):
+                top, left = (SLIDE_TILE * n for n in divmod(number, across))
+                for level, pixels in enumerate(reduced, start=1):
+                    step = 2**level
+                    row, col = -(-top // step), -(-left // step)  # its first pixel here
+                    part = tile[row * step - top :: step, col * step - left :: step]
+                    pixels[row : row + part.shape[0], col : col + part.shape[1]] = part
+                yield tile
+
+        with tifffile.TiffWriter(path, bigtiff=height * size > 2**31) as tif:
+            tif.write(level_zero(), shape=(height, size), subifds=levels, **options)
+            for pixels in reduced:
+                tif.write(pixels, subfiletype=1, **options)
 
 
 def _write_svs(path: Path, size: int, seed: int, levels: int, tissue: float) -> None:
