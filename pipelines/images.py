@@ -201,29 +201,31 @@ def read_bounded(
     if problem is not None:
         raise InputError("checksum mismatch", [problem])
     try:
-        return decode(data, channel), digest
+        return decode(data, channel, item.path), digest
     except UnreadableImage as exc:
         raise InputError("unreadable image", [Problem(where(item), exc.message, exc.hint)]) from exc
 
 
 def _unreadable(item: InputFile, head: bytes) -> InputError:
     try:
-        decode(head)
+        decode(head, name=item.path)
     except UnreadableImage as exc:
         return InputError("unreadable image", [Problem(where(item), exc.message, exc.hint)])
     hint = "the file is damaged or incomplete; copy or export it again"
     return InputError("unreadable image", [Problem(where(item), "has no readable header", hint)])
 
 
-def decode(data: bytes, channel: Any = None) -> np.ndarray:
+def decode(data: bytes, channel: Any = None, name: str = "") -> np.ndarray:
     """Decode PNG or TIFF bytes to float32 grey in [0, 1]; raise UnreadableImage otherwise.
-    ``channel``: the plane of a multi-channel TIFF (:mod:`pipelines.channels`)."""
+    ``channel``: the plane of a multi-channel TIFF (:mod:`pipelines.channels`). ``name``: the
+    file's name, which tells an NDPI from a TIFF (its offsets are 64 bits: the same as a
+    TIFF's under 4 GB, not over)."""
     if not data:
         raise UnreadableImage("the file is empty (0 bytes)", "copy it again")
     if data.startswith(PNG_MAGIC):
         pixels = _decode_png(data)
     elif data[:4] in TIFF_MAGICS:
-        pixels = _decode_tiff(data, channel)
+        pixels = _decode_tiff(data, channel, PurePosixPath(name).name)
     else:
         raise UnreadableImage(
             f"is not a PNG or TIFF image (it starts with {data[:8]!r})",
@@ -254,9 +256,9 @@ def _decode_png(data: bytes) -> np.ndarray:
     return pixels
 
 
-def _decode_tiff(data: bytes, channel: Any) -> np.ndarray:
+def _decode_tiff(data: bytes, channel: Any, name: str) -> np.ndarray:
     try:
-        with tifffile.TiffFile(io.BytesIO(data)) as tif:
+        with tifffile.TiffFile(io.BytesIO(data), name=name or "image.tif") as tif:
             if not tif.pages:
                 raise UnreadableImage(
                     "cannot be decoded as TIFF (it holds no image)",

@@ -372,7 +372,7 @@ class Segmenter:
                     stored(handle, item)
                 seen = os.fstat(handle.fileno())
                 reader = RegionReader(handle, window_cache_rows(params), params["channel"],
-                                      float(params["glass_tolerance"]))  # fmt: skip
+                                      float(params["glass_tolerance"]), item.path)  # fmt: skip
                 try:
                     with self.masks.run.folder(work_folder_name(item.path), create=True) as work:
                         store, ids = work_array(work, reader.height, reader.width)
@@ -410,7 +410,7 @@ class Segmenter:
             source, folder, target, self._predict(), self.threshold,
             self.min_area, int(params["tile_size"]), int(params["tile_overlap"]),
             self.batch_size, TiledProgress(item.path), params["channel"],
-            float(params["glass_tolerance"]),
+            float(params["glass_tolerance"]), item.path,
         )  # fmt: skip
 
     def _done(self, item: InputFile, digest: str, stats: dict[str, Any]) -> None:

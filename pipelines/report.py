@@ -180,7 +180,7 @@ def sample_overlays(
     for label, row in overlay_picks(rows):
         try:
             with open_input(batch, row["path"]) as handle:
-                image = decode(handle.read())
+                image = decode(handle.read(), name=row["path"])
             with open_input(batch, f"{masks}/{mask_name(row['path'])}") as handle:
                 mask = decode(handle.read())
         except (OSError, RefusedInput, UnreadableImage) as exc:

@@ -64,15 +64,16 @@ class RegionReader:
 
     def __init__(
         self, source: Path | BinaryIO, cache_pixel_rows: int = 4 * TILE, channel: Any = None,
-        glass_tolerance: float = 0.0,
+        glass_tolerance: float = 0.0, name: str = "",
     ) -> None:  # fmt: skip
         """``source``: a path, or a file open for reading at the TIFF's start (the caller
-        opened it by the batch folder's rule and closes it). ``channel``: the plane of a
+        opened it by the batch folder's rule and closes it; ``name``, its file's name, tells an
+        NDPI from a TIFF, as tifffile knows one by its suffix). ``channel``: the plane of a
         multi-channel TIFF (:mod:`pipelines.channels`; raises ChannelProblem).
         ``glass_tolerance``: above 0, windows over glass only are skipped
         (:mod:`pipelines.tissue`), where the TIFF has a reduced level to tell."""
         # A file opened by descriptor is named by its number, which tifffile cannot split.
-        name = source.name if isinstance(source, Path) else "input.tif"
+        name = source.name if isinstance(source, Path) else Path(name or "input.tif").name
         self.tif = tifffile.TiffFile(source, name=name)
         try:
             page = plane_page(self.tif, channel)
@@ -135,7 +136,9 @@ class RegionReader:
             handle = self.tif.filehandle
             handle.seek(self.page.dataoffsets[index])
             data = handle.read(self.page.databytecounts[index])
-            decoded, _, _ = self.page.decode(data, index, jpegtables=self.page.jpegtables)
+            # an NDPI's tile is a restart interval of its level's one JPEG, under that header
+            decoded, _, _ = self.page.decode(data, index, jpegtables=self.page.jpegtables,
+                                             jpegheader=self.page.jpegheader)  # fmt: skip
             decoded = np.asarray(decoded)[0]
         # kept as decoded (a quarter of its float32 grey for 8-bit grey), made grey per read
         self.cache[index] = segment = decoded
@@ -622,12 +625,14 @@ def segment_tiled(
     source: Path | BinaryIO, folder: HeldFolder, target: str, predict: Predict, threshold: float,
     min_area: int, window: int = 512, overlap: int = 64, batch: int = 1,
     progress: Progress | None = None, channel: Any = None, glass_tolerance: float = 0.0,
+    name: str = "",
 ) -> TiledResult:  # fmt: skip
-    """Segment ``source`` (its plane ``channel``) in one task into the OME-Zarr label image
-    ``target`` (a folder name in ``folder``, replaced whole): one region, assembled at once;
-    the provisional ids lie in a temporary folder beside it meanwhile."""
+    """Segment ``source`` (its plane ``channel``; ``name``, its file's name) in one task into
+    the OME-Zarr label image ``target`` (a folder name in ``folder``, replaced whole): one
+    region, assembled at once; the provisional ids lie in a temporary folder beside it
+    meanwhile."""
     reader = RegionReader(source, window_cache_rows({"tile_size": window}), channel,
-                          glass_tolerance)  # fmt: skip
+                          glass_tolerance, name)  # fmt: skip
     work = temporary_name()
     try:
         folder.mkdir(work)

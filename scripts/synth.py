@@ -12,7 +12,7 @@ images of a batch of 100.
 Usage::
 
     python scripts/synth.py OUT --kind training --count 64 --size 128 --seed 0 \
-        [--format png|tif|ome-tif|slide|svs] [--bits 8|16] [--truth DIR] [--tissue 0.1]
+        [--format png|tif|ome-tif|slide|svs|ndpi] [--bits 8|16] [--truth DIR] [--tissue 0.1]
 
 ``ome-tif`` writes each image as a three-channel OME-TIFF, as a fluorescence microscope does:
 ``DAPI`` and ``RFP`` planes beside the ``GFP`` plane that holds the droplet (segment it with
@@ -24,7 +24,8 @@ grid of droplets of 128² (image ``i`` of the slide's seed in row-major order), 
 as scanners and QuPath write pyramids; written tile by tile, so any size fits in memory.
 ``--tissue 0.1`` keeps a tenth of the droplets, in islands, the rest bare glass. ``svs``
 writes the same slide as an Aperio scanner does (RGB, JPEG tiles, a thumbnail, levels reduced
-by four in pages of their own; needs imagecodecs). Larger
+by four in pages of their own; needs imagecodecs). ``ndpi`` writes it in the layout of a
+Hamamatsu NDPI (:func:`write_ndpi`). Larger
 than ``max_whole_pixels``, it is segmented window by window into an OME-Zarr label image.
 
 Training batches get ``OUT/images/`` and ``OUT/masks/``; inference batches ``OUT/images/``
@@ -34,12 +35,15 @@ Training batches get ``OUT/images/`` and ``OUT/masks/``; inference batches ``OUT
 from __future__ import annotations
 
 import argparse
+import io
 import math
+import struct
 import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import tifffile
@@ -47,7 +51,9 @@ from PIL import Image
 from scipy import ndimage
 
 KINDS = ("training", "inference")
-FORMATS = {"png": ".png", "tif": ".tif", "ome-tif": ".ome.tif", "slide": ".tif", "svs": ".svs"}
+FORMATS = {"png": ".png", "tif": ".tif", "ome-tif": ".ome.tif", "slide": ".tif", "svs": ".svs",
+           "ndpi": ".ndpi"}  # fmt: skip
+SLIDES = ("slide", "svs", "ndpi")  # the formats of whole-slide images
 CHANNELS = ("DAPI", "GFP", "RFP")  # ome-tif: the droplet is the GFP plane
 CELL = 128  # slide: one droplet
 SLIDE_TILE = 256  # slide: its TIFF tiles
@@ -215,15 +221,17 @@ def write_slide(
 ) -> None:  # fmt: skip
     """A ``size``² slide (:func:`slide_tiles`, ``tissue`` its share of droplets) as a tiled
     TIFF with ``levels`` reduced levels in SubIFDs (by default down to about 1024 pixels
-    across; 0: none); as an Aperio SVS where ``path`` ends in ``.svs``. ``rows`` (first,
-    count; a multiple of the droplet cell first): only that strip of it, ``size`` wide."""
+    across; 0: none); as an Aperio SVS where ``path`` ends in ``.svs``, a Hamamatsu NDPI
+    where it ends in ``.ndpi``. ``rows`` (first, count; a multiple of the droplet cell
+    first): only that strip of it, ``size`` wide."""
     if levels is None:
         levels = max(0, math.ceil(math.log2(size / 1024)))
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".svs":
+    vendor = {".svs": _write_svs, ".ndpi": write_ndpi}.get(path.suffix)
+    if vendor is not None:
         if rows is not None:
-            raise ValueError("a strip of a slide is written as a TIFF, not an SVS")
-        _write_svs(path, size, seed, levels, tissue)
+            raise ValueError(f"a strip of a slide is written as a TIFF, not as {path.suffix}")
+        vendor(path, size, seed, levels, tissue)
         return
     if rows is not None and rows[0] % CELL:
         raise ValueError(f"a strip starts at a multiple of {CELL} rows, not {rows[0]}")
@@ -274,8 +282,7 @@ def _write_svs(path: Path, size: int, seed: int, levels: int, tissue: float) -> 
         tif.write(rgb(slide_tiles(size, seed, 1, tissue)), shape=(size, size, 3), dtype=np.uint8,
                   description=f"{header}{size}x{size} [0,0 {size}x{size}] (256x256) JPEG/RGB "
                   "Q=90|AppMag = 20|MPP = 0.5", **options)  # fmt: skip
-        small = np.concatenate([np.concatenate(list(row), axis=1) for row in _tile_rows(
-            slide_tiles(size, seed, thumb, tissue), size, thumb)])  # fmt: skip
+        small = _whole_level(size, seed, thumb, tissue)
         thumbnail = f"{header}{size}x{size} -> {small.shape[1]}x{small.shape[0]}"
         tif.write(np.repeat(small[..., None], 3, axis=2), photometric="rgb", compression="jpeg",
                   description=thumbnail)  # fmt: skip
@@ -284,6 +291,90 @@ def _write_svs(path: Path, size: int, seed: int, levels: int, tissue: float) -> 
             tif.write(rgb(slide_tiles(size, seed, step, tissue)), shape=(side, side, 3),
                       dtype=np.uint8, subfiletype=1, description=f"{header}{size}x{size} -> "
                       f"{side}x{side} - |AppMag = 20|MPP = {0.5 * step}", **options)  # fmt: skip
+
+
+def write_ndpi(path: Path, size: int, seed: int, levels: int, tissue: float) -> None:
+    """The slide in the layout of a Hamamatsu NDPI, as tifffile and OpenSlide read one: a TIFF
+    with 64-bit offsets (an IFD's 4-byte entries, then the next IFD's offset in 8 bytes, then
+    the high 4 bytes of each entry's value), RGB; each level one JPEG (4:2:0, YCbCr) in one
+    strip with restart markers, their starts in the McuStarts tag (65426), so that a reader
+    decodes one restart interval of one row of MCUs at a time; the levels reduced by four, as
+    Hamamatsu scans, then a macro image of the slide (magnification -1). Made here, not by a
+    scanner: Hamamatsu's private tags beyond those are left out. Each level is encoded whole
+    in memory (JPEG: at most 65,535 pixels across), so this is for test slides."""
+    if size > 65535:
+        raise ValueError(f"an NDPI level is one JPEG, at most 65,535 pixels across, not {size}")
+    steps = [1] + [4**k for k in range(1, levels) if size // 4**k >= SLIDE_TILE]
+    whole = [_whole_level(size, seed, step, tissue) for step in steps]
+    label = np.full((whole[-1].shape[0], whole[-1].shape[0] // 2), 40, np.uint8)
+    macro = np.concatenate([label, whole[-1]], axis=1)  # the slide's label beside it
+    pages = [(level, 20.0) for level in whole] + [(macro, -1.0)]
+    out = bytearray(b"II*\0" + bytes(8))  # the first IFD's offset: 8 bytes
+    next_at = 4
+    for grey, magnification in pages:
+        data, starts = _restart_jpeg(np.repeat(grey[..., None], 3, axis=2))
+        strip = len(out)
+        out += data + bytes(len(data) % 2)
+        height, width = grey.shape
+        entries = [
+            (254, 4, [0]), (256, 4, [width]), (257, 4, [height]), (258, 3, [8, 8, 8]),
+            (259, 3, [7]), (262, 3, [6]), (271, 2, b"Hamamatsu\0"),
+            (272, 2, b"synthetic\0"), (273, 4, [strip]), (277, 3, [3]),
+            (278, 4, [height]), (279, 4, [len(data)]), (305, 2, b"watchd scripts/synth.py\0"),
+            (65420, 4, [1]),
+            (65421, 11, [magnification]), (65426, 4, starts),
+        ]  # fmt: skip
+        struct.pack_into("<Q", out, next_at, len(out))
+        next_at = len(out) + 2 + 12 * len(entries)
+        out += _ndpi_ifd(len(out), entries)
+    if len(out) >= 2**32:
+        raise ValueError("an NDPI of 4 GB or more needs the offsets' high bytes")
+    path.write_bytes(bytes(out))
+
+
+def _whole_level(size: int, seed: int, step: int, tissue: float) -> np.ndarray:
+    """The slide at 1/``step`` in one array."""
+    rows = _tile_rows(slide_tiles(size, seed, step, tissue), size, step)
+    return np.concatenate([np.concatenate(list(row), axis=1) for row in rows])
+
+
+def _restart_jpeg(rgb: np.ndarray) -> tuple[bytes, list[int]]:
+    """``rgb`` as a baseline JPEG (4:2:0) with a restart marker every so many MCUs (a whole
+    number of them across a row, at most 512 pixels), and where each interval's entropy-coded
+    data starts (the first right after the scan's header)."""
+    across = -(-rgb.shape[1] // 16)  # MCUs of 16² in a row
+    interval = max(d for d in range(1, 33) if across % d == 0)
+    buffer = io.BytesIO()
+    Image.fromarray(rgb).save(buffer, "JPEG", quality=90, subsampling=2,
+                              restart_marker_blocks=interval)  # fmt: skip
+    data = buffer.getvalue()
+    at = 2  # after SOI: marker segments up to the start of scan
+    while data[at : at + 2] != b"\xff\xda":
+        at += 2 + struct.unpack(">H", data[at + 2 : at + 4])[0]
+    starts = [at + 2 + struct.unpack(">H", data[at + 2 : at + 4])[0]]
+    at = starts[0]
+    while (at := data.find(b"\xff", at)) >= 0 and at + 1 < len(data):
+        if 0xD0 <= data[at + 1] <= 0xD7:  # RSTn: the next interval starts after it
+            starts.append(at + 2)
+        at += 2 if data[at + 1] != 0xFF else 1  # FF00 is a stuffed data byte, FFFF fill
+    return data, starts
+
+
+def _ndpi_ifd(offset: int, entries: list[tuple[int, int, Any]]) -> bytes:
+    """An NDPI IFD at ``offset``: the count, the 12-byte entries (tag, type, count, value or
+    its offset), 8 bytes for the next IFD's offset (0: patched by the caller), the entries'
+    high 4 bytes (0: under 4 GB), then the values that did not fit in 4 bytes."""
+    codes = {3: "H", 4: "I", 11: "f"}  # SHORT, LONG, FLOAT; 2: ASCII as given
+    block = 2 + 16 * len(entries) + 8
+    head, values = bytearray(struct.pack("<H", len(entries))), bytearray()
+    for tag, kind, value in entries:
+        raw = value if kind == 2 else struct.pack(f"<{len(value)}{codes[kind]}", *value)
+        if len(raw) <= 4:
+            head += struct.pack("<HHI", tag, kind, len(value)) + raw.ljust(4, b"\0")
+        else:
+            head += struct.pack("<HHII", tag, kind, len(value), offset + block + len(values))
+            values += raw + bytes(len(raw) % 2)
+    return bytes(head + bytes(8) + bytes(4 * len(entries)) + values)
 
 
 def _tile_rows(tiles: Iterator[np.ndarray], size: int, step: int) -> Iterator[Iterator[np.ndarray]]:
@@ -316,7 +407,7 @@ def make_batch(
     """
     if kind not in KINDS or fmt not in FORMATS or bits not in (8, 16):
         raise ValueError(f"unsupported kind/format/bits: {kind!r}, {fmt!r}, {bits!r}")
-    if fmt in ("slide", "svs"):
+    if fmt in SLIDES:
         if kind != "inference" or bits != 8 or truth_dir is not None:
             raise ValueError("slides are 8-bit inference images, without ground truth")
         paths = [folder / "images" / f"slide_{index:04d}{FORMATS[fmt]}" for index in range(count)]

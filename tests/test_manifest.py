@@ -526,10 +526,11 @@ def test_the_text_scan_sees_the_nesting_the_parser_builds_whatever_the_strings_h
 
 
 def test_an_input_in_a_format_the_jobs_do_not_read_is_refused_before_any_job_runs() -> None:
-    """A vendor format is named with the export to make; an Aperio SVS (a TIFF) is taken."""
+    """A vendor format is named with the export to make; an Aperio SVS and a Hamamatsu NDPI
+    (TIFFs) are taken."""
     files = [
         {"path": "slides/a.lif"}, {"path": "b.jpg"}, {"path": "notes"}, {"path": "c.ome.tif"},
-        {"path": "slides/d.svs"},
+        {"path": "slides/d.svs"}, {"path": "slides/e.NDPI"},
     ]  # fmt: skip
     found = problems_of(doc(files=files))
     assert found == [

@@ -25,16 +25,16 @@ ALIASES = (LATEST, BEST)
 
 
 # The inputs' file names the jobs read (the content decides the decoder) and write masks as:
-# TIFF's, an Aperio SVS slide (a tiled TIFF, JPEG tiles, its pyramid in pages) among them.
-TIFF_SUFFIXES = frozenset({".tif", ".tiff", ".svs"})
+# TIFF's, an Aperio SVS slide (a tiled TIFF, JPEG tiles, its pyramid in pages) and a Hamamatsu
+# NDPI (a TIFF with 64-bit offsets, a JPEG per level; tifffile knows it by its name) among them.
+TIFF_SUFFIXES = frozenset({".tif", ".tiff", ".svs", ".ndpi"})
 # Microscope vendors' files, read by a bioio plugin where the jobs run (pipelines/vendor.py):
 # the format's name and the plugin's package.
 VENDOR_FORMATS = {".czi": ("Zeiss CZI", "bioio-czi"), ".nd2": ("Nikon ND2", "bioio-nd2")}
 IMAGE_SUFFIXES = frozenset({".png", *VENDOR_FORMATS}) | TIFF_SUFFIXES
 # What instruments and scanners write that the jobs do not read (yet): said by name.
 _INSTRUMENT_FORMATS = {
-    ".lif": "Leica LIF", ".vsi": "Olympus VSI", ".ndpi": "Hamamatsu NDPI",
-    ".mrxs": "3DHISTECH MRXS",
+    ".lif": "Leica LIF", ".vsi": "Olympus VSI", ".mrxs": "3DHISTECH MRXS",
     ".scn": "Leica SCN", ".ims": "Imaris", ".zarr": "Zarr",
 }  # fmt: skip
 _EXPORT = "export the images as OME-TIFF (e.g. Fiji: File > Save As > OME-TIFF), TIFF or PNG"
@@ -42,8 +42,8 @@ _EXPORT = "export the images as OME-TIFF (e.g. Fiji: File > Save As > OME-TIFF),
 
 def input_format_problem(path: str) -> tuple[str, str] | None:
     """(what, hint) when an input named ``path`` is in a format the jobs do not read; None
-    when they do (PNG or TIFF, 8 or 16 bit, grey, RGB or multi-channel; Aperio SVS; CZI and
-    ND2 where their bioio reader is installed, which only the job can tell)."""
+    when they do (PNG or TIFF, 8 or 16 bit, grey, RGB or multi-channel; Aperio SVS, Hamamatsu
+    NDPI; CZI and ND2 where their bioio reader is installed, which only the job can tell)."""
     suffix = PurePosixPath(path).suffix.lower()
     if suffix in IMAGE_SUFFIXES:
         return None

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from pipelines.images import (
     write_mask,
 )
 from pipelines.job import InputError
+from pipelines.layout import mask_name
 
 RAMP8 = np.arange(48 * 32, dtype=np.uint32).reshape(32, 48).astype(np.uint8)
 RAMP16 = (np.arange(48 * 32, dtype=np.uint32).reshape(32, 48) * 40).astype(np.uint16)
@@ -135,6 +137,21 @@ def test_read_image_names_the_file_and_checks_the_sha256(tmp_path: Path) -> None
     assert problem.where == "input 'plate 1/ä b.png'"
     assert problem.message.startswith("sha256 is ") and "expected 9b1c" in problem.message
     assert "copy it again" in problem.hint
+
+
+def test_a_small_ndpi_is_read_whole_by_its_name_and_its_mask_is_a_tiff(
+    tmp_path: Path, synth: ModuleType
+) -> None:
+    """An NDPI under max_whole_pixels is decoded whole (its largest level, not its macro
+    image); its mask is named after it with .tif added."""
+    synth.write_slide(tmp_path / "s.ndpi", 600, seed=2, levels=1)
+    synth.write_slide(tmp_path / "s.tif", 600, seed=2, levels=0)
+    data = (tmp_path / "s.ndpi").read_bytes()
+    item = InputFile("s.ndpi", len(data), hashlib.sha256(data).hexdigest())
+    pixels = read_image(tmp_path, item)
+    assert pixels.shape == (600, 600)
+    assert np.abs(pixels - decode((tmp_path / "s.tif").read_bytes())).mean() < 0.01
+    assert mask_name("plate/s.ndpi") == "plate/s.ndpi.tif"
 
 
 def test_corrupt_input_becomes_an_input_problem_not_a_traceback(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pytest
 import tifffile
 from labelimages import zarr_levels
 from PIL import Image
@@ -316,7 +317,9 @@ def test_a_rerun_skips_images_already_done_with_the_same_bytes_and_model(
     assert changed.result.summary["resumed"] == 2
 
 
-def test_an_aperio_svs_slide_is_read_by_its_pyramid_like_the_same_slide_as_a_tiff(
+@pytest.mark.parametrize("scanned", ["slide.svs", "slide.ndpi"])
+def test_a_scanners_slide_is_read_by_its_pyramid_like_the_same_slide_as_a_tiff(
+    scanned: str,
     inferred: InferredBatch,
     synth: ModuleType,
     tmp_path: Path,
@@ -325,26 +328,30 @@ def test_an_aperio_svs_slide_is_read_by_its_pyramid_like_the_same_slide_as_a_tif
     run: Callable[..., JobRun],
     infer_params: dict[str, Any],
 ) -> None:
-    """A scanner's SVS (RGB, JPEG tiles, its levels in pages after a thumbnail): segmented
-    window by window, its glass found on its smallest level, its label image that of the
-    same slide written as a grey TIFF but for what JPEG changed."""
-    batch_dir = tmp_path / "svs"
-    for name in ("slide.svs", "slide.tif"):
+    """A scanner's slide, RGB in JPEG, its levels reduced by four: an Aperio SVS (tiles, its
+    levels in pages after a thumbnail) or a Hamamatsu NDPI (64-bit offsets, each level one
+    JPEG read a restart interval at a time, a macro image after them): segmented window by
+    window, its glass found on its smallest level (not the thumbnail or the macro), its label
+    image that of the same slide written as a grey TIFF but for what JPEG changed."""
+    batch_dir = tmp_path / "scanned"
+    for name in (scanned, "slide.tif"):
         synth.write_slide(batch_dir / "images" / name, 1100, seed=4, levels=2, tissue=0.3)
     registry_dir, model = inferred.model.registry, ModelRef(inferred.model.name, "1")
     params = {**infer_params, "max_whole_pixels": 100_000, "tile_size": 256, "tile_overlap": 32}
-    images = [batch_dir / "images" / name for name in ("slide.svs", "slide.tif")]
+    images = [batch_dir / "images" / name for name in (scanned, "slide.tif")]
     job = run(job_spec(batch_dir, Pipeline.INFER, manifest_inputs(batch_dir, images),
                        registry=registry_dir, model=model, params=params))  # fmt: skip
     assert job.returncode == 0, job.log
-    assert "images/slide.svs: tiled inference" in job.log
+    assert f"images/{scanned}: tiled inference" in job.log
     assert "tissue mask from the 275x275 level" in job.log
     with open(batch_dir / "results" / "parts" / "table-0000.csv", newline="") as handle:
-        svs, tif = list(csv.DictReader(handle))
-    assert svs["path"] == "images/slide.svs" and int(svs["windows_glass"]) > 0
-    assert (svs["windows_run"], svs["windows_glass"]) == (tif["windows_run"], tif["windows_glass"])
+        mine, tif = list(csv.DictReader(handle))
+    assert mine["path"] == f"images/{scanned}" and int(mine["windows_glass"]) > 0
+    assert [mine[key] for key in ("windows_run", "windows_glass")] == [
+        tif[key] for key in ("windows_run", "windows_glass")
+    ]
     masks = batch_dir / "results" / "masks" / "images"
-    got = zarr_levels(masks / "slide.svs.ome.zarr", "labels/segmentation")[0] > 0
+    got = zarr_levels(masks / f"{scanned}.ome.zarr", "labels/segmentation")[0] > 0
     want = zarr_levels(masks / "slide.tif.ome.zarr", "labels/segmentation")[0] > 0
     assert want.sum() > 1000 and (got == want).mean() > 0.99
 

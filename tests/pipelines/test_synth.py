@@ -140,6 +140,39 @@ def test_a_slide_is_a_pyramidal_tiled_tiff_of_droplets(tmp_path: Path, synth: Mo
     assert np.array_equal(levels[0][128:256, :128], second_row)
 
 
+def test_an_ndpi_slide_is_a_hamamatsu_pyramid_read_a_restart_interval_at_a_time(
+    tmp_path: Path, synth: ModuleType
+) -> None:
+    """``--format ndpi``: tifffile knows it as an NDPI (64-bit offsets, Hamamatsu's tags), its
+    levels reduced by four, then the macro image; each level one JPEG whose restart intervals
+    are its tiles, each decoded alone as it is in the whole; the droplets those of the grey
+    slide but for what JPEG changed."""
+    (path,) = synth.make_batch(tmp_path, "inference", 1, size=600, seed=4, fmt="ndpi")
+    assert path.name == "slide_0000.ndpi"
+    synth.write_slide(path, 1100, seed=4, levels=2, tissue=0.3)
+    synth.write_slide(tmp_path / "slide.tif", 1100, seed=4, levels=0, tissue=0.3)
+    with tifffile.TiffFile(path) as tif:
+        assert tif.is_ndpi and tif.pages[0].ndpi_tags["Magnification"] == 20.0
+        pyramid, macro = tif.series
+        assert [level.shape for level in pyramid.levels] == [(1100, 1100, 3), (275, 275, 3)]
+        assert macro.name == "Macro" and macro.shape == (275, 412, 3)
+        page = pyramid.levels[0].pages[0]
+        assert (page.tilelength, page.tilewidth, len(page.dataoffsets)) == (16, 368, 69 * 3)
+        whole = page.asarray()
+        handle = tif.filehandle
+        for index in (0, 100, 206):  # the first tile, one inside, the last (cut at the edge)
+            handle.seek(page.dataoffsets[index])
+            data = handle.read(page.databytecounts[index])
+            tile = page.decode(data, index, jpegheader=page.jpegheader)[0][0]
+            row, col = divmod(index, 3)
+            part = whole[16 * row : 16 * row + 16, 368 * col : 368 * col + 368]
+            assert np.array_equal(tile[: part.shape[0], : part.shape[1]], part)
+    grey = tifffile.imread(tmp_path / "slide.tif").astype(int)
+    assert np.abs(whole[..., 0].astype(int) - grey).mean() < 3
+    with pytest.raises(ValueError, match="65,535"):
+        synth.write_slide(tmp_path / "big.ndpi", 70_000, seed=4, levels=1)
+
+
 def test_a_strip_of_a_slide_is_its_rows_with_their_own_levels(
     tmp_path: Path, synth: ModuleType
 ) -> None:
