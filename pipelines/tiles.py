@@ -59,8 +59,94 @@ Predict = Callable[[np.ndarray], np.ndarray]  # (N, h, w) grey → (N, h, w) pro
 Progress = Callable[[int, int], None]  # (window rows done, window rows in all)
 
 
-class RegionReader:
-    """Rectangular regions of a TIFF's plane as float32 grey in [0, 1], read lazily."""
+class Regions:
+    """Rectangular regions of an image's plane as float32 grey in [0, 1], read lazily: a
+    segment (a TIFF's tile or strip, a Zarr chunk) is decoded when a region first needs it and
+    kept, as decoded, among the last few rows of segments. A reader of a format gives its
+    segments (:meth:`_decode`) and, where it has a reduced level, the tissue mask."""
+
+    height: int
+    width: int
+    tissue: TissueMask | None = None
+
+    def _layout(
+        self, height: int, width: int, seg_h: int, seg_w: int, dtype: Any, cache_pixel_rows: int
+    ) -> None:
+        """The image's size, its segments' (row-major, ``across`` in a row), its samples'
+        type, and a cache of enough whole rows of segments for ``cache_pixel_rows`` rows."""
+        self.height, self.width, self.seg_h, self.seg_w = height, width, seg_h, seg_w
+        self.across = math.ceil(width / seg_w)
+        self.scale = np.float32(np.iinfo(dtype).max) if np.dtype(dtype).kind == "u" else None
+        self.cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self.cache_size = (math.ceil(cache_pixel_rows / seg_h) + 1) * self.across
+
+    def _decode(self, index: int) -> np.ndarray:
+        """Segment ``index`` (row-major) as decoded: (rows, columns, samples)."""
+        raise NotImplementedError
+
+    def _tissue_of(self, level: np.ndarray) -> TissueMask | None:
+        """The tissue mask from a reduced level's decoded samples (rows, columns, samples)."""
+        mask = TissueMask.of_level(self.grey(level), self.height, self.width, self.tolerance)
+        log.info("tissue mask from the %dx%d level: glass grey %.3f, tissue %.1f %% of the slide",
+                 level.shape[1], level.shape[0], mask.glass, 100 * mask.fraction)  # fmt: skip
+        return mask
+
+    tolerance = 0.0  # the glass's grey within this is glass (pipelines.tissue)
+
+    def has_tissue(self, top: int, bottom: int, left: int, right: int) -> bool:
+        """Whether the rows ``top:bottom``, columns ``left:right`` are worth running the net
+        on: they touch tissue, or there is no tissue mask."""
+        return self.tissue is None or self.tissue.any(top, bottom, left, right)
+
+    def close(self) -> None:
+        self.cache.clear()
+
+    def _segment(self, index: int) -> np.ndarray:
+        if index in self.cache:
+            self.cache.move_to_end(index)
+            return self.cache[index]
+        # kept as decoded (a quarter of its float32 grey for 8-bit grey), made grey per read
+        self.cache[index] = segment = self._decode(index)
+        if len(self.cache) > self.cache_size:
+            self.cache.popitem(last=False)
+        return segment
+
+    def grey(self, pixels: np.ndarray) -> np.ndarray:
+        """Decoded samples (rows, columns, samples) of the plane as float32 grey in [0, 1]."""
+        if self.scale is None:
+            raise ValueError(f"{pixels.dtype} samples; only 8- and 16-bit unsigned are supported")
+        if pixels.shape[-1] >= 3:
+            return (pixels[..., :3].astype(np.float32) @ _LUMA) / self.scale
+        return pixels[..., 0].astype(np.float32) / self.scale
+
+    def region(
+        self, top: int, bottom: int, left: int, right: int, glass_unread: bool = False
+    ) -> np.ndarray:
+        """Rows ``top:bottom``, columns ``left:right``. ``glass_unread``: a segment that
+        touches no tissue is not decoded but given as the glass's grey: for the overview and
+        the objects' measures, never for the net (an object the net found on such a segment,
+        from a window that touched tissue elsewhere, is measured against that grey)."""
+        out = np.empty((bottom - top, right - left), dtype=np.float32)
+        for row in range(top // self.seg_h, (bottom - 1) // self.seg_h + 1):
+            for col in range(left // self.seg_w, (right - 1) // self.seg_w + 1):
+                y0, x0 = row * self.seg_h, col * self.seg_w
+                if glass_unread and not self.has_tissue(y0, y0 + self.seg_h, x0, x0 + self.seg_w):
+                    assert self.tissue is not None
+                    ys = slice(max(top, y0) - top, min(bottom, y0 + self.seg_h) - top)
+                    xs = slice(max(left, x0) - left, min(right, x0 + self.seg_w) - left)
+                    out[ys, xs] = self.tissue.glass
+                    continue
+                seg = self.grey(self._segment(row * self.across + col))
+                ys = slice(max(top, y0), min(bottom, y0 + seg.shape[0], self.height))
+                xs = slice(max(left, x0), min(right, x0 + seg.shape[1], self.width))
+                out[ys.start - top : ys.stop - top, xs.start - left : xs.stop - left] = seg[
+                    ys.start - y0 : ys.stop - y0, xs.start - x0 : xs.stop - x0
+                ]
+        return out
+
+
+class RegionReader(Regions):
+    """Rectangular regions of a TIFF's plane, decoded a tile or strip at a time."""
 
     def __init__(
         self, source: Path | BinaryIO, cache_pixel_rows: int = 4 * TILE, channel: Any = None,
@@ -85,22 +171,19 @@ class RegionReader:
             self.tif.close()
             raise ValueError("planar (separate) RGB TIFFs cannot be read by tiles")
         self.page = page
-        self.height, self.width = page.imagelength, page.imagewidth
-        self.seg_h = page.tilelength if page.is_tiled else min(page.rowsperstrip, self.height)
-        self.seg_w = page.tilewidth if page.is_tiled else page.imagewidth
+        height = page.imagelength
+        seg_h = page.tilelength if page.is_tiled else min(page.rowsperstrip, height)
         # Uncompressed strips (a single one, as ImageJ writes them) are read a band of rows
         # at a time from where they lie: never a whole strip of a huge image in memory.
         self.by_rows = not page.is_tiled and page.compression == 1 and page.predictor == 1
         if self.by_rows:
-            self.seg_h = min(self.seg_h, TILE)
-        self.across = math.ceil(self.width / self.seg_w)
-        self.scale = np.float32(np.iinfo(page.dtype).max) if page.dtype.kind == "u" else None
-        self.cache: OrderedDict[int, np.ndarray] = OrderedDict()
-        # enough whole rows of segments to hold ``cache_pixel_rows`` rows of the image
-        self.cache_size = (math.ceil(cache_pixel_rows / self.seg_h) + 1) * self.across
-        self.tissue = self._tissue(channel, glass_tolerance) if glass_tolerance > 0 else None
+            seg_h = min(seg_h, TILE)
+        seg_w = page.tilewidth if page.is_tiled else page.imagewidth
+        self._layout(height, page.imagewidth, seg_h, seg_w, page.dtype, cache_pixel_rows)
+        self.tolerance = glass_tolerance
+        self.tissue = self._tissue(channel) if glass_tolerance > 0 else None
 
-    def _tissue(self, channel: Any, tolerance: float) -> TissueMask | None:
+    def _tissue(self, channel: Any) -> TissueMask | None:
         """The tissue mask of the pyramid's smallest level, if it has a small enough one."""
         level = plane_page(self.tif, channel, -1)
         if not isinstance(level, tifffile.TiffPage) or level.imagelength == self.height:
@@ -111,40 +194,23 @@ class RegionReader:
                      level.imagewidth, level.imagelength)  # fmt: skip
             return None
         pixels = np.asarray(level.asarray())
-        grey = self.grey(pixels.reshape(*pixels.shape[:2], -1))
-        mask = TissueMask.of_level(grey, self.height, self.width, tolerance)
-        log.info("tissue mask from the %dx%d level: glass grey %.3f, tissue %.1f %% of the slide",
-                 level.imagewidth, level.imagelength, mask.glass, 100 * mask.fraction)  # fmt: skip
-        return mask
-
-    def has_tissue(self, top: int, bottom: int, left: int, right: int) -> bool:
-        """Whether the rows ``top:bottom``, columns ``left:right`` are worth running the net
-        on: they touch tissue, or there is no tissue mask."""
-        return self.tissue is None or self.tissue.any(top, bottom, left, right)
+        return self._tissue_of(pixels.reshape(*pixels.shape[:2], -1))
 
     def close(self) -> None:
+        super().close()
         self.tif.close()
 
-    def _segment(self, index: int) -> np.ndarray:
-        if index in self.cache:
-            self.cache.move_to_end(index)
-            return self.cache[index]
+    def _decode(self, index: int) -> np.ndarray:
         if self.by_rows:
             top = index * self.seg_h
-            decoded = self._rows(top, min(top + self.seg_h, self.height))
-        else:
-            handle = self.tif.filehandle
-            handle.seek(self.page.dataoffsets[index])
-            data = handle.read(self.page.databytecounts[index])
-            # an NDPI's tile is a restart interval of its level's one JPEG, under that header
-            decoded, _, _ = self.page.decode(data, index, jpegtables=self.page.jpegtables,
-                                             jpegheader=self.page.jpegheader)  # fmt: skip
-            decoded = np.asarray(decoded)[0]
-        # kept as decoded (a quarter of its float32 grey for 8-bit grey), made grey per read
-        self.cache[index] = segment = decoded
-        if len(self.cache) > self.cache_size:
-            self.cache.popitem(last=False)
-        return segment
+            return self._rows(top, min(top + self.seg_h, self.height))
+        handle = self.tif.filehandle
+        handle.seek(self.page.dataoffsets[index])
+        data = handle.read(self.page.databytecounts[index])
+        # an NDPI's tile is a restart interval of its level's one JPEG, under that header
+        decoded, _, _ = self.page.decode(data, index, jpegtables=self.page.jpegtables,
+                                         jpegheader=self.page.jpegheader)  # fmt: skip
+        return np.asarray(decoded)[0]
 
     def _rows(self, top: int, bottom: int) -> np.ndarray:
         """Rows ``top:bottom`` of an uncompressed stripped page, (rows, width, samples)."""
@@ -163,39 +229,6 @@ class RegionReader:
         if len(data) != (bottom - top) * row_bytes:
             raise ValueError(f"the strips end before row {bottom} (the file is cut short)")
         return np.frombuffer(data, dtype).reshape(bottom - top, self.width, -1)
-
-    def grey(self, pixels: np.ndarray) -> np.ndarray:
-        """Decoded samples (rows, columns, samples) of the page as float32 grey in [0, 1]."""
-        if self.scale is None:
-            raise ValueError(f"{pixels.dtype} samples; only 8- and 16-bit unsigned are supported")
-        if pixels.shape[-1] >= 3:
-            return (pixels[..., :3].astype(np.float32) @ _LUMA) / self.scale
-        return pixels[..., 0].astype(np.float32) / self.scale
-
-    def region(
-        self, top: int, bottom: int, left: int, right: int, glass_unread: bool = False
-    ) -> np.ndarray:
-        """Rows ``top:bottom``, columns ``left:right``. ``glass_unread``: a tile (strip) that
-        touches no tissue is not decoded but given as the glass's grey: for the overview and
-        the objects' measures, never for the net (an object the net found on such a tile,
-        from a window that touched tissue elsewhere, is measured against that grey)."""
-        out = np.empty((bottom - top, right - left), dtype=np.float32)
-        for row in range(top // self.seg_h, (bottom - 1) // self.seg_h + 1):
-            for col in range(left // self.seg_w, (right - 1) // self.seg_w + 1):
-                y0, x0 = row * self.seg_h, col * self.seg_w
-                if glass_unread and not self.has_tissue(y0, y0 + self.seg_h, x0, x0 + self.seg_w):
-                    assert self.tissue is not None
-                    ys = slice(max(top, y0) - top, min(bottom, y0 + self.seg_h) - top)
-                    xs = slice(max(left, x0) - left, min(right, x0 + self.seg_w) - left)
-                    out[ys, xs] = self.tissue.glass
-                    continue
-                seg = self.grey(self._segment(row * self.across + col))
-                ys = slice(max(top, y0), min(bottom, y0 + seg.shape[0], self.height))
-                xs = slice(max(left, x0), min(right, x0 + seg.shape[1], self.width))
-                out[ys.start - top : ys.stop - top, xs.start - left : xs.stop - left] = seg[
-                    ys.start - y0 : ys.stop - y0, xs.start - x0 : xs.stop - x0
-                ]
-        return out
 
 
 def starts(length: int, window: int, stride: int) -> list[int]:
@@ -221,7 +254,7 @@ def coverage(length: int, window: int, positions: list[int], overlap: int) -> np
 
 
 def probability_bands(
-    reader: RegionReader,
+    reader: Regions,
     predict: Predict,
     window: int,
     overlap: int,
@@ -234,7 +267,7 @@ def probability_bands(
     the whole image, or of its rows ``rows_wanted`` (first, end). Windows lie on the whole
     image's grid and only those over the rows wanted run, so those rows come out exactly as
     in the whole image's run (a region's halo is the windows that reach into it). Windows
-    over glass only (:meth:`RegionReader.has_tissue`) are not run: they add nothing. The
+    over glass only (:meth:`Regions.has_tissue`) are not run: they add nothing. The
     windows whose top lies in the rows wanted are counted in ``windows`` (a halo's windows run
     again in the region above, but count there only)."""
     height, width = reader.height, reader.width
@@ -460,7 +493,7 @@ def region_rows(
     return first * CHUNK, min(end * CHUNK, height)
 
 
-def tissue_work(reader: RegionReader, window: int, overlap: int) -> np.ndarray | None:
+def tissue_work(reader: Regions, window: int, overlap: int) -> np.ndarray | None:
     """The windows the net will run, per chunk row of their top (what a region's time goes
     to); None without a tissue mask (every window runs: the rows are the work)."""
     if reader.tissue is None:
@@ -523,7 +556,7 @@ def region_record_name(index: int) -> str:
 
 
 def segment_region(
-    reader: RegionReader, predict: Predict, threshold: float, ids: Any, index: int, count: int,
+    reader: Regions, predict: Predict, threshold: float, ids: Any, index: int, count: int,
     window: int = 512, overlap: int = 64, batch: int = 1, progress: Progress | None = None,
 ) -> RegionRecord:  # fmt: skip
     """Segment region ``index`` of ``count`` of the image: its provisional ids (its own
@@ -622,17 +655,20 @@ def assemble(
 
 
 def segment_tiled(
-    source: Path | BinaryIO, folder: HeldFolder, target: str, predict: Predict, threshold: float,
-    min_area: int, window: int = 512, overlap: int = 64, batch: int = 1,
+    source: Path | BinaryIO | Regions, folder: HeldFolder, target: str, predict: Predict,
+    threshold: float, min_area: int, window: int = 512, overlap: int = 64, batch: int = 1,
     progress: Progress | None = None, channel: Any = None, glass_tolerance: float = 0.0,
     name: str = "",
 ) -> TiledResult:  # fmt: skip
-    """Segment ``source`` (its plane ``channel``; ``name``, its file's name) in one task into
-    the OME-Zarr label image ``target`` (a folder name in ``folder``, replaced whole): one
-    region, assembled at once; the provisional ids lie in a temporary folder beside it
-    meanwhile."""
-    reader = RegionReader(source, window_cache_rows({"tile_size": window}), channel,
-                          glass_tolerance, name)  # fmt: skip
+    """Segment ``source`` (a TIFF: its plane ``channel``, ``name`` its file's name; or an
+    image's reader, which the caller made and closes) in one task into the OME-Zarr label
+    image ``target`` (a folder name in ``folder``, replaced whole): one region, assembled at
+    once; the provisional ids lie in a temporary folder beside it meanwhile."""
+    if isinstance(source, Regions):
+        reader = source
+    else:
+        reader = RegionReader(source, window_cache_rows({"tile_size": window}), channel,
+                              glass_tolerance, name)  # fmt: skip
     work = temporary_name()
     try:
         folder.mkdir(work)
@@ -646,5 +682,6 @@ def segment_tiled(
             finally:
                 store.close()
     finally:
-        reader.close()
+        if reader is not source:
+            reader.close()
         folder.remove_tree(work)
