@@ -62,12 +62,12 @@ def assemble_job(spec: JobSpec, job_dir: Path, batch: HeldFolder) -> dict[str, A
 
 
 def _records(work: HeldFolder, item: InputFile) -> list[RegionRecord]:
-    """The regions' records, all of them, of one read of one file."""
+    """The regions' records, all of them, of one read of one file (or OME-Zarr store)."""
     first = RegionRecord.from_bytes(_read(work, region_record_name(0)))
     records = [first] + [
         RegionRecord.from_bytes(_read(work, region_record_name(i))) for i in range(1, first.count)
     ]
-    seen = {(r.meta["size"], r.meta["mtime_ns"]) for r in records}
+    seen = {(r.meta["size"], r.meta["mtime_ns"], r.meta.get("state")) for r in records}
     if len(seen) > 1:
         raise InputError("changed", [Problem(
             where(item), "changed while its regions were segmented (its size or modification "

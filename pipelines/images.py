@@ -33,7 +33,7 @@ from PIL import Image
 
 from daemon.contract.heldfolder import HeldFolder
 from daemon.contract.jobspec import InputFile, Problem
-from daemon.contract.names import VENDOR_FORMATS, input_format_problem
+from daemon.contract.names import VENDOR_FORMATS, input_format_problem, is_store
 from daemon.contract.safeopen import Folder, Presence, RefusedInput, open_input
 from pipelines.bounds import (
     PNG_MAGIC,
@@ -169,6 +169,8 @@ def read_bounded(
     a file far larger than its declared image, an image over ``max_pixels`` that cannot be
     read window by window, a checksum mismatch, bytes that are not an image we decode.
     """
+    if is_store(item.path):  # a folder of chunks (pipelines.ngff): window by window
+        return None
     with open_item(batch_dir, item) as handle, reading(item):
         size = stored(handle, item)
         if PurePosixPath(item.path).suffix.lower() in VENDOR_FORMATS:

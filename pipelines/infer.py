@@ -36,17 +36,18 @@ folder of masks is held once for the job's life (:class:`MaskFolders`), not reop
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
 import stat
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,7 +64,7 @@ from daemon.contract.jobspec import (
     Problem,
     Role,
 )
-from daemon.contract.names import inference_params
+from daemon.contract.names import inference_params, is_store
 from daemon.contract.version import code_version
 from models import registry
 from models.registry import ModelError, ModelVersion
@@ -87,10 +88,12 @@ from pipelines.layout import (
     work_folder_name,
 )
 from pipelines.ledger import Ledger
+from pipelines.ngff import open_store
 from pipelines.omezarr import work_array
 from pipelines.reader import read_ahead
 from pipelines.tiles import (
     RegionReader,
+    Regions,
     TiledResult,
     job_region,
     segment_region,
@@ -333,63 +336,76 @@ class Segmenter:
         self.finisher.shutdown(wait=True, cancel_futures=True)
 
     def tiled(self, item: InputFile) -> list[Problem]:
-        """Segment one large TIFF window by window; its problems (checksum, changed) if any.
-
-        The windows are read where they lie in the file, so its sha256 comes from a read of its
-        own before them, through the same open file; :func:`held_still` makes sure that the
-        file did not change in between. A problem found after the mask was written drops it.
-        """
+        """Segment one large TIFF, or an OME-Zarr store, window by window; its problems
+        (checksum, changed) if any. A problem found after the mask was written drops it."""
         folder, name = self.masks.of(item.path)
         target = label_image_name(name)
         try:
-            with open_item(self.batch, item) as handle, held_still(handle, item):
-                with reading(item):
-                    stored(handle, item)
-                    digest = sha256_of_stream(handle)
-                problem = checksum_problem(item, digest)
-                if problem is not None:
-                    return [problem]
-                handle.seek(0)
-                result = self._segment_tiled(item, handle, folder, target)
+            with self._opened(item, hashed=True) as (reader, meta):
+                result = self._segment_tiled(item, reader, folder, target)
         except InputError as exc:
             folder.remove_tree(target)
             return list(exc.problems)
         except ChannelProblem as exc:
             return [Problem(where(item), exc.message, exc.hint)]
         self.masks.run.write_text(objects_table_name(item.path), objects_csv(result.table))
-        self._done(item, digest, tiled_row(result))
+        self._done(item, meta["digest"], tiled_row(result))
         return []
 
+    @contextlib.contextmanager
+    def _opened(self, item: InputFile, hashed: bool) -> Iterator[tuple[Regions, dict[str, Any]]]:
+        """The reader of a large input and what all reads of it must agree on: a TIFF's size
+        and time (``hashed``: and its sha256, checked against the manifest's), an OME-Zarr
+        store's state (:mod:`pipelines.ngff`; its digest the ledger's). The TIFF's windows are
+        read where they lie in the file, so its sha256 comes from a read of its own before them,
+        through the same open file; :func:`held_still` makes sure that the file did not change
+        in between (the store is walked again after)."""
+        params = self.params
+        options = (window_cache_rows(params), params["channel"], float(params["glass_tolerance"]))
+        if is_store(item.path):
+            with open_store(self.batch, item, *options) as (store, state):
+                yield store, {**state, "digest": state["state"]}
+            return
+        with open_item(self.batch, item) as handle, held_still(handle, item):
+            with reading(item):
+                stored(handle, item)
+                digest = sha256_of_stream(handle) if hashed else ""
+            problem = checksum_problem(item, digest) if hashed else None
+            if problem is not None:
+                raise InputError("checksum mismatch", [problem])
+            handle.seek(0)
+            seen = os.fstat(handle.fileno())
+            reader = RegionReader(handle, *options, item.path)
+            try:
+                yield reader, {"size": seen.st_size, "mtime_ns": seen.st_mtime_ns,
+                               "digest": digest}  # fmt: skip
+            finally:
+                reader.close()
+
     def region(self, item: InputFile, index: int, count: int) -> list[Problem]:
-        """Segment region ``index`` of ``count`` of one large TIFF: its provisional ids into the
-        image's work folder (shared by its regions' jobs), its record beside them; the
-        assembly job makes the label image, the object table and the table row."""
+        """Segment region ``index`` of ``count`` of one large TIFF or OME-Zarr store: its
+        provisional ids into the image's work folder (shared by its regions' jobs), its record
+        beside them; the assembly job makes the label image, the object table and the row."""
         log.info("%s: region %d of %d", item.path, index + 1, count)
         params = self.params
         try:
-            with open_item(self.batch, item) as handle, held_still(handle, item):
-                with reading(item):
-                    stored(handle, item)
-                seen = os.fstat(handle.fileno())
-                reader = RegionReader(handle, window_cache_rows(params), params["channel"],
-                                      float(params["glass_tolerance"]), item.path)  # fmt: skip
+            with (
+                self._opened(item, hashed=False) as (reader, meta),
+                self.masks.run.folder(work_folder_name(item.path), create=True) as work,
+            ):
+                store, ids = work_array(work, reader.height, reader.width)
                 try:
-                    with self.masks.run.folder(work_folder_name(item.path), create=True) as work:
-                        store, ids = work_array(work, reader.height, reader.width)
-                        try:
-                            record = segment_region(
-                                reader, self._predict(), self.threshold, ids, index, count,
-                                int(params["tile_size"]), int(params["tile_overlap"]),
-                                self.batch_size, TiledProgress(item.path),
-                            )  # fmt: skip
-                        finally:
-                            store.close()
-                        record.meta = {"size": seen.st_size, "mtime_ns": seen.st_mtime_ns,
-                                       "height": reader.height, "width": reader.width,
-                                       "provenance": self.provenance}  # fmt: skip
-                        work.write_bytes(record.name(), record.to_bytes())
+                    record = segment_region(
+                        reader, self._predict(), self.threshold, ids, index, count,
+                        int(params["tile_size"]), int(params["tile_overlap"]),
+                        self.batch_size, TiledProgress(item.path),
+                    )  # fmt: skip
                 finally:
-                    reader.close()
+                    store.close()
+                record.meta = {**meta, "height": reader.height, "width": reader.width,
+                               "provenance": self.provenance}  # fmt: skip
+                del record.meta["digest"]
+                work.write_bytes(record.name(), record.to_bytes())
         except InputError as exc:
             return list(exc.problems)
         except ChannelProblem as exc:
@@ -402,15 +418,14 @@ class Segmenter:
         return lambda tiles: predict(self.net, tiles, where)
 
     def _segment_tiled(
-        self, item: InputFile, source: BinaryIO, folder: HeldFolder, target: str
+        self, item: InputFile, reader: Regions, folder: HeldFolder, target: str
     ) -> TiledResult:
         params = self.params
         log.info("%s: tiled inference", item.path)
         return segment_tiled(
-            source, folder, target, self._predict(), self.threshold,
+            reader, folder, target, self._predict(), self.threshold,
             self.min_area, int(params["tile_size"]), int(params["tile_overlap"]),
-            self.batch_size, TiledProgress(item.path), params["channel"],
-            float(params["glass_tolerance"]), item.path,
+            self.batch_size, TiledProgress(item.path),
         )  # fmt: skip
 
     def _done(self, item: InputFile, digest: str, stats: dict[str, Any]) -> None:

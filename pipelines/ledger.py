@@ -3,12 +3,13 @@
 ``run_dir/ledger/shard-NNNN.jsonl``: one JSON line per image whose mask was written, appended
 after the mask is in place: the input's path and sha256, the model's sha256, a hash of the
 inference parameters, and the image's table row. A re-run of the shard (a retry after a crash,
-an operator's requeue) takes an image's row from the ledger instead of segmenting it again when
-all of these still hold: same path, same input bytes (the manifest's sha256, or the file's),
-same model, same parameters, and the mask is still there. A torn last line (the job was killed
-while appending) is ignored: that image is simply done again. The ledger is read and appended
-through the held run folder (:mod:`daemon.contract.heldfolder`): a link, FIFO or hard link planted
-at its name is not read, and is replaced by the ledger's own file when the first line is appended.
+an operator's requeue) takes an image's row from the ledger instead of segmenting it again when all
+of these still hold: same path, same input bytes (the manifest's sha256, or the file's; an OME-Zarr
+store's state), same model, same parameters, and the mask is still there. A torn last line (the job
+was killed while appending) is ignored: that image is simply done again. The ledger is read and
+appended through the held run folder (:mod:`daemon.contract.heldfolder`): a link, FIFO or hard link
+planted at its name is not read, and is replaced by the ledger's own file when the first line is
+appended.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from typing import IO, Any
 from daemon.contract.checksums import sha256_of_stream
 from daemon.contract.heldfolder import HeldFolder, UnsafeEntry
 from daemon.contract.jobspec import InputFile
+from daemon.contract.names import is_store
 from daemon.contract.safeopen import Folder, RefusedInput, open_input
+from daemon.contract.stores import MAX_STORE_ENTRIES, store_state
 from pipelines.layout import LEDGER_DIR
 
 log = logging.getLogger("pipelines")
@@ -35,6 +38,13 @@ def params_hash(params: Mapping[str, Any]) -> str:
 
 
 def _hash_input(batch_dir: Folder, relative: str) -> str:
+    """The input's sha256; an OME-Zarr store's state (its files' names, sizes and times: what
+    its segmentation recorded, :mod:`pipelines.ngff`)."""
+    if is_store(relative) and isinstance(batch_dir, HeldFolder):
+        walked = store_state(batch_dir, relative, MAX_STORE_ENTRIES)
+        if walked.problem:
+            raise OSError(walked.problem)
+        return walked.state
     with open_input(batch_dir, relative) as handle:
         return sha256_of_stream(handle)
 

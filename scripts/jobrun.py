@@ -44,10 +44,14 @@ class Finished:
 def inputs_of(
     batch_dir: Path, files: Iterable[Path], checksums: bool = False
 ) -> tuple[InputFile, ...]:
-    """Inputs for ``files``; those under a ``masks`` folder are ground truth."""
+    """Inputs for ``files``; those under a ``masks`` folder are ground truth. An OME-Zarr store
+    (a folder) has no size or checksum of its own."""
     items = []
     for path in sorted(files):
         relative = path.relative_to(batch_dir).as_posix()
+        if path.is_dir():
+            items.append(InputFile(relative))
+            continue
         digest = sha256_of(path) if checksums else None
         role = Role.MASK if "masks" in Path(relative).parts[:-1] else Role.IMAGE
         items.append(InputFile(relative, path.stat().st_size, digest, role))

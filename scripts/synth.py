@@ -12,7 +12,8 @@ images of a batch of 100.
 Usage::
 
     python scripts/synth.py OUT --kind training --count 64 --size 128 --seed 0 \
-        [--format png|tif|ome-tif|slide|svs|ndpi] [--bits 8|16] [--truth DIR] [--tissue 0.1]
+        [--format png|tif|ome-tif|slide|svs|ndpi|ome-zarr] [--bits 8|16] [--truth DIR] \
+        [--tissue 0.1]
 
 ``ome-tif`` writes each image as a three-channel OME-TIFF, as a fluorescence microscope does:
 ``DAPI`` and ``RFP`` planes beside the ``GFP`` plane that holds the droplet (segment it with
@@ -25,7 +26,8 @@ as scanners and QuPath write pyramids; written tile by tile, so any size fits in
 ``--tissue 0.1`` keeps a tenth of the droplets, in islands, the rest bare glass. ``svs``
 writes the same slide as an Aperio scanner does (RGB, JPEG tiles, a thumbnail, levels reduced
 by four in pages of their own; needs imagecodecs). ``ndpi`` writes it in the layout of a
-Hamamatsu NDPI (:func:`write_ndpi`). Larger
+Hamamatsu NDPI (:func:`write_ndpi`), ``ome-zarr`` as an OME-Zarr image (:func:`write_ome_zarr`:
+the TIFF's levels, pixel for pixel, as a store of chunks in a folder ``*.ome.zarr``). Larger
 than ``max_whole_pixels``, it is segmented window by window into an OME-Zarr label image.
 
 Training batches get ``OUT/images/`` and ``OUT/masks/``; inference batches ``OUT/images/``
@@ -52,8 +54,8 @@ from scipy import ndimage
 
 KINDS = ("training", "inference")
 FORMATS = {"png": ".png", "tif": ".tif", "ome-tif": ".ome.tif", "slide": ".tif", "svs": ".svs",
-           "ndpi": ".ndpi"}  # fmt: skip
-SLIDES = ("slide", "svs", "ndpi")  # the formats of whole-slide images
+           "ndpi": ".ndpi", "ome-zarr": ".ome.zarr"}  # fmt: skip
+SLIDES = ("slide", "svs", "ndpi", "ome-zarr")  # the formats of whole-slide images
 CHANNELS = ("DAPI", "GFP", "RFP")  # ome-tif: the droplet is the GFP plane
 CELL = 128  # slide: one droplet
 SLIDE_TILE = 256  # slide: its TIFF tiles
@@ -222,12 +224,13 @@ def write_slide(
     """A ``size``² slide (:func:`slide_tiles`, ``tissue`` its share of droplets) as a tiled
     TIFF with ``levels`` reduced levels in SubIFDs (by default down to about 1024 pixels
     across; 0: none); as an Aperio SVS where ``path`` ends in ``.svs``, a Hamamatsu NDPI
-    where it ends in ``.ndpi``. ``rows`` (first, count; a multiple of the droplet cell
-    first): only that strip of it, ``size`` wide."""
+    where it ends in ``.ndpi``, an OME-Zarr image where it ends in ``.zarr``. ``rows``
+    (first, count; a multiple of the droplet cell first): only that strip of it, ``size``
+    wide."""
     if levels is None:
         levels = max(0, math.ceil(math.log2(size / 1024)))
     path.parent.mkdir(parents=True, exist_ok=True)
-    vendor = {".svs": _write_svs, ".ndpi": write_ndpi}.get(path.suffix)
+    vendor = {".svs": _write_svs, ".ndpi": write_ndpi, ".zarr": write_ome_zarr}.get(path.suffix)
     if vendor is not None:
         if rows is not None:
             raise ValueError(f"a strip of a slide is written as a TIFF, not as {path.suffix}")
@@ -330,6 +333,42 @@ def write_ndpi(path: Path, size: int, seed: int, levels: int, tissue: float) -> 
     if len(out) >= 2**32:
         raise ValueError("an NDPI of 4 GB or more needs the offsets' high bytes")
     path.write_bytes(bytes(out))
+
+
+def write_ome_zarr(path: Path, size: int, seed: int, levels: int, tissue: float) -> None:
+    """The slide as an OME-Zarr image (NGFF 0.4, Zarr v2, as bioformats2raw writes one): a
+    folder with a multiscales group of five axes (t, c, z, y, x; one time point, one channel
+    named "Brightfield", one slice), level 0 and ``levels`` levels halved (every 2^k-th pixel,
+    as the TIFF's), chunks of 256² compressed with Blosc-zstd, written a row of chunks at a
+    time; built under a hidden name and renamed into place whole."""
+    import numcodecs
+    import zarr
+
+    building = path.with_name(f".{path.name}.partial")
+    group = zarr.open_group(str(building), mode="w", zarr_format=2)
+    compressor = numcodecs.Blosc(cname="zstd", clevel=5, shuffle=numcodecs.Blosc.BITSHUFFLE)
+    datasets = []
+    for level in range(levels + 1):
+        step = 2**level
+        side = -(-size // step)
+        array = group.create_array(
+            str(level), shape=(1, 1, 1, side, side), chunks=(1, 1, 1, SLIDE_TILE, SLIDE_TILE),
+            dtype=np.uint8, compressors=compressor,
+            chunk_key_encoding={"name": "v2", "separator": "/"},
+        )  # fmt: skip
+        for number, row in enumerate(_tile_rows(slide_tiles(size, seed, step, tissue), size, step)):
+            band = np.concatenate(list(row), axis=1)
+            array[0, 0, 0, number * SLIDE_TILE : number * SLIDE_TILE + len(band)] = band
+        scale = {"type": "scale", "scale": [1.0, 1.0, 1.0, float(step), float(step)]}
+        datasets.append({"path": str(level), "coordinateTransformations": [scale]})
+    axes = [{"name": "t", "type": "time"}, {"name": "c", "type": "channel"},
+            *({"name": a, "type": "space", "unit": "micrometer"} for a in "zyx")]  # fmt: skip
+    group.attrs.update({
+        "multiscales": [{"version": "0.4", "name": path.name, "axes": axes, "datasets": datasets}],
+        "omero": {"channels": [{"label": "Brightfield", "color": "FFFFFF", "active": True,
+                                "window": {"start": 0, "end": 255, "min": 0, "max": 255}}]},
+    })  # fmt: skip
+    building.rename(path)
 
 
 def _whole_level(size: int, seed: int, step: int, tissue: float) -> np.ndarray:

@@ -31,7 +31,7 @@ from daemon.contract import atomicfile
 from daemon.contract.checksums import sha256_of_stream
 from daemon.contract.errors import ManifestError, WatchdError
 from daemon.contract.jobspec import Role
-from daemon.contract.names import IMAGE_SUFFIXES
+from daemon.contract.names import IMAGE_SUFFIXES, is_store
 from daemon.contract.safeopen import open_input
 from daemon.core.manifest import (
     MANIFEST_NAME,
@@ -84,19 +84,30 @@ STARTER_SWEEP = {
 
 
 def image_files(folder: Path) -> list[str]:
-    """Image files under ``folder`` (relative, posix, sorted), leaving out what watchd writes."""
+    """Image files under ``folder`` (relative, posix, sorted), leaving out what watchd writes;
+    an OME-Zarr store (a folder ``*.zarr``, not a link) is one, and not looked into."""
     found = []
     for dirpath, dirnames, filenames in os.walk(folder):
         relative_dir = Path(dirpath).relative_to(folder)
         if relative_dir == Path("."):
             dirnames[:] = [d for d in dirnames if d != RESULTS_DIR]
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        stores = [d for d in dirnames if is_store(d)]
+        found += [(relative_dir / d).as_posix() for d in stores if _folder(Path(dirpath) / d)]
+        dirnames[:] = [d for d in dirnames if d not in stores]
         for name in filenames:
             if name.startswith(".") or name in (MANIFEST_NAME, STATUS_NAME):
                 continue
             if Path(name).suffix.lower() in IMAGE_SUFFIXES and _regular(Path(dirpath) / name):
                 found.append((relative_dir / name).as_posix())
     return sorted(found)
+
+
+def _folder(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _regular(path: Path) -> bool:
@@ -130,8 +141,11 @@ def compose(request: ManifestRequest, progress: ProgressHook | None = None) -> C
     text = tomli_w.dumps(document)
     note = ""
     if len(text.encode("utf-8")) > request.max_bytes or len(files) > MAX_INPUTS:
-        del document["files"]
-        document["patterns"] = _patterns(files, masks_prefix)
+        # an OME-Zarr store (a folder) no pattern matches: listed still
+        document["files"] = [{"path": f} for f in files if is_store(f)]
+        document["patterns"] = _patterns([f for f in files if not is_store(f)], masks_prefix)
+        if not document["files"]:
+            del document["files"]
         note = (
             f"note: listing all {len(files):,} files would make the manifest larger than the "
             f"{request.max_bytes:,} bytes the daemon accepts; it names {len(document['patterns'])} "
@@ -177,7 +191,11 @@ def _entries(
     hears of each one)."""
     entries = []
     for relative in files:
-        entry: dict[str, Any] = {"path": relative, "size": (folder / relative).stat().st_size}
+        entry: dict[str, Any] = {"path": relative}
+        if is_store(relative):  # a folder: no one size or checksum (readiness waits it out)
+            entries.append(entry)
+            continue
+        entry["size"] = (folder / relative).stat().st_size
         if digest is not None:
             entry["sha256"] = digest(relative)
         if masks_prefix and relative.startswith(masks_prefix):

@@ -31,11 +31,14 @@ TIFF_SUFFIXES = frozenset({".tif", ".tiff", ".svs", ".ndpi"})
 # Microscope vendors' files, read by a bioio plugin where the jobs run (pipelines/vendor.py):
 # the format's name and the plugin's package.
 VENDOR_FORMATS = {".czi": ("Zeiss CZI", "bioio-czi"), ".nd2": ("Nikon ND2", "bioio-nd2")}
-IMAGE_SUFFIXES = frozenset({".png", *VENDOR_FORMATS}) | TIFF_SUFFIXES
+# An OME-Zarr image (NGFF 0.4 or 0.5) is a folder, a store of chunk files: an input of its own
+# kind (pipelines/ngff.py), listed by the folder's name, looked at as a whole at intake.
+STORE_SUFFIX = ".zarr"
+IMAGE_SUFFIXES = frozenset({".png", STORE_SUFFIX, *VENDOR_FORMATS}) | TIFF_SUFFIXES
 # What instruments and scanners write that the jobs do not read (yet): said by name.
 _INSTRUMENT_FORMATS = {
     ".lif": "Leica LIF", ".vsi": "Olympus VSI", ".mrxs": "3DHISTECH MRXS",
-    ".scn": "Leica SCN", ".ims": "Imaris", ".zarr": "Zarr",
+    ".scn": "Leica SCN", ".ims": "Imaris",
 }  # fmt: skip
 _EXPORT = "export the images as OME-TIFF (e.g. Fiji: File > Save As > OME-TIFF), TIFF or PNG"
 
@@ -43,7 +46,8 @@ _EXPORT = "export the images as OME-TIFF (e.g. Fiji: File > Save As > OME-TIFF),
 def input_format_problem(path: str) -> tuple[str, str] | None:
     """(what, hint) when an input named ``path`` is in a format the jobs do not read; None
     when they do (PNG or TIFF, 8 or 16 bit, grey, RGB or multi-channel; Aperio SVS, Hamamatsu
-    NDPI; CZI and ND2 where their bioio reader is installed, which only the job can tell)."""
+    NDPI; an OME-Zarr store; CZI and ND2 where their bioio reader is installed, which only the
+    job can tell)."""
     suffix = PurePosixPath(path).suffix.lower()
     if suffix in IMAGE_SUFFIXES:
         return None
@@ -51,6 +55,11 @@ def input_format_problem(path: str) -> tuple[str, str] | None:
         return f"is a {_INSTRUMENT_FORMATS[suffix]} file, which watchd does not read", _EXPORT
     named = f"is a '{suffix}' file" if suffix else "has no suffix"
     return f"{named}; watchd reads PNG and TIFF images", "save the image as .png or .tif"
+
+
+def is_store(path: str) -> bool:
+    """Whether the input named ``path`` is an OME-Zarr store (a folder), not a file."""
+    return PurePosixPath(path).suffix.lower() == STORE_SUFFIX
 
 
 def model_names(registry: Path) -> list[str]:

@@ -46,6 +46,7 @@ class Presence(enum.Enum):
     OUTSIDE = "outside"  # resolves (through a symlink) outside the batch folder
     SPECIAL = "special"  # a FIFO, device, socket or folder: never read
     UNREADABLE = "unreadable"  # stat failed for another reason (permissions, loop, I/O error)
+    INVALID = "invalid"  # an OME-Zarr store that is not one (a file, or holding a link): why
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,8 @@ def describe(presence: Presence, detail: str) -> str:
         return f"leads outside the batch folder (to {detail})"
     if presence is Presence.SPECIAL:
         return f"is {detail}, not a regular file"
+    if presence is Presence.INVALID:
+        return detail
     return f"cannot be read: {detail}"
 
 

@@ -22,8 +22,14 @@ import pydantic
 
 from daemon.contract.errors import ManifestError
 from daemon.contract.jobspec import InputFile, ModelRef, Problem, Role
-from daemon.contract.names import ALIASES, LATEST, input_format_problem
-from daemon.core.manifest_schema import PARAMS_BY_KIND, Kind, ManifestModel, TrainingParams
+from daemon.contract.names import ALIASES, LATEST, input_format_problem, is_store
+from daemon.core.manifest_schema import (
+    PARAMS_BY_KIND,
+    FileEntry,
+    Kind,
+    ManifestModel,
+    TrainingParams,
+)
 from daemon.core.nesting import MAX_NESTING, document_nests_deeper, text_nests_deeper
 from daemon.core.sweep import SweepPlan, check_space, expand
 from daemon.core.validation import problems
@@ -248,11 +254,30 @@ def _path_problems(document: Mapping[str, Any]) -> list[Problem]:
     return found
 
 
+def _store_problems(model: ManifestModel, index: int, entry: FileEntry) -> list[Problem]:
+    """What an OME-Zarr store (a folder) may not have: one file's size or sha256; and it is
+    segmented by inference only."""
+    where = f"{MANIFEST_NAME}, files[{index}] '{entry.path}'"
+    what = "is an OME-Zarr store, a folder"
+    unsettled = "(the batch waits until it stops changing)"
+    found = [
+        Problem(where, f"{what}: it has no one {key} {unsettled}", f"remove {key} from this entry")
+        for key, value in (("size", entry.size), ("sha256", entry.sha256))
+        if value is not None
+    ]
+    if model.kind.trains:
+        hint = "train on PNG or TIFF images (export the store's image as TIFF)"
+        found.append(Problem(where, f"{what}: it is segmented by inference only", hint))
+    return found
+
+
 def _check_semantics(model: ManifestModel) -> list[Problem]:
     found: list[Problem] = []
     for i, entry in enumerate(model.files):
         if (unread := input_format_problem(entry.path)) is not None:
             found.append(Problem(f"{MANIFEST_NAME}, files[{i}] '{entry.path}'", *unread))
+        if is_store(entry.path):
+            found.extend(_store_problems(model, i, entry))
         if entry.size == 0:
             found.append(
                 Problem(

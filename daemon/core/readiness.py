@@ -7,7 +7,8 @@ Missing and short files wait, up to the timeout; then the batch fails naming eac
 Inputs that are all there but keep changing wait up to the same timeout; then it fails naming
 the ones still being written. An input that resolves outside the folder or is not a regular
 file fails the batch at once, as does a pattern whose walk reached a bound; an input bigger
-than listed fails it once the folder has settled.
+than listed fails it once the folder has settled. An OME-Zarr store (a folder) is seen as one
+input, missing until its metadata is there, its size its files' sum.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from daemon.contract.jobspec import InputFile, Problem, summarised
-from daemon.contract.names import input_format_problem
+from daemon.contract.names import input_format_problem, is_store
 from daemon.contract.safeopen import Presence, describe
 from daemon.core.manifest import MANIFEST_NAME, Manifest, Pattern, pairing_problems
 
@@ -194,7 +195,8 @@ def _file_problems(
         if refused is not None:
             hard.append(refused)
         elif got.presence is Presence.MISSING:
-            soft.append(Problem(where, f"'{got.path}' is missing", "not copied yet?"))
+            why = f" ({got.detail})" if got.detail else ""
+            soft.append(Problem(where, f"'{got.path}' is missing{why}", "not copied yet?"))
         elif listed.size is not None and got.size < listed.size:
             soft.append(
                 Problem(
@@ -210,6 +212,7 @@ _REFUSED_HINTS = {
     Presence.OUTSIDE: "copy the file itself into the folder instead of a link to it",
     Presence.SPECIAL: "",
     Presence.UNREADABLE: "check its permissions",
+    Presence.INVALID: "copy the OME-Zarr store itself into the batch folder, without links",
 }
 
 
@@ -259,7 +262,10 @@ def _settle(seen: InputsSeen, previous: Settle | None, now: float) -> Settle:
 def _resolved(manifest: Manifest, seen: InputsSeen) -> tuple[InputFile, ...]:
     """The concrete input list: listed files (by their name on disk, which may differ from the
     manifest's in its Unicode normalisation), then pattern matches not already listed."""
-    files = [replace(f, path=got.path) for f, got in zip(manifest.files, seen.files, strict=True)]
+    files = [
+        replace(f, path=got.path, size=got.size if is_store(got.path) else f.size)
+        for f, got in zip(manifest.files, seen.files, strict=True)
+    ]  # (a store's size, its files' sum, is what splits it into regions)
     listed = {f.path for f in files}
     for ps in seen.patterns:
         for f in ps.matches:

@@ -4,13 +4,16 @@
 Only the files a manifest names (or its patterns match) are looked at, and only while the batch
 waits. The rule is :mod:`daemon.contract.safeopen`'s, the one the jobs open inputs by: symlinks are
 followed only while they stay inside the batch folder; anything that resolves outside it, or is
-not a regular file (FIFO, device, folder), is reported as such and never opened. Patterns are
+not a regular file (FIFO, device, folder), is reported as such and never opened. An OME-Zarr
+store (a listed input named ``*.zarr``) is a folder: it is walked without entering a link, and
+holds only folders and regular files; its size is its files' sum. Patterns are
 expanded by :mod:`daemon.loop.patterns`: one walk per pattern, bounded in depth and in the entries
 it looks at, that never enters a link to a folder.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import stat
@@ -20,7 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from daemon.contract.jobspec import InputFile
+from daemon.contract.names import is_store
 from daemon.contract.safeopen import Presence, locate
+from daemon.contract.stores import walk_store
 from daemon.core.manifest import MANIFEST_NAME, RESULTS_DIR, STATUS_NAME, Manifest, Pattern
 from daemon.core.readiness import FileSeen, InputsSeen, PatternSeen
 from daemon.loop import patterns
@@ -62,7 +67,8 @@ def check(
             return InputsSeen(False, (), ()), Memory()
     except OSError:
         return InputsSeen(False, (), ()), Memory()
-    looker = _Looker(real_folder, memory or Memory(), verify=memory is None)
+    looker = _Looker(real_folder, memory or Memory(), verify=memory is None,
+                     max_entries=max_entries)  # fmt: skip
     files = looker.listed(manifest.files)
     expanded, budget = [], max_entries
     for p in manifest.patterns:
@@ -75,8 +81,9 @@ def check(
 class _Looker:
     """One check's looking (private: :func:`check` returns what it saw and learnt)."""
 
-    def __init__(self, real_folder: str, memory: Memory, *, verify: bool) -> None:
+    def __init__(self, real_folder: str, memory: Memory, *, verify: bool, max_entries: int) -> None:
         self.real_folder, self.memory, self.verify = real_folder, memory, verify
+        self.max_entries = max_entries  # of one OME-Zarr store
         self.last: dict[str, FileSeen] = {}
         self.complete: set[str] = set()
 
@@ -95,6 +102,9 @@ class _Looker:
         return tuple(s for s in seen if s is not None)
 
     def _one(self, listed: InputFile, parent: str, names: frozenset[str] | None) -> FileSeen:
+        if is_store(listed.path):
+            name = None if names is None else _spelt(posixpath.basename(listed.path), names)
+            return self.store(listed.path if name is None else posixpath.join(parent, name))
         if names is None:  # a folder on the way is a link, or cannot be listed: the full rule
             return self.remember(look(self.real_folder, listed.path), listed.size)
         name = _spelt(posixpath.basename(listed.path), names)
@@ -113,7 +123,40 @@ class _Looker:
             return self.remember(look(self.real_folder, relative), size)  # gone or swapped
         if not stat.S_ISREG(st.st_mode):
             return self.remember(look(self.real_folder, relative), size)
+        if is_store(relative):  # a pattern's match named like a store
+            return _not_a_store(relative, "is a file")
         return self.remember(FileSeen(relative, Presence.FILE, st.st_size, st.st_mtime_ns), size)
+
+    def store(self, relative: str) -> FileSeen:
+        """An OME-Zarr store: walked (one listing per folder of it, one stat per entry) until
+        it is seen complete, unchanged between two looks; then not again. Seen as a file whose
+        size is the sum of its files' and whose time is the latest of its entries' (a chunk
+        added, grown or removed changes one of them); missing while its metadata is not there."""
+        if not self.verify and relative in self.memory.complete:
+            return self.remember(self.memory.last[relative], None)
+        try:
+            fd = _open_below(self.real_folder, relative)
+        except FileNotFoundError:
+            return FileSeen(relative, Presence.MISSING)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                return FileSeen(relative, Presence.UNREADABLE, detail=exc.strerror or str(exc))
+            found = look(self.real_folder, relative)  # a link, or a file: which, and where to
+            if found.presence in (Presence.FILE, Presence.SPECIAL):
+                return _not_a_store(relative, "is a file" if found.presence is Presence.FILE
+                                    else "is a link or lies behind one")  # fmt: skip
+            return found
+        try:
+            walked = walk_store(fd, self.max_entries)
+        except OSError as exc:
+            return FileSeen(relative, Presence.UNREADABLE, detail=exc.strerror or str(exc))
+        finally:
+            os.close(fd)
+        if walked.problem:
+            return FileSeen(relative, Presence.INVALID, detail=walked.problem)
+        if not walked.metadata:
+            return FileSeen(relative, Presence.MISSING, detail="no .zattrs or zarr.json in it yet")
+        return self.remember(FileSeen(relative, Presence.FILE, walked.size, walked.latest), None)
 
     def remember(self, seen: FileSeen, size: int | None) -> FileSeen:
         if seen.presence is Presence.FILE:
@@ -163,6 +206,12 @@ def _open_below(real_folder: str, relative: str) -> int:
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _not_a_store(relative: str, what: str) -> FileSeen:
+    return FileSeen(relative, Presence.INVALID, detail=(
+        f"{what}: an input named '*.zarr' is an OME-Zarr store, a folder in the batch folder"
+    ))  # fmt: skip
 
 
 def _spelt(name: str, names: frozenset[str]) -> str | None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from daemon.contract.errors import ManifestError
 from daemon.contract.jobspec import Problem
+from daemon.contract.names import is_store
 from daemon.core import readiness
 from daemon.core.manifest import Manifest, parse_manifest
 from daemon.core.records import Batch
@@ -139,8 +140,13 @@ class WaitRoom:
     @staticmethod
     def _inline(manifest: Manifest) -> bool:
         """Whether a check of the batch is small enough for the loop thread: a few listed
-        inputs and no pattern (whose walk may look at up to ``max_pattern_entries``)."""
-        return len(manifest.files) <= INLINE_INPUTS and not manifest.patterns
+        inputs, no pattern and no OME-Zarr store (whose walks may look at up to
+        ``max_pattern_entries`` entries each)."""
+        return (
+            len(manifest.files) <= INLINE_INPUTS
+            and not manifest.patterns
+            and not any(is_store(f.path) for f in manifest.files)
+        )
 
     def _judge(
         self, batch: Batch, manifest: Manifest, looked: _Looked, now: float

@@ -61,6 +61,25 @@ def read_mask(path: Path) -> np.ndarray:
         return np.asarray(image)
 
 
+def in_regions(
+    run: Callable[..., JobRun], job_spec: Callable[..., JobSpec], batch_dir: Path,
+    inputs: tuple[InputFile, ...], image: str, order: tuple[int, ...], params: dict[str, Any],
+    **common: Any,
+) -> None:  # fmt: skip
+    """Segment ``image`` as the daemon plans a large one: a job per region (run in
+    ``order``), then the assembly job; each must succeed."""
+    count = len(order)
+    for index in order:
+        region = {"region": {"index": index, "count": count, "image": image}}
+        job = run(job_spec(batch_dir, Pipeline.INFER, inputs, params={**params, **region},
+                           shard=Shard(index, count), **common))  # fmt: skip
+        assert job.returncode == 0, job.log
+        assert f"{image}: region {index + 1} of {count}" in job.log
+    assembly = run(job_spec(batch_dir, Pipeline.ASSEMBLE, inputs,
+                            params={**params, "regional": [image]}, **common))  # fmt: skip
+    assert assembly.returncode == 0, assembly.log
+
+
 def test_each_shard_leaves_its_progress_for_the_daemon_all_images_done(
     inferred: InferredBatch,
 ) -> None:
@@ -356,6 +375,69 @@ def test_a_scanners_slide_is_read_by_its_pyramid_like_the_same_slide_as_a_tiff(
     assert want.sum() > 1000 and (got == want).mean() > 0.99
 
 
+def test_an_ome_zarr_store_is_segmented_like_the_same_slide_as_a_tiff_in_one_task_or_regions(
+    inferred: InferredBatch,
+    synth: ModuleType,
+    tmp_path: Path,
+    job_spec: Callable[..., Any],
+    manifest_inputs: Callable[..., Any],
+    run: Callable[..., JobRun],
+    infer_params: dict[str, Any],
+) -> None:
+    """An OME-Zarr image (a folder of chunks; t, c, z, y, x) holding the pixels of a slide's
+    TIFF, level for level: read a chunk at a time, its glass found on its smallest level, its
+    label image, object table and row those of the TIFF; then split into three region jobs
+    and assembled, the same again (the store walked by each job: its state the same)."""
+    one_dir, regions_dir = tmp_path / "one", tmp_path / "regions"
+    for name in ("slide.ome.zarr", "slide.tif"):
+        synth.write_slide(one_dir / "images" / name, 1100, seed=4, levels=2, tissue=0.3)
+    shutil.copytree(
+        one_dir / "images" / "slide.ome.zarr", regions_dir / "images" / "slide.ome.zarr"
+    )
+    registry_dir, model = inferred.model.registry, ModelRef(inferred.model.name, "1")
+    params = {**infer_params, "max_whole_pixels": 100_000, "tile_size": 256, "tile_overlap": 32}
+    images = [one_dir / "images" / name for name in ("slide.ome.zarr", "slide.tif")]
+    inputs = manifest_inputs(one_dir, images)
+    assert inputs[0].size is None and inputs[0].sha256 is None  # a folder: neither
+    spec = job_spec(one_dir, Pipeline.INFER, inputs, registry=registry_dir, model=model,
+                    params=params)  # fmt: skip
+    job = run(spec)
+    assert job.returncode == 0, job.log
+    assert "images/slide.ome.zarr: tiled inference" in job.log
+    assert job.log.count("tissue mask from the 275x275 level") == 2
+    with open(one_dir / "results" / "parts" / "table-0000.csv", newline="") as handle:
+        store_row, tif_row = list(csv.DictReader(handle))
+    assert {k: v for k, v in store_row.items() if k != "path"} == {
+        k: v for k, v in tif_row.items() if k != "path"
+    }
+    assert int(store_row["objects"]) > 10 and int(store_row["windows_glass"]) > 0
+    one = one_dir / "results"
+    for got, want in zip(zarr_levels(one / "masks/images/slide.ome.zarr.ome.zarr", "labels/segmentation"),
+                         zarr_levels(one / "masks/images/slide.tif.ome.zarr", "labels/segmentation"),
+                         strict=True):  # fmt: skip
+        np.testing.assert_array_equal(got, want)
+    objects = (one / "objects/images/slide.ome.zarr.csv").read_text()
+    assert objects == (one / "objects/images/slide.tif.csv").read_text()
+    again = run(spec)  # the ledger knows the store by its state: not segmented again
+    assert again.result is not None and again.result.summary["resumed"] == 2, again.log
+    chunk = next(p for p in (one_dir / "images" / "slide.ome.zarr" / "0").rglob("*") if p.is_file())
+    os.utime(chunk, ns=(1, 1))  # a chunk of it written again
+    changed = run(spec)
+    assert changed.result is not None and changed.result.summary["segmented"] == 1, changed.log
+    inputs = manifest_inputs(regions_dir, [regions_dir / "images" / "slide.ome.zarr"])
+    in_regions(run, job_spec, regions_dir, inputs, "images/slide.ome.zarr", (1, 0, 2), params,
+               registry=registry_dir, model=model)  # fmt: skip
+    results = regions_dir / "results"
+    label = "masks/images/slide.ome.zarr.ome.zarr"
+    for got, want in zip(zarr_levels(results / label, "labels/segmentation"),
+                         zarr_levels(one / label, "labels/segmentation"), strict=True):  # fmt: skip
+        np.testing.assert_array_equal(got, want)
+    assert (results / "objects/images/slide.ome.zarr.csv").read_text() == objects
+    with open(results / "parts" / "table-regions.csv", newline="") as handle:
+        (row,) = list(csv.DictReader(handle))
+    assert row == store_row
+
+
 def test_a_large_rgb_16_bit_tiff_is_segmented_window_by_window_like_the_whole_image(
     inferred: InferredBatch,
     synth: ModuleType,
@@ -517,15 +599,8 @@ def test_a_slide_split_across_region_jobs_assembles_into_the_one_job_label_image
     )
     assert one.returncode == 0, one.log
     batch_dir, inputs = slides["regions"]
-    for index in (2, 0, 1):
-        region = {"region": {"index": index, "count": 3, "image": "images/slide.tif"}}
-        job = run(job_spec(batch_dir, Pipeline.INFER, inputs, registry=registry_dir, model=model,
-                           params={**params, **region}, shard=Shard(index, 3)))  # fmt: skip
-        assert job.returncode == 0, job.log
-        assert f"images/slide.tif: region {index + 1} of 3" in job.log
-    assembly = run(job_spec(batch_dir, Pipeline.ASSEMBLE, inputs, registry=registry_dir, model=model,
-                            params={**params, "regional": ["images/slide.tif"]}))  # fmt: skip
-    assert assembly.returncode == 0, assembly.log
+    in_regions(run, job_spec, batch_dir, inputs, "images/slide.tif", (2, 0, 1), params,
+               registry=registry_dir, model=model)  # fmt: skip
     results, expected = batch_dir / "results", one_dir / "results"
     label = "masks/images/slide.tif.ome.zarr"
     for got, want in zip(zarr_levels(results / label, "labels/segmentation"),

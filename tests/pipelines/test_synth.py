@@ -192,3 +192,32 @@ def test_a_strip_of_a_slide_is_its_rows_with_their_own_levels(
     assert np.array_equal(levels[2], levels[0][::4, ::4])
     with pytest.raises(ValueError, match="multiple of 128"):
         synth.write_slide(strip, 1100, seed=4, rows=(100, 384))
+
+
+def test_an_ome_zarr_slide_holds_the_tiffs_levels_and_ome_zarr_py_reads_it(
+    tmp_path: Path, synth: ModuleType
+) -> None:
+    """``--format ome-zarr``: a folder that ome-zarr-py's reader takes for an image (NGFF 0.4:
+    t, c, z, y, x; its channel named), its levels the TIFF slide's levels pixel for pixel."""
+    import zarr
+    from ome_zarr.io import parse_url
+    from ome_zarr.reader import Multiscales, Reader
+    from zarr.core.sync import cleanup_resources
+
+    (path,) = synth.make_batch(tmp_path, "inference", 1, size=600, seed=4, fmt="ome-zarr")
+    assert path.name == "slide_0000.ome.zarr" and path.is_dir()
+    synth.write_slide(tmp_path / "slide.tif", 600, seed=4)
+    try:
+        (node,) = list(Reader(parse_url(str(path)))())
+        assert node.load(Multiscales) is not None
+        assert [a["name"] for a in node.metadata["axes"]] == ["t", "c", "z", "y", "x"]
+        assert node.metadata["channel_names"] == ["Brightfield"]
+        with tifffile.TiffFile(tmp_path / "slide.tif") as tif:
+            levels = [level.asarray() for level in tif.series[0].levels]  # (its SubIFDs)
+        assert [d.shape[-2:] for d in node.data] == [level.shape for level in levels]
+        group = zarr.open_group(str(path), mode="r")  # (the pixels without dask's threads)
+        for number, level in enumerate(levels):
+            assert np.array_equal(group[str(number)][0, 0, 0], level)
+    finally:
+        cleanup_resources()
+    assert not list(tmp_path.glob("images/.*"))  # built under a hidden name, renamed whole

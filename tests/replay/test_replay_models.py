@@ -12,6 +12,7 @@ from pathlib import Path
 import synth
 from conftest import MODEL, TINY_TRAINING
 from replay import Replay, copy_slowly, manifest_text
+from zarr.core.sync import cleanup_resources
 
 from daemon.core.manifest_schema import Kind
 from daemon.core.states import BatchState, JobState
@@ -151,3 +152,42 @@ def test_a_slide_larger_than_region_bytes_is_segmented_by_region_jobs_assembled_
     assert not (run / "regions" / "images" / "scan.tif.zarr").exists()
     summary = json.loads((run / "summary.json").read_text())
     assert summary["inference"]["images"] == 4
+
+
+def test_an_ome_zarr_store_dropped_chunk_by_chunk_is_split_by_its_bytes_and_segmented(
+    tmp_path: Path, config_for: Callable[..., Config], registry: Path, drop_root: Path
+) -> None:
+    """An OME-Zarr image (a folder of chunk files) copied into the drop folder a file at a
+    time, the manifest (which lists the store by its name, no size) last: taken in once the
+    store stops changing, split into three region jobs by its files' bytes, assembled into a
+    label image and an object table, reported; the batch is done."""
+    staging = tmp_path / "staging" / "zarr"
+    synth.write_slide(staging / "scan.ome.zarr", 1300, seed=6, levels=1, tissue=0.5)
+    cleanup_resources()  # zarr's threads, which wrote it here
+    store_bytes = sum(
+        p.stat().st_size for p in (staging / "scan.ome.zarr").rglob("*") if p.is_file()
+    )
+    params = {"max_whole_pixels": 500_000, "tile_size": 256, "tile_overlap": 32}
+    manifest = manifest_text(staging, Kind.INFERENCE, model=MODEL, version="latest", params=params)
+    assert b'{ path = "scan.ome.zarr" }' in manifest  # no size, no checksum
+    (staging / "manifest.toml").write_bytes(manifest)
+    config = config_for(planner={"region_bytes": store_bytes // 3 + 1})
+    with Replay(config) as replay:
+        replay.run(copy_slowly(staging, drop_root / "zarr", 0.0, 0.005), timeout=240)
+    ((batch, jobs),) = batches_and_jobs(config).values()
+    assert batch.state is BatchState.DONE, batch.reason
+    assert [(j.name.split("-", 1)[1], j.state) for j in jobs] == [
+        ("infer-0000", JobState.SUCCEEDED),
+        ("infer-0001", JobState.SUCCEEDED),
+        ("infer-0002", JobState.SUCCEEDED),
+        ("assemble", JobState.SUCCEEDED),
+        ("report", JobState.SUCCEEDED),
+    ]
+    run = Path(batch.run_dir)
+    assert (run / "masks" / "scan.ome.zarr.ome.zarr" / "labels" / "segmentation").is_dir()
+    with open(run / "table.csv", newline="") as handle:
+        (row,) = list(csv.DictReader(handle))
+    objects = (run / "objects" / "scan.ome.zarr.csv").read_text().splitlines()
+    assert row["path"] == "scan.ome.zarr" and row["tiled"] == "1"
+    assert int(row["objects"]) > 10 and len(objects) - 1 == int(row["objects"])
+    assert "scan.ome.zarr" in (run / "report.html").read_text()
