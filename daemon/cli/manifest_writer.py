@@ -92,29 +92,24 @@ def image_files(folder: Path) -> list[str]:
         if relative_dir == Path("."):
             dirnames[:] = [d for d in dirnames if d != RESULTS_DIR]
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        here = Path(dirpath)
         stores = [d for d in dirnames if is_store(d)]
-        found += [(relative_dir / d).as_posix() for d in stores if _folder(Path(dirpath) / d)]
+        found += [(relative_dir / d).as_posix() for d in stores if _is(here / d, stat.S_ISDIR)]
         dirnames[:] = [d for d in dirnames if d not in stores]
         for name in filenames:
             if name.startswith(".") or name in (MANIFEST_NAME, STATUS_NAME):
                 continue
-            if Path(name).suffix.lower() in IMAGE_SUFFIXES and _regular(Path(dirpath) / name):
+            if Path(name).suffix.lower() in IMAGE_SUFFIXES and _is(here / name, stat.S_ISREG):
                 found.append((relative_dir / name).as_posix())
     return sorted(found)
 
 
-def _folder(path: Path) -> bool:
+def _is(path: Path, kind: Callable[[int], bool]) -> bool:
+    """Whether ``path`` itself, not a link, is of ``kind`` (``stat.S_ISREG``: a regular file,
+    as a FIFO named like an image would block the checksum read and a link may lead out of the
+    folder; ``stat.S_ISDIR``: an OME-Zarr store's folder)."""
     try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
-def _regular(path: Path) -> bool:
-    """A regular file, not a link: a FIFO named like an image would block the checksum read,
-    and a link may lead out of the folder."""
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
+        return kind(os.lstat(path).st_mode)
     except OSError:
         return False
 

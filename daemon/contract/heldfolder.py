@@ -30,7 +30,7 @@ from daemon.contract.errors import WatchdError
 from daemon.contract.jobspec import Identity
 
 TMP_PREFIX = ".tmp-"
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _APPEND_FLAGS = (
@@ -105,7 +105,7 @@ class HeldFolder:
     def open(cls, path: Path | str, identity: Identity | None = None) -> HeldFolder:
         """Hold ``path`` (its last component must be a real folder, not a link); with
         ``identity``, it must still be the folder accepted under that name."""
-        fd = os.open(path, _DIR_FLAGS)
+        fd = os.open(path, DIR_FLAGS)
         held = cls(fd, Path(path))
         if identity is not None and not held.identity().same(identity):
             held.close()
@@ -353,7 +353,7 @@ def _step(parent: int, name: str, shown: str, create: bool) -> int:
 
 def _open_dir(name: str, parent: int, shown: str) -> int:
     try:
-        return os.open(name, _DIR_FLAGS, dir_fd=parent)
+        return os.open(name, DIR_FLAGS, dir_fd=parent)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             st = _lstat_or_none(name, parent)

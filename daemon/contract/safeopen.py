@@ -28,10 +28,9 @@ from pathlib import Path
 from typing import BinaryIO, NoReturn
 
 from daemon.contract.errors import WatchdError
-from daemon.contract.heldfolder import HeldFolder, what_it_is
+from daemon.contract.heldfolder import DIR_FLAGS, HeldFolder, what_it_is
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 MAX_LINK_HOPS = 40  # as Linux's own path walk (MAXSYMLINKS)
 
 
@@ -178,7 +177,7 @@ class _Walk:
 
     def _down(self, name: str, todo: list[str]) -> None:
         try:
-            fd = os.open(name, _DIR_FLAGS, dir_fd=self._here)
+            fd = os.open(name, DIR_FLAGS, dir_fd=self._here)
         except OSError as exc:
             # A link opened so fails with ENOTDIR (O_DIRECTORY is checked first) or ELOOP.
             if exc.errno not in (errno.ELOOP, errno.ENOTDIR) or not self._follow(name, todo):

@@ -16,11 +16,10 @@ import os
 import stat
 from dataclasses import dataclass
 
-from daemon.contract.heldfolder import HeldFolder, what_it_is
+from daemon.contract.heldfolder import DIR_FLAGS, HeldFolder, what_it_is
 
 MAX_STORE_ENTRIES = 10_000_000  # for the jobs: the daemon bounded the store when it took it in
 METADATA = frozenset({".zattrs", ".zgroup", "zarr.json"})  # a Zarr v2 or v3 group's top
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,6 @@ class Walked:
     latest: int = 0
     metadata: bool = False
     state: str = ""
-    entries: int = 0
     problem: str = ""
 
 
@@ -59,7 +57,7 @@ def walk_store(fd: int, max_entries: int) -> Walked:
                         ))  # fmt: skip
                     st = entry.stat(follow_symlinks=False)
                     if stat.S_ISDIR(st.st_mode):
-                        inner = os.open(entry.name, _DIR_FLAGS, dir_fd=here)
+                        inner = os.open(entry.name, DIR_FLAGS, dir_fd=here)
                         todo.append((inner, f"{prefix}{entry.name}/"))
                     elif stat.S_ISREG(st.st_mode):
                         size += st.st_size
@@ -77,7 +75,7 @@ def walk_store(fd: int, max_entries: int) -> Walked:
     finally:
         for left, _ in todo:
             os.close(left)
-    return Walked(size, latest, metadata, digest.hexdigest(), seen)
+    return Walked(size, latest, metadata, digest.hexdigest())
 
 
 def store_state(folder: HeldFolder, relative: str, max_entries: int) -> Walked:

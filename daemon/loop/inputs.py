@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from daemon.contract.heldfolder import DIR_FLAGS
 from daemon.contract.jobspec import InputFile
 from daemon.contract.names import is_store
 from daemon.contract.safeopen import Presence, locate
@@ -195,17 +196,14 @@ class _Looker:
 def _open_below(real_folder: str, relative: str) -> int:
     """A descriptor of a folder below the batch folder, opened one component at a time without
     following a link (ELOOP or ENOTDIR for one on the way)."""
-    fd = os.open(real_folder, _DIR_FLAGS)
+    fd = os.open(real_folder, DIR_FLAGS)
     for part in [p for p in relative.split("/") if p]:
         try:
-            child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            child = os.open(part, DIR_FLAGS, dir_fd=fd)
         finally:
             os.close(fd)
         fd = child
     return fd
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _not_a_store(relative: str, what: str) -> FileSeen:

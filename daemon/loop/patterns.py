@@ -24,9 +24,10 @@ import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from daemon.contract.heldfolder import DIR_FLAGS
+
 MAX_DEPTH = 64  # folders below the batch folder; PATH_MAX alone would allow some 2 000
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAGIC = re.compile(r"[*?[]")
 
 
@@ -162,7 +163,7 @@ class _Walk:
         if depth > MAX_DEPTH:
             raise _Stop(Bound.DEPTH)
         try:
-            child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            child = os.open(name, DIR_FLAGS, dir_fd=fd)
         except OSError:
             return  # gone, unreadable, or swapped for a link since it was listed
         try:
