@@ -2,11 +2,12 @@
 
 ``python -m pipelines.assemble JOB_DIR``, after a batch's inference jobs, before its report.
 For each image its ``regional`` param lists (the daemon lists the images it split), it reads
-the records the regions' jobs left in ``regions/<image>.zarr/`` (:mod:`pipelines.tiles`),
-joins the objects that cross region borders, writes the label image
-``masks/<image>.ome.zarr`` (only the stored chunks are read and written), the object table
-``objects/<image>.csv`` and the image's table row (``parts/table-regions.csv``), then removes
-the work folder (and ``regions/`` once every image is assembled). All regions must have read
+the records the regions' jobs left in ``regions/<image>.zarr/`` of the run's work folder in the
+spool (:mod:`pipelines.tiles`), joins the objects that cross region borders, writes the label
+image ``masks/<image>.ome.zarr`` (only the stored chunks are read and written) and the object
+table ``objects/<image>.csv`` into the owner's results folder, and the image's table row into
+the work folder (``parts/table-regions.csv``), then removes the image's regions (and
+``regions/`` once every image is assembled). All regions must have read
 the same file (size and modification time); a checksum the manifest gives is verified here,
 once, not by every region's job.
 
@@ -24,7 +25,7 @@ from daemon.contract.jobspec import InputFile, JobSpec, Pipeline, Problem
 from daemon.contract.names import inference_params
 from pipelines.bounds import where
 from pipelines.images import checksum_problem, open_item, reading
-from pipelines.job import InputError, log, run_folder, run_job
+from pipelines.job import InputError, log, run_folder, run_job, work_folder
 from pipelines.layout import (
     MASKS_DIR,
     PARTS_DIR,
@@ -46,26 +47,27 @@ def assemble_job(spec: JobSpec, job_dir: Path, batch: HeldFolder) -> dict[str, A
     items = {item.path: item for item in spec.inputs}
     min_area = int(inference_params(spec.params)["min_object_area"])
     rows, problems = [], []
-    with run_folder(spec, batch) as run:
+    with run_folder(spec, batch) as run, work_folder(spec) as work:
         for path in wanted:
             try:
-                rows.append(_assembled(batch, run, items[path], min_area))
+                rows.append(_assembled(batch, run, work, items[path], min_area))
             except InputError as exc:
                 problems += exc.problems
         if problems:
             raise InputError(f"{len(problems)} problem(s) assembling the regions", problems)
-        run.remove_tree(REGIONS_DIR)  # every slide's work folder is gone: the folders above
+        work.remove_tree(REGIONS_DIR)  # every slide's regions are gone: the folders above
         table = PurePosixPath(PARTS_DIR, REGIONS_TABLE)
-        run.write_text(table, table_csv(rows))
+        work.write_text(table, table_csv(rows))
     return {"images": len(rows), "objects": sum(int(r["objects"]) for r in rows),
             "table": str(table)}  # fmt: skip
 
 
-def _records(work: HeldFolder, item: InputFile) -> list[RegionRecord]:
+def _records(regions: HeldFolder, item: InputFile) -> list[RegionRecord]:
     """The regions' records, all of them, of one read of one file (or OME-Zarr store)."""
-    first = RegionRecord.from_bytes(_read(work, region_record_name(0)))
+    first = RegionRecord.from_bytes(_read(regions, region_record_name(0)))
     records = [first] + [
-        RegionRecord.from_bytes(_read(work, region_record_name(i))) for i in range(1, first.count)
+        RegionRecord.from_bytes(_read(regions, region_record_name(i)))
+        for i in range(1, first.count)
     ]
     seen = {(r.meta["size"], r.meta["mtime_ns"], r.meta.get("state")) for r in records}
     if len(seen) > 1:
@@ -88,7 +90,7 @@ def _read(work: HeldFolder, name: str) -> bytes:
 
 
 def _assembled(
-    batch: HeldFolder, run: HeldFolder, item: InputFile, min_area: int
+    batch: HeldFolder, run: HeldFolder, work: HeldFolder, item: InputFile, min_area: int
 ) -> dict[str, Any]:
     if item.sha256:
         with open_item(batch, item) as handle, reading(item):
@@ -97,10 +99,10 @@ def _assembled(
             raise InputError("checksum", [problem])
     work_name = work_folder_name(item.path)
     *above, name = PurePosixPath(item.path).parts
-    with run.folder(work_name) as work:
-        records = _records(work, item)
+    with work.folder(work_name) as regions:
+        records = _records(regions, item)
         meta = records[0].meta
-        store, ids = work_array(work, meta["height"], meta["width"])
+        store, ids = work_array(regions, meta["height"], meta["width"])
         try:
             with run.folder(PurePosixPath(MASKS_DIR, *above), create=True) as masks:
                 result = assemble(records, ids, masks, label_image_name(name), min_area,
@@ -108,7 +110,7 @@ def _assembled(
         finally:
             store.close()
     run.write_text(objects_table_name(item.path), objects_csv(result.table))
-    run.remove_tree(work_name)
+    work.remove_tree(work_name)
     log.info("%s: %d regions assembled, %d objects", item.path, len(records), result.objects)
     return {"path": item.path, **tiled_row(result), **meta["provenance"]}
 

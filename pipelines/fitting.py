@@ -19,6 +19,7 @@ import csv
 import io
 import math
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,6 +37,8 @@ from models.segmenter import UNetModule
 from pipelines.job import log, process_rank
 from pipelines.layout import CURVE_COLUMNS, METRICS_FILE, WANDB_DIR
 from pipelines.pairs import TrainingData, split
+
+PROGRESS_SECONDS = 300.0  # within an epoch, a line in the log at most this often
 
 
 class PairSet(TorchDataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -77,7 +80,9 @@ def curves_csv(rows: list[dict[str, float]]) -> str:
 
 class EpochRecorder(Callback):
     """After each epoch: log a line, rewrite metrics.csv (in the held ``folder``), keep the
-    weights if val_loss is best.
+    weights if val_loss is best. Within a long epoch, a line at most every PROGRESS_SECONDS:
+    the log shows the job is working (the local executor ends a job whose log stands still
+    for ``stall_minutes``).
 
     Every rank keeps the best weights (they are identical under DDP); only rank 0 writes.
     """
@@ -87,6 +92,17 @@ class EpochRecorder(Callback):
         self.rows: list[dict[str, float]] = []
         self.best: dict[str, float] | None = None
         self.best_state: dict[str, torch.Tensor] | None = None
+        self.said_at = time.monotonic()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+        batch_idx: int,
+    ) -> None:  # fmt: skip
+        now = time.monotonic()
+        if trainer.is_global_zero and now - self.said_at >= PROGRESS_SECONDS:
+            self.said_at = now
+            log.info("epoch %d/%d: batch %d/%s", trainer.current_epoch + 1, self.epochs,
+                     batch_idx + 1, trainer.num_training_batches)  # fmt: skip
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         metrics = trainer.callback_metrics
@@ -94,6 +110,7 @@ class EpochRecorder(Callback):
         row.update({key: float(metrics.get(key, math.nan)) for key in CURVE_COLUMNS[1:]})
         self.rows.append(row)
         if trainer.is_global_zero:
+            self.said_at = time.monotonic()
             self.folder.write_text(METRICS_FILE, curves_csv(self.rows))
             figures = " ".join(f"{k} {row[k]:.4f}" for k in CURVE_COLUMNS[1:])
             log.info("epoch %d/%d: %s", row["epoch"], self.epochs, figures)

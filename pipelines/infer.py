@@ -1,9 +1,12 @@
 """Inference job: segment one shard's images with a registered model.
 
 ``python -m pipelines.infer JOB_DIR``. For every image input of the spec (the daemon gives each
-shard only its own), inside ``run_dir``:
+shard only its own), inside ``run_dir`` (the owner's results folder):
 
 - ``masks/<input path>``: the mask, same relative path, name and format as the input;
+
+and inside ``work_dir`` (the run's work folder in the spool, where the owner cannot write):
+
 - ``parts/table-<shard index, 4 digits>.csv``: one row per image (:data:`TABLE_COLUMNS`);
 - ``ledger/shard-<shard index>.jsonl``: what is done (:mod:`pipelines.ledger`): a re-run of the
   shard skips images already segmented from the same bytes with the same model and params.
@@ -30,8 +33,9 @@ then the provenance: model name, version and sha256, the manifest's sha256, the 
 Images with problems (unreadable, checksum mismatch) do not stop the others: every problem is
 collected, and the job fails with all of them at the end without writing the shard table.
 
-Every output is written through the held run folder (:func:`pipelines.job.run_folder`); each
-folder of masks is held once for the job's life (:class:`MaskFolders`), not reopened per image.
+Every output is written through the held run folder (:func:`pipelines.job.run_folder`) or the
+held work folder (:func:`pipelines.job.work_folder`); each folder of masks is held once for the
+job's life (:class:`MaskFolders`), not reopened per image.
 """
 
 from __future__ import annotations
@@ -73,7 +77,14 @@ from pipelines.bounds import stored, where
 from pipelines.channels import ChannelProblem
 from pipelines.device import Placement, choose_device
 from pipelines.images import checksum_problem, held_still, open_item, reading, write_mask
-from pipelines.job import InputError, give_back_freed_memory, log, run_folder, run_job
+from pipelines.job import (
+    InputError,
+    give_back_freed_memory,
+    log,
+    run_folder,
+    run_job,
+    work_folder,
+)
 from pipelines.layout import (
     MASKS_DIR,
     PARTS_DIR,
@@ -266,9 +277,10 @@ class Segmenter:
 
     def __init__(
         self, spec: JobSpec, batch: HeldFolder, net: UNet, provenance: dict[str, Any],
-        ledger: Ledger, masks: MaskFolders,
+        ledger: Ledger, masks: MaskFolders, work: HeldFolder,
     ) -> None:  # fmt: skip
         self.spec, self.provenance, self.ledger = spec, provenance, ledger
+        self.work = work  # the run's work folder in the spool: a slide's regions go there
         self.batch = batch  # the inputs are read through it
         self.params = params = inference_params(spec.params)
         self.threshold, self.min_area = float(params["threshold"]), int(params["min_object_area"])
@@ -391,7 +403,7 @@ class Segmenter:
         try:
             with (
                 self._opened(item, hashed=False) as (reader, meta),
-                self.masks.run.folder(work_folder_name(item.path), create=True) as work,
+                self.work.folder(work_folder_name(item.path), create=True) as work,
             ):
                 store, ids = work_array(work, reader.height, reader.width)
                 try:
@@ -462,15 +474,16 @@ def segment(
 def infer(spec: JobSpec, job_dir: Path, batch: HeldFolder) -> dict[str, Any]:
     """The inference job for one shard."""
     net, version = load_model(spec)
-    with run_folder(spec, batch) as run:
-        return _infer(spec, net, version, batch, run)
+    with run_folder(spec, batch) as run, work_folder(spec) as work:
+        return _infer(spec, net, version, batch, run, work)
 
 
 def _infer(
-    spec: JobSpec, net: UNet, version: ModelVersion, batch: HeldFolder, run: HeldFolder
-) -> dict[str, Any]:
-    """The inference job for one shard, reading through the held batch folder and writing under
-    the held run folder ``run``."""
+    spec: JobSpec, net: UNet, version: ModelVersion, batch: HeldFolder, run: HeldFolder,
+    work: HeldFolder,
+) -> dict[str, Any]:  # fmt: skip
+    """The inference job for one shard, reading through the held batch folder, writing masks
+    under the held run folder ``run`` and what the next jobs read under the work folder."""
     log.info("model %s version %d (sha256 %s…)", version.name, version.version, version.sha256[:12])
     provenance = {
         "model_name": version.name,
@@ -480,7 +493,7 @@ def _infer(
         "code_version": code_version(),
     }
     items = [item for item in spec.inputs if item.role is Role.IMAGE]
-    ledger = Ledger(run, ledger_name(spec.shard.index), version.sha256, spec.params)
+    ledger = Ledger(work, ledger_name(spec.shard.index), version.sha256, spec.params)
     masks = MaskFolders(run)
     resumed = {}
     for item in items:
@@ -491,8 +504,8 @@ def _infer(
         log.info("%d of %d images already done (ledger): skipped", len(resumed), len(items))
     started, cpu_started = time.monotonic(), _cpu_seconds()
     todo = [item for item in items if item.path not in resumed]
-    segmenter = Segmenter(spec, batch, net, provenance, ledger, masks)
-    progress = Progress(len(todo), _progress_file(spec, run, len(items)), len(resumed))
+    segmenter = Segmenter(spec, batch, net, provenance, ledger, masks, work)
+    progress = Progress(len(todo), _progress_file(spec, work, len(items)), len(resumed))
     try:
         rows, problems = segment(spec, segmenter, todo, progress)
     finally:
@@ -504,7 +517,7 @@ def _infer(
     # a region's image has its row from the assembly job
     table_rows = [row for item in items if (row := resumed.get(item.path) or rows.get(item.path))]
     table = PurePosixPath(PARTS_DIR, table_name(spec.shard.index))
-    run.write_text(table, table_csv(table_rows))
+    work.write_text(table, table_csv(table_rows))
     return {
         "images": len(table_rows),
         "segmented": len(rows),
@@ -519,14 +532,14 @@ def _infer(
     }
 
 
-def _progress_file(spec: JobSpec, run: HeldFolder, total: int) -> Callable[[int], None]:
+def _progress_file(spec: JobSpec, work: HeldFolder, total: int) -> Callable[[int], None]:
     """Writes the job's progress file (what the daemon reads for ``watchctl``); a write that
     fails is logged and the work goes on."""
     name = f"{JOBS_DIR}/{spec.job_name}/{PROGRESS_FILE}"
 
     def say(done: int) -> None:
         try:
-            run.write_text(name, json.dumps({"done": done, "total": total}))
+            work.write_text(name, json.dumps({"done": done, "total": total}))
         except OSError as exc:
             log.warning("progress not written: %s", exc)
 

@@ -1,6 +1,8 @@
 """The shell every pipeline runs in: ``python -m pipelines.<name> JOB_DIR``.
 
-:func:`run_job` reads ``JOB_DIR/spec.json``, sets the thread count and the allocator
+:func:`run_job` reads ``JOB_DIR/spec.json`` (only where ``JOB_DIR`` lies in a private spool,
+:func:`daemon.contract.spool.private_problem`: a spec someone else could have written is never
+trusted), sets the thread count and the allocator
 (:func:`keep_freed_memory`), calls the pipeline's work function, and as its last act writes
 ``JOB_DIR/result.json`` atomically:
 
@@ -16,7 +18,10 @@ Every write a job makes under the batch folder goes through :func:`run_folder`, 
 held from the batch folder down (:mod:`daemon.contract.heldfolder`): a link, FIFO or file that the
 owner planted where the job needs a folder is refused (:class:`UnsafeEntry`, kind INPUT, naming the
 entry), never followed; one planted at a file name the job writes is replaced by the job's own
-file (the link itself, never its target). result.json is written the same way.
+file (the link itself, never its target). Only what is meant for the owner goes there (masks,
+tables, the report). What jobs hand each other (shard tables, ledgers, a slide's work arrays,
+training's files, trials) goes into the run's work folder in the spool (:func:`work_folder`),
+and result.json into the job folder: the owner can neither read nor swap any of it.
 
 Progress goes to stdout as plain timestamped lines; the executor sends it to ``log.txt``.
 """
@@ -42,7 +47,6 @@ import torch
 
 from daemon.contract.heldfolder import FolderReplaced, HeldFolder, UnsafeEntry
 from daemon.contract.jobspec import (
-    JOBS_DIR,
     RESULT_FILE,
     SPEC_FILE,
     ErrorKind,
@@ -52,6 +56,7 @@ from daemon.contract.jobspec import (
     Pipeline,
     Problem,
 )
+from daemon.contract.spool import make_private, private_problem
 from daemon.contract.version import code_version
 from models.registry import ModelError
 
@@ -65,6 +70,7 @@ EXIT_INTERNAL = 1
 EXIT_REFUSED = 2  # INPUT or MODEL: running it again cannot help
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, glibc's malloc.h
+MAX_SPEC_BYTES = 256 << 20  # a spec lists its inputs: 55,000 of them take some 10 MB
 _KEEP_FREED_BYTES = 512 * 2**20
 _HEAP_BLOCKS_UP_TO = 32 * 2**20  # glibc's largest mmap threshold on 64-bit
 
@@ -133,8 +139,22 @@ def process_rank(environ: Mapping[str, str]) -> int:
     return max((int(value) for value in ranks if value.isdigit()), default=0)
 
 
+class UntrustedSpec(Exception):
+    """The job folder is not in a private spool: its spec may be anyone's."""
+
+
 def read_spec(job_dir: Path) -> JobSpec:
-    return JobSpec.from_json((job_dir / SPEC_FILE).read_text(encoding="utf-8"))
+    """The spec in ``job_dir``, which must be a private folder of this user; the spec must be
+    this very folder's (its work folder and job name lead here)."""
+    problem = private_problem(job_dir)
+    if problem:
+        raise UntrustedSpec(f"the job folder is not the service's alone, its spec is not read: "
+                            f"{problem}")  # fmt: skip
+    with HeldFolder.open(job_dir) as held, held.open_read(SPEC_FILE) as handle:
+        spec = JobSpec.from_json(handle.read(MAX_SPEC_BYTES).decode("utf-8"))
+    if Path(os.path.abspath(spec.job_dir)) != Path(os.path.abspath(job_dir)):
+        raise UntrustedSpec(f"the spec in {job_dir} is the spec of {spec.job_dir}")
+    return spec
 
 
 def hold_batch(spec: JobSpec) -> HeldFolder:
@@ -163,6 +183,13 @@ def run_folder(spec: JobSpec, batch: HeldFolder | None = None) -> HeldFolder:
         return held.folder(relative, create=True)
 
 
+def work_folder(spec: JobSpec) -> HeldFolder:
+    """The run's work folder in the spool (made if missing), held: where the jobs of a run
+    hand each other what the next ones read. Close it when done."""
+    make_private(spec.work_dir)
+    return HeldFolder.open(spec.work_dir)
+
+
 def planted_problem(spec: JobSpec, exc: UnsafeEntry) -> Problem:
     """An entry planted under the batch folder where the job writes, said for its owner."""
     path = exc.path or Path(spec.run_dir) / exc.relative
@@ -177,8 +204,8 @@ def _failure(kind: ErrorKind, message: str, problems: Sequence[Problem] = ()) ->
     return JobError(kind=kind, message=message, problems=tuple(problems), traceback=text)
 
 
-def _attempt(pipeline: Pipeline, work: Work, job_dir: Path) -> tuple[int, Any, JobSpec | None]:
-    """Run the work; return (exit status, summary dict or JobError, the spec if it was read)."""
+def _attempt(pipeline: Pipeline, work: Work, job_dir: Path) -> tuple[int, Any]:
+    """Run the work; return (exit status, summary dict or JobError)."""
     spec = None
     try:
         spec = read_spec(job_dir)
@@ -191,37 +218,29 @@ def _attempt(pipeline: Pipeline, work: Work, job_dir: Path) -> tuple[int, Any, J
         log.info("job %s (%s) attempt %d started", spec.job_name, pipeline.value, spec.attempt)
         with hold_batch(spec) as batch:
             summary = work(spec, job_dir, batch)
-        return EXIT_OK, None if summary is None else dict(summary), spec
+        return EXIT_OK, None if summary is None else dict(summary)
+    except UntrustedSpec:
+        raise  # the caller refuses the job: nothing is written where nothing is trusted
     except (InputError, UnsafeEntry) as exc:
         if isinstance(exc, UnsafeEntry):
             assert spec is not None  # nothing is written under the batch folder before
             exc = InputError("an entry planted under results/", [planted_problem(spec, exc)])
         for problem in exc.problems:
             log.error("input problem: %s", problem.render())
-        return EXIT_REFUSED, _failure(ErrorKind.INPUT, exc.message, exc.problems), spec
+        return EXIT_REFUSED, _failure(ErrorKind.INPUT, exc.message, exc.problems)
     except ModelError as exc:
         log.error("model error: %s", exc)
-        return EXIT_REFUSED, _failure(ErrorKind.MODEL, str(exc)), spec
+        return EXIT_REFUSED, _failure(ErrorKind.MODEL, str(exc))
     except Exception as exc:
         log.exception("internal error")
         message = f"{type(exc).__name__}: {exc}"
-        return EXIT_INTERNAL, _failure(ErrorKind.INTERNAL, message), spec
+        return EXIT_INTERNAL, _failure(ErrorKind.INTERNAL, message)
 
 
-def write_result(job_dir: Path, spec: JobSpec | None, result: JobResult) -> None:
-    """Write result.json into the job folder, through the held run folder; through the job
-    folder itself (not followed if a link) when there is no run folder to hold: the spec could
-    not be read, or the batch folder was replaced or is gone (the daemon still reads why)."""
-    text = result.to_json() + "\n"
-    if spec is not None:
-        try:
-            with run_folder(spec) as run:
-                run.write_text(f"{JOBS_DIR}/{spec.job_name}/{RESULT_FILE}", text)
-            return
-        except InputError:
-            pass
+def write_result(job_dir: Path, result: JobResult) -> None:
+    """Write result.json into the job folder (in the spool), whole or not at all."""
     with HeldFolder.open(job_dir) as folder:
-        folder.write_text(RESULT_FILE, text)
+        folder.write_text(RESULT_FILE, result.to_json() + "\n")
 
 
 def _peak_rss_mb() -> float:
@@ -248,7 +267,11 @@ def run_job(pipeline: Pipeline, work: Work, argv: Sequence[str] | None = None) -
     configure_logging()
     job_dir = Path(args[0]).resolve()
     started = time.monotonic()
-    status, outcome, spec = _attempt(pipeline, work, job_dir)
+    try:
+        status, outcome = _attempt(pipeline, work, job_dir)
+    except UntrustedSpec as exc:
+        log.error("%s", exc)  # no result where the spec is not trusted: none is trusted either
+        return EXIT_REFUSED
     if process_rank(os.environ) != 0:
         log.info("rank %d finished: rank 0 writes the result", process_rank(os.environ))
         return status
@@ -262,7 +285,7 @@ def run_job(pipeline: Pipeline, work: Work, argv: Sequence[str] | None = None) -
     else:
         result = JobResult(ok=False, pipeline=pipeline.value, finished_at=finished, error=outcome)
     try:
-        write_result(job_dir, spec, result)
+        write_result(job_dir, result)
     except OSError as exc:  # UnsafeEntry too: the run folder was swapped for a link meanwhile
         log.error("result.json not written: %s", exc)
         return EXIT_INTERNAL

@@ -1,27 +1,36 @@
-"""Where pipelines put their outputs inside ``run_dir``; the daemon and the report rely on it.
+"""Where pipelines put their outputs; the daemon and the report rely on it.
 
-::
+In ``run_dir``, the run's results folder in the owner's batch folder (only what is meant for
+the owner; nothing here is read back but the masks the report shows)::
 
     masks/<input path>              one mask per input image, same name and format …
     masks/<input path>.ome.zarr     … or, for an image segmented window by window, its label
                                     image in OME-Zarr (pipelines/omezarr.py)
     objects/<input path>.csv        one row per object of such an image (OBJECT_COLUMNS)
-    regions/<input path>.zarr/      an image segmented in regions by several jobs: their
-                                    provisional ids and records, until the assembly job
-    parts/table-<shard:04d>.csv     per-image rows of one inference shard (TABLE_COLUMNS)
     table.csv                       all shards' rows, sorted by path (report)
     summary.json, report.html       the report
+    training/model.json, training/metrics.csv   the registered model and its curves (report)
+    sweep/trials.csv                the sweep's trials, ranked (report)
+    logs/<job name>.log             each ended job's log, its end (copied by the daemon)
+
+In ``work_dir``, the run's work folder in the service's spool (what the jobs hand each other;
+the owner can neither read nor write it, :mod:`daemon.contract.spool`)::
+
+    jobs/<job name>/                spec.json, log.txt, result.json, progress.json (daemon/runner)
+    parts/table-<shard:04d>.csv     per-image rows of one inference shard (TABLE_COLUMNS)
+    ledger/shard-<index:04d>.jsonl  inference: one line per image done (resuming a shard)
+    regions/<input path>.zarr/      an image segmented in regions by several jobs: their
+                                    provisional ids and records, until the assembly job
     training/metrics.csv            per-epoch curves (CURVE_COLUMNS)
     training/model.json             the registered model: name, version, sha256, metrics
     training/previews/<stem>.png    validation overlays for the report (index.json: which, Dice)
     training/wandb/                 the Weights & Biases run folder (offline unless configured)
     trials/<job name>/              a sweep trial: metrics.csv, candidate.pt, candidate.json
     sweep/trials.csv, sweep/sweep.json  the sweep's comparison of its trials, and its W&B config
-    ledger/shard-<index:04d>.jsonl  inference: one line per image done (resuming a shard)
-    jobs/<job name>/                spec.json, log.txt, result.json (written by the daemon/runner)
 
-A job writes all of it through its run folder held from the batch folder down
-(:func:`pipelines.job.run_folder`), never by path: the owner may plant anything under results/.
+A job writes the first through its run folder held from the batch folder down
+(:func:`pipelines.job.run_folder`), never by path: the owner may plant anything under results/;
+the second through the held work folder (:func:`pipelines.job.work_folder`).
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
 """The per-shard ledger of inference: which images are done, so a re-run skips them.
 
-``run_dir/ledger/shard-NNNN.jsonl``: one JSON line per image whose mask was written, appended
-after the mask is in place: the input's path and sha256, the model's sha256, a hash of the
-inference parameters, and the image's table row. A re-run of the shard (a retry after a crash,
-an operator's requeue) takes an image's row from the ledger instead of segmenting it again when all
-of these still hold: same path, same input bytes (the manifest's sha256, or the file's; an OME-Zarr
-store's state), same model, same parameters, and the mask is still there. A torn last line (the job
-was killed while appending) is ignored: that image is simply done again. The ledger is read and
-appended through the held run folder (:mod:`daemon.contract.heldfolder`): a link, FIFO or hard link
-planted at its name is not read, and is replaced by the ledger's own file when the first line is
-appended.
+``work_dir/ledger/shard-NNNN.jsonl`` (in the spool, the service's own): one JSON line per
+image whose mask was written, appended after the mask is in place: the input's path and
+sha256, the model's sha256, a hash of the inference parameters, and the image's table row. A
+re-run of the shard (a retry after a crash, an operator's requeue) takes an image's row from
+the ledger instead of segmenting it again when all of these still hold: same path, same input
+bytes (the manifest's sha256, or the file's; an OME-Zarr store's state), same model, same
+parameters, and the mask is still there (in the owner's results folder, looked at through the
+held run folder). A torn last line (the job was killed while appending) is ignored: that image
+is simply done again. The ledger is read and appended through the held work folder: what is
+not a plain file at its name is not read, and is replaced by the ledger's own file when the
+first line is appended.
 """
 
 from __future__ import annotations
@@ -53,10 +54,10 @@ class Ledger:
     """The done images of one shard, read at start; :meth:`record` appends as images finish."""
 
     def __init__(
-        self, run: HeldFolder, name: str, model_sha256: str, params: Mapping[str, Any]
+        self, work: HeldFolder, name: str, model_sha256: str, params: Mapping[str, Any]
     ) -> None:
-        """The ledger ``ledger/<name>`` of the held run folder ``run``."""
-        self.run, self.name = run, name
+        """The ledger ``ledger/<name>`` of the held work folder ``work``."""
+        self.work, self.name = work, name
         self.key = {"model_sha256": model_sha256, "params": params_hash(params)}
         self.entries: dict[str, dict[str, Any]] = {}
         self._handle: IO[str] | None = None
@@ -72,7 +73,7 @@ class Ledger:
         """The ledger's lines; none if it is missing or not a plain file (a planted entry)."""
         relative = f"{LEDGER_DIR}/{self.name}"
         try:
-            with self.run.open_read(relative) as handle:
+            with self.work.open_read(relative) as handle:
                 return handle.read().decode("utf-8", errors="replace").splitlines()
         except FileNotFoundError:
             return []
@@ -106,7 +107,7 @@ class Ledger:
     def _open(self) -> IO[str]:
         """The ledger, open for appending; a planted link, FIFO or hard link at its name is
         removed first (never followed), so the ledger is a file of its own."""
-        with self.run.folder(LEDGER_DIR, create=True) as folder:
+        with self.work.folder(LEDGER_DIR, create=True) as folder:
             if _planted(folder, self.name):
                 log.warning("ledger: replacing %s (not a file of its own)", self.name)
                 folder.unlink(self.name)

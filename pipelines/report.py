@@ -1,17 +1,24 @@
 """Report job: merge the shard tables, summarise the run, write a self-contained HTML report.
 
-``python -m pipelines.report JOB_DIR`` runs after every compute job of a batch succeeded. In
-``run_dir`` it writes:
+``python -m pipelines.report JOB_DIR`` runs after every compute job of a batch succeeded. It
+reads what the run's jobs left in the run's work folder in the spool (the service's own: shard
+tables, job results, training's model card, curves and previews, the sweep's record), never
+what lies in the owner's batch folder but the inputs and the masks it shows, and those through
+the held batch folder. In ``run_dir`` (the owner's results folder) it writes:
 
 - ``table.csv`` (inference): the rows of ``parts/table-*.csv``, sorted by path; every image
   input of the spec must have exactly one row, otherwise the job fails (INTERNAL: a shard's
   output is missing, which is not the data owner's doing);
 - ``summary.json``: counts, area statistics, model, manifest hash, per-job timings, and for
   training the registered model and its metrics, for a sweep its trials and the winner;
-- ``report.html``: one file, no network references, pictures inlined as base64 PNG.
+- ``report.html``: one file, no network references, pictures inlined as base64 PNG;
+- copies for the owner of ``training/model.json`` and ``training/metrics.csv`` (training) and
+  ``sweep/trials.csv`` (a sweep).
 
 What to report is decided by what the run left: shard tables (inference),
 ``training/model.json`` (training, or a sweep's registered winner) and ``sweep/sweep.json``.
+Every file is read through the held work folder, at most MAX_READ_BYTES of it, and a name read
+from one (a preview's) must be one name in its folder.
 Overlays show the most and least confident images and random others; an image segmented window
 by window is shown as its label image's overview with the objects drawn over it (the first
 SLIDES of them). Training previews the best, the worst and a random validation image by Dice.
@@ -20,21 +27,23 @@ SLIDES of them). Training previews the best, the worst and a random validation i
 from __future__ import annotations
 
 import csv
+import io
 import json
 import statistics
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from daemon.contract.heldfolder import HeldFolder
+from daemon.contract.heldfolder import HeldFolder, parts_of
 from daemon.contract.jobspec import JOBS_DIR, RESULT_FILE, JobResult, JobSpec, Pipeline, Role
 from daemon.contract.safeopen import RefusedInput, open_input
 from daemon.contract.version import code_version
 from pipelines import figures
 from pipelines.images import UnreadableImage, decode
-from pipelines.job import log, run_folder, run_job
+from pipelines.job import log, run_folder, run_job, work_folder
 from pipelines.layout import (
     CURVE_COLUMNS,
     MASKS_DIR,
@@ -61,23 +70,42 @@ from pipelines.page import render
 
 OVERLAYS = 6
 SLIDES = 4  # overviews of images segmented window by window, at most
+MAX_READ_BYTES = 512 << 20  # one file the jobs left (a table of 55,000 rows is some 10 MB)
 
 
-def merge_tables(run_dir: Path) -> list[dict[str, str]]:
-    """All rows of the shard tables, sorted by path; a path listed twice is an error."""
+def merge_tables(work: HeldFolder) -> list[dict[str, str]]:
+    """All rows of the shard tables (``parts/table-*.csv`` of the work folder), sorted by path;
+    a path listed twice is an error."""
     rows: dict[str, dict[str, str]] = {}
-    for part in sorted((run_dir / PARTS_DIR).glob("table-*.csv")):
-        with open(part, newline="", encoding="utf-8") as handle:
-            reader = csv.DictReader(handle)
-            if tuple(reader.fieldnames or ()) != TABLE_COLUMNS:
-                raise ValueError(
-                    f"{part.name} has columns {reader.fieldnames}, not {TABLE_COLUMNS}"
-                )
-            for row in reader:
-                if row["path"] in rows:
-                    raise ValueError(f"{row['path']!r} appears in more than one shard table")
-                rows[row["path"]] = row
+    for name in _names(work, PARTS_DIR, lambda n: n.startswith("table-") and n.endswith(".csv")):
+        reader = csv.DictReader(io.StringIO(_read_text(work, f"{PARTS_DIR}/{name}"), newline=""))
+        if tuple(reader.fieldnames or ()) != TABLE_COLUMNS:
+            raise ValueError(f"{name} has columns {reader.fieldnames}, not {TABLE_COLUMNS}")
+        for row in reader:
+            if row["path"] in rows:
+                raise ValueError(f"{row['path']!r} appears in more than one shard table")
+            rows[row["path"]] = row
     return [rows[path] for path in sorted(rows)]
+
+
+def _names(folder: HeldFolder, relative: str, wanted: Callable[[str], bool]) -> list[str]:
+    """The regular files of a folder below ``folder`` whose names are ``wanted``, sorted; none
+    if the folder is not there."""
+    try:
+        with folder.folder(relative) as inner:
+            entries = inner.entries()
+    except FileNotFoundError:
+        return []
+    return sorted(e.name for e in entries if e.is_file(follow_symlinks=False) and wanted(e.name))
+
+
+def _read_text(folder: HeldFolder, relative: str) -> str:
+    """A text file below ``folder``, at most MAX_READ_BYTES of it (a longer one is refused)."""
+    with folder.open_read(relative) as handle:
+        data = handle.read(MAX_READ_BYTES + 1)
+    if len(data) > MAX_READ_BYTES:
+        raise ValueError(f"{relative} is larger than {MAX_READ_BYTES:,} bytes")
+    return data.decode("utf-8")
 
 
 def check_complete(spec: JobSpec, rows: list[dict[str, str]]) -> None:
@@ -88,17 +116,22 @@ def check_complete(spec: JobSpec, rows: list[dict[str, str]]) -> None:
         raise RuntimeError(f"no table row for {len(missing)} of {len(expected)} images: {examples}")
 
 
-def job_timings(run_dir: Path, own: str) -> list[dict[str, Any]]:
+def job_timings(work: HeldFolder, own: str) -> list[dict[str, Any]]:
     """What each finished job of this run reported (the report job itself excluded)."""
     jobs = []
-    for path in sorted((run_dir / JOBS_DIR).glob(f"*/{RESULT_FILE}")):
-        if path.parent.name == own:
+    with work.folder(JOBS_DIR) as folder:
+        names = sorted(e.name for e in folder.entries() if e.is_dir(follow_symlinks=False))
+    for name in names:
+        if name == own:
             continue
-        result = JobResult.from_json(path.read_text(encoding="utf-8"))
+        try:
+            result = JobResult.from_json(_read_text(work, f"{JOBS_DIR}/{name}/{RESULT_FILE}"))
+        except FileNotFoundError:
+            continue  # a folder of launch files, or a job that left no result
         summary = result.summary
         jobs.append(
             {
-                "job": path.parent.name,
+                "job": name,
                 "pipeline": result.pipeline,
                 "ok": result.ok,
                 "elapsed_s": summary.get("elapsed_s"),
@@ -225,9 +258,10 @@ def slide_overviews(rows: list[dict[str, str]], run: HeldFolder) -> list[tuple[s
     return pictures
 
 
-def read_curves(path: Path) -> list[dict[str, float]]:
-    with open(path, newline="", encoding="utf-8") as handle:
-        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(handle)]
+def read_curves(text: str) -> list[dict[str, float]]:
+    """A training's curves (``metrics.csv``) from its text."""
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    return [{k: float(v) for k, v in row.items()} for row in reader]
 
 
 def training_charts(curves: list[dict[str, float]]) -> list[tuple[str, str]]:
@@ -239,26 +273,35 @@ def training_charts(curves: list[dict[str, float]]) -> list[tuple[str, str]]:
     return [("loss per epoch", figures.png_uri(loss)), ("Dice and IoU", figures.png_uri(quality))]
 
 
-def _previews(folder: Path) -> list[tuple[str, str]]:
-    """(caption, data URI) of the training previews, captioned from their index."""
+def _previews(training: HeldFolder) -> list[tuple[str, str]]:
+    """(caption, data URI) of the training previews, captioned from their index; an entry of
+    the index is one file name in the previews folder, nothing else."""
     try:
-        index = json.loads((folder / PREVIEW_INDEX).read_text(encoding="utf-8"))["previews"]
+        index = json.loads(_read_text(training, f"{PREVIEWS_DIR}/{PREVIEW_INDEX}"))["previews"]
     except (OSError, ValueError, KeyError):
-        index = [{"file": p.name} for p in sorted(folder.glob("*.png"))]
+        index = [{"file": n} for n in _names(training, PREVIEWS_DIR, lambda n: n.endswith(".png"))]
     previews = []
     for entry in index:
-        caption = Path(entry["file"]).stem
+        name = str(entry["file"])
+        if parts_of(name) != (name,):
+            raise ValueError(f"the previews' index names {name!r}, not a file of the folder")
+        caption = Path(name).stem
         if "pick" in entry:
             caption = f"{entry['pick']}: {caption} (Dice {entry['dice']:.3f})"
-        previews.append((caption, figures.png_uri((folder / entry["file"]).read_bytes())))
+        with training.open_read(f"{PREVIEWS_DIR}/{name}") as handle:
+            previews.append((caption, figures.png_uri(handle.read(MAX_READ_BYTES))))
     return previews
 
 
-def _training(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(summary part, page part) for a training run (and a sweep's winner)."""
-    training_dir = run_dir / TRAINING_DIR
-    model = json.loads((training_dir / MODEL_FILE).read_text(encoding="utf-8"))
-    curves = read_curves(training_dir / METRICS_FILE)
+def _training(work: HeldFolder, run: HeldFolder) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(summary part, page part) for a training run (and a sweep's winner); the model card and
+    the curves are copied for the owner into ``training/`` of the results folder."""
+    with work.folder(TRAINING_DIR) as training:
+        card, curves_text = _read_text(training, MODEL_FILE), _read_text(training, METRICS_FILE)
+        previews = _previews(training)
+    model, curves = json.loads(card), read_curves(curves_text)
+    run.write_text(f"{TRAINING_DIR}/{MODEL_FILE}", card)
+    run.write_text(f"{TRAINING_DIR}/{METRICS_FILE}", curves_text)
     summary = {
         "model": model,
         "epochs_run": len(curves),
@@ -269,7 +312,7 @@ def _training(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         "curves": curves,
         "columns": CURVE_COLUMNS,
         "charts": training_charts(curves),
-        "previews": _previews(training_dir / PREVIEWS_DIR),
+        "previews": previews,
     }
     return summary, page
 
@@ -282,16 +325,21 @@ def _number(text: str) -> str | float:
         return text
 
 
-def _sweep(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(summary part, page part) for a sweep: every trial ranked, their validation curves."""
-    record = json.loads((run_dir / SWEEP_DIR / SWEEP_FILE).read_text(encoding="utf-8"))
-    with open(run_dir / SWEEP_DIR / TRIALS_TABLE, newline="", encoding="utf-8") as handle:
-        trials = list(csv.DictReader(handle))
+def _sweep(work: HeldFolder, run: HeldFolder) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(summary part, page part) for a sweep: every trial ranked, their validation curves; the
+    trials' table is copied for the owner into ``sweep/`` of the results folder."""
+    record = json.loads(_read_text(work, f"{SWEEP_DIR}/{SWEEP_FILE}"))
+    table = _read_text(work, f"{SWEEP_DIR}/{TRIALS_TABLE}")
+    trials = list(csv.DictReader(io.StringIO(table, newline="")))
     metric = record.get("metric", "val_dice")
     series = {}
     for trial in trials:
-        curves = read_curves(run_dir / TRIALS_DIR / trial["job"] / METRICS_FILE)
+        job = str(trial["job"])
+        if parts_of(job) != (job,):
+            raise ValueError(f"the trials' table names {job!r}, not a trial's folder")
+        curves = read_curves(_read_text(work, f"{TRIALS_DIR}/{job}/{METRICS_FILE}"))
         series[f"trial {trial['trial']}"] = [(row["epoch"], row[metric]) for row in curves]
+    run.write_text(f"{SWEEP_DIR}/{TRIALS_TABLE}", table)
     chart = figures.line_chart(f"{metric} per epoch, every trial", series)
     summary = {"method": record.get("method"), "metric": metric, "trials": len(trials),
                "winner": record.get("winner"), "table": f"{SWEEP_DIR}/{TRIALS_TABLE}",
@@ -303,9 +351,9 @@ def _sweep(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _inference(
-    spec: JobSpec, run: HeldFolder, run_dir: Path, batch: HeldFolder
+    spec: JobSpec, run: HeldFolder, work: HeldFolder, batch: HeldFolder
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    rows = merge_tables(run_dir)
+    rows = merge_tables(work)
     check_complete(spec, rows)
     run.write_text(TABLE_FILE, table_csv(rows))
     summary = inference_summary(rows)
@@ -323,16 +371,18 @@ def _inference(
 
 def report(spec: JobSpec, job_dir: Path, batch: HeldFolder) -> dict[str, Any]:
     """The report job."""
-    with run_folder(spec, batch) as run:
-        return _report(spec, job_dir, run, batch)
+    with run_folder(spec, batch) as run, work_folder(spec) as work:
+        return _report(spec, job_dir, run, work, batch)
 
 
-def _report(spec: JobSpec, job_dir: Path, run: HeldFolder, batch: HeldFolder) -> dict[str, Any]:
-    """The report job, reading inputs through the held batch folder and writing under the held
-    run folder ``run``."""
+def _report(
+    spec: JobSpec, job_dir: Path, run: HeldFolder, work: HeldFolder, batch: HeldFolder
+) -> dict[str, Any]:
+    """The report job, reading what the jobs left in the held work folder ``work`` and inputs
+    through the held batch folder, writing under the held run folder ``run``."""
     run_dir = Path(spec.run_dir)
     # Every other job of the batch has ended: what a killed one was writing is garbage.
-    strays = run.remove_strays()
+    strays = run.remove_strays() + work.remove_strays()
     if strays:
         log.info("removed %d temporary file(s) left by interrupted writes, e.g. %s",
                  len(strays), strays[0])  # fmt: skip
@@ -348,18 +398,18 @@ def _report(spec: JobSpec, job_dir: Path, run: HeldFolder, batch: HeldFolder) ->
         "params": dict(spec.params),
         "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "code_version": code_version(),
-        "jobs": job_timings(run_dir, own=job_dir.name),
+        "jobs": job_timings(work, own=job_dir.name),
     }
     summary["compute_s"] = round(sum(job["elapsed_s"] or 0 for job in summary["jobs"]), 3)
     pages: dict[str, Any] = {}
-    if (run_dir / PARTS_DIR).is_dir():
-        summary["inference"], pages["inference"] = _inference(spec, run, run_dir, batch)
-    if (run_dir / SWEEP_DIR / SWEEP_FILE).is_file():
-        summary["sweep"], pages["sweep"] = _sweep(run_dir)
-    if (run_dir / TRAINING_DIR / MODEL_FILE).is_file():
-        summary["training"], pages["training"] = _training(run_dir)
+    if work.exists(PARTS_DIR):
+        summary["inference"], pages["inference"] = _inference(spec, run, work, batch)
+    if work.exists(f"{SWEEP_DIR}/{SWEEP_FILE}"):
+        summary["sweep"], pages["sweep"] = _sweep(work, run)
+    if work.exists(f"{TRAINING_DIR}/{MODEL_FILE}"):
+        summary["training"], pages["training"] = _training(work, run)
     if not pages:
-        raise RuntimeError(f"nothing to report in {run_dir}: no shard tables, no trained model")
+        raise RuntimeError(f"nothing to report in {spec.work_dir}: no shard tables, no model")
     run.write_text(SUMMARY_FILE, json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     run.write_text(REPORT_FILE, render(summary, pages))
     log.info("report written: %s", run_dir / REPORT_FILE)

@@ -1,12 +1,15 @@
 """Sweep job: compare a sweep's trials and register the best one.
 
 ``python -m pipelines.sweep JOB_DIR`` runs after every trial of a ``sweep`` batch succeeded.
-Each trial (a training job, see :mod:`pipelines.train`) left ``run_dir/trials/<job>/`` with
-its curves and a candidate: weights and the metadata they would be registered with. Trials
-register nothing themselves, so they never race each other for ``best``. This job:
+Each trial (a training job, see :mod:`pipelines.train`) left ``trials/<job>/`` in the run's work
+folder in the spool with its curves and a candidate: weights and the metadata they would be
+registered with. Only the trials the daemon lists in this job's spec (``trials``: the trial
+jobs it recorded as succeeded) are read, each from the spool, its weights checked against the
+sha256 its metadata records. Trials register nothing themselves, so they never race each other
+for ``best``. This job:
 
 - ranks the trials by the sweep's metric (higher is better; ties: lower val_loss, then the
-  lower trial number) and writes ``sweep/trials.csv`` and ``sweep/sweep.json``;
+  lower trial number) and writes ``sweep/trials.csv`` and ``sweep/sweep.json`` (work folder);
 - registers the winner's weights (checked against their sha256, loaded ``weights_only``) as
   the next version of the batch's model, with the ``best`` rule of the manifest's params; a
   retried job finds the version an earlier attempt registered instead of registering again;
@@ -34,7 +37,7 @@ from daemon.contract.jobspec import JobSpec, Pipeline
 from models import registry
 from models.unet import UNet
 from pipelines import train
-from pipelines.job import log, run_folder, run_job
+from pipelines.job import log, run_job, work_folder
 from pipelines.layout import (
     CANDIDATE_FILE,
     CANDIDATE_WEIGHTS,
@@ -51,12 +54,20 @@ from pipelines.pairs import load_dataset, split
 METRIC_COLUMNS = ("val_dice", "val_iou", "val_loss", "epoch")
 
 
-def read_trials(run_dir: Path) -> list[dict[str, Any]]:
-    """Every trial's candidate metadata, with its folder and job name."""
+MAX_CANDIDATE_BYTES = 16 << 20  # a candidate's metadata: metrics, params, provenance
+
+
+def read_trials(work: HeldFolder, names: list[str]) -> list[dict[str, Any]]:
+    """The candidate metadata of the trials ``names`` (the trial jobs the daemon recorded as
+    succeeded), each with its folder and job name; a trial that left none is not there."""
     trials = []
-    for path in sorted((run_dir / TRIALS_DIR).glob(f"*/{CANDIDATE_FILE}")):
-        meta = json.loads(path.read_text(encoding="utf-8"))
-        trials.append({**meta, "dir": str(path.parent), "job": path.parent.name})
+    for name in sorted(names):
+        try:
+            with work.open_read(f"{TRIALS_DIR}/{name}/{CANDIDATE_FILE}") as handle:
+                meta = json.loads(handle.read(MAX_CANDIDATE_BYTES))
+        except FileNotFoundError:
+            continue
+        trials.append({**meta, "dir": str(work.path / TRIALS_DIR / name), "job": name})
     return trials
 
 
@@ -143,13 +154,13 @@ def _describe_winner(
     spec: JobSpec,
     winner: dict[str, Any],
     published: Any,
-    run: HeldFolder,
+    work: HeldFolder,
     training: HeldFolder,
     batch: HeldFolder,
 ) -> dict[str, Any]:
     """Write ``training/`` as a training job would (the winner's curves, the model card, the
     previews) through the held folders; the model card."""
-    with run.open_read(f"{TRIALS_DIR}/{winner['job']}/{METRICS_FILE}") as curves:
+    with work.open_read(f"{TRIALS_DIR}/{winner['job']}/{METRICS_FILE}") as curves:
         training.write_bytes(METRICS_FILE, curves.read())
     description = train.describe(spec, published)
     training.write_text(MODEL_FILE, json.dumps(description, indent=2) + "\n")
@@ -164,25 +175,27 @@ def _describe_winner(
 
 def sweep(spec: JobSpec, job_dir: Path, batch: HeldFolder) -> dict[str, Any]:
     """The sweep job: rank, register the best, describe it as a training would."""
-    run_dir = Path(spec.run_dir)
     described = dict(spec.params.get("sweep") or {})
     metric = str(described.get("metric", "val_dice"))
-    trials = read_trials(run_dir)
-    expected = int(described.get("trials", len(trials)))
-    if len(trials) < expected or not trials:
-        raise RuntimeError(f"{len(trials)} of {expected} trials left a candidate in {TRIALS_DIR}/")
-    ranked = rank(trials, metric)
-    winner = ranked[0]
-    space = list(described.get("space", {}))
-    config = wandb_config(described)
-    with run_folder(spec, batch) as run:
-        run.write_text(f"{SWEEP_DIR}/{TRIALS_TABLE}", trials_csv(ranked, space))
+    names = [str(name) for name in spec.params.get("trial_jobs", ())]
+    with work_folder(spec) as work:
+        trials = read_trials(work, names)
+        expected = int(described.get("trials", len(names)))
+        if len(trials) < expected or not trials:
+            raise RuntimeError(
+                f"{len(trials)} of {expected} trials left a candidate in {TRIALS_DIR}/"
+            )
+        ranked = rank(trials, metric)
+        winner = ranked[0]
+        space = list(described.get("space", {}))
+        config = wandb_config(described)
+        work.write_text(f"{SWEEP_DIR}/{TRIALS_TABLE}", trials_csv(ranked, space))
         published = _register(spec, winner, described)
         record = {**described, "winner": winner["job"], "wandb_sweep_config": config,
                   "wandb_sweep_id": _online_sweep(config)}  # fmt: skip
-        run.write_text(f"{SWEEP_DIR}/{SWEEP_FILE}", json.dumps(record, indent=2) + "\n")
-        with run.folder(TRAINING_DIR, create=True) as training:
-            description = _describe_winner(spec, winner, published, run, training, batch)
+        work.write_text(f"{SWEEP_DIR}/{SWEEP_FILE}", json.dumps(record, indent=2) + "\n")
+        with work.folder(TRAINING_DIR, create=True) as training:
+            description = _describe_winner(spec, winner, published, work, training, batch)
     return {"model": description, "trials": len(ranked), "winner": winner["job"],
             "metric": metric, "table": f"{SWEEP_DIR}/{TRIALS_TABLE}"}  # fmt: skip
 

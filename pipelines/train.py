@@ -1,6 +1,8 @@
 """Training job: fit a U-Net on a batch's image/mask pairs and register the best weights.
 
-``python -m pipelines.train JOB_DIR``. Writes, inside ``run_dir/training/``:
+``python -m pipelines.train JOB_DIR``. Writes, inside ``work_dir/training/`` (the run's work
+folder in the spool: the report job copies the model card and the curves into the owner's
+results folder):
 
 - ``metrics.csv``: epoch, train_loss, val_loss, val_dice, val_iou; rewritten (atomically)
   after every epoch, so it can be watched while the job runs;
@@ -9,16 +11,16 @@
   validation image by Dice, with predicted (orange) and true (cyan) outlines, for the report;
 - ``wandb/``: the Weights & Biases run (see :mod:`pipelines.fitting`).
 
-Every file is written through the run folder held from the batch folder down
-(:func:`pipelines.job.run_folder`); W&B, which writes only by path, is given the held training
-folder's own path (:meth:`daemon.contract.heldfolder.HeldFolder.proc_path`).
+Every file is written through the held work folder (:func:`pipelines.job.work_folder`); W&B,
+which writes only by path, is given the held training folder's own path
+(:meth:`daemon.contract.heldfolder.HeldFolder.proc_path`).
 
 Lightning's own checkpointing is off: the best weights (lowest val_loss) are kept in memory
 and the registry publishes them. With ``tasks`` > 1 the fit runs as DDP; only rank 0 publishes
 and writes files (and :func:`pipelines.job.run_job` writes result.json on rank 0 only).
 
 A **sweep trial** (a training job of a ``sweep`` batch) registers nothing: it writes its
-curves and a candidate (weights + metadata) into ``run_dir/trials/<job name>/``, and the sweep
+curves and a candidate (weights + metadata) into ``work_dir/trials/<job name>/``, and the sweep
 job registers only the winner (:mod:`pipelines.sweep`), so trials never compete for ``best``.
 
 Nothing is published twice: the version's metadata records the job it came from
@@ -48,7 +50,7 @@ from models import registry
 from models.registry import BestRule
 from models.unet import UNet
 from pipelines import figures, fitting
-from pipelines.job import log, run_folder, run_job
+from pipelines.job import log, run_job, work_folder
 from pipelines.layout import (
     CANDIDATE_FILE,
     CANDIDATE_WEIGHTS,
@@ -212,9 +214,9 @@ def describe(spec: JobSpec, published: registry.ModelVersion) -> dict[str, Any]:
     }
 
 
-def publish_training(spec: JobSpec, data: TrainingData, run: HeldFolder) -> dict[str, Any] | None:
+def publish_training(spec: JobSpec, data: TrainingData, work: HeldFolder) -> dict[str, Any] | None:
     """Fit and register (or find what an earlier attempt registered); None on ranks > 0."""
-    with run.folder(TRAINING_DIR, create=True) as training:
+    with work.folder(TRAINING_DIR, create=True) as training:
         return _publish_training(spec, data, training)
 
 
@@ -244,9 +246,9 @@ def _publish_training(
     return {"model": description, **published.metadata.get("training", {})}
 
 
-def train_trial(spec: JobSpec, data: TrainingData, run: HeldFolder) -> dict[str, Any] | None:
+def train_trial(spec: JobSpec, data: TrainingData, work: HeldFolder) -> dict[str, Any] | None:
     """A sweep trial: fit and leave a candidate for the sweep job; None on ranks > 0."""
-    with run.folder(f"{TRIALS_DIR}/{spec.job_name}", create=True) as trial:
+    with work.folder(f"{TRIALS_DIR}/{spec.job_name}", create=True) as trial:
         net, meta, rank_zero = _fit(spec, data, trial)
         if not rank_zero:
             return None
@@ -266,9 +268,9 @@ def train(spec: JobSpec, job_dir: Path, batch: HeldFolder) -> dict[str, Any] | N
     registry.check_name(spec.model.name)
     data = load_dataset(batch, spec.inputs, spec.params.get("channel"))
     log.info("loaded %d image/mask pairs", len(data.images))
-    with run_folder(spec, batch) as run:
+    with work_folder(spec) as work:
         trial = spec.batch_kind == SWEEP_KIND
-        summary = train_trial(spec, data, run) if trial else publish_training(spec, data, run)
+        summary = train_trial(spec, data, work) if trial else publish_training(spec, data, work)
     if summary is None:
         return None
     val_count = len(split(len(data.images), float(spec.params["val_fraction"]), 0)[1])

@@ -70,7 +70,7 @@ class BatchDaemon(Daemon):
 
     def config(self, **intake: object) -> Path:
         document: dict[str, object] = {
-            "daemon": {"state_dir": str(self.state)},
+            "daemon": {"state_dir": str(self.state), "spool_dir": str(self.spool)},
             "roots": [{"path": str(self.mount)}],
             "registry": {"path": str(self.registry)},
             "jobs": {"wandb_mode": "disabled"},
@@ -80,6 +80,10 @@ class BatchDaemon(Daemon):
         path = self.state / "config.toml"
         path.write_text(tomli_w.dumps(document))
         return path
+
+    @property
+    def spool(self) -> Path:
+        return self.state / "spool"
 
     def state_at(self, folder: str, state: str) -> float | None:
         rows = self.query(

@@ -148,7 +148,7 @@ def run_batch(name: str, base: Path, slide: Path, args: argparse.Namespace, slur
         state, ended = wait_ended(daemon, args.timeout)
         queued = daemon.state_at("slide", "queued") or ended
         results = run_dir(folder)
-        tasks = job_tasks(daemon, results)
+        tasks = job_tasks(daemon)
         if state == "timed out":
             cancel(tasks, slurm["slurm_conf"])
     finally:
@@ -176,8 +176,8 @@ def wait_ended(daemon: SlideDaemon, timeout: float) -> tuple[str, float]:
     return "timed out", time.time()
 
 
-def job_tasks(daemon: SlideDaemon, results: Path | None) -> list[Task]:
-    """The batch's jobs, from the daemon's database and each job's result.json."""
+def job_tasks(daemon: SlideDaemon) -> list[Task]:
+    """The batch's jobs, from the daemon's database and each job's result.json (in the spool)."""
     rows = daemon.query(
         "SELECT j.name, j.pipeline, j.handle, j.params, j.state,"
         " (SELECT min(at) FROM events WHERE job_id = j.id AND to_state = 'running'),"
@@ -188,8 +188,8 @@ def job_tasks(daemon: SlideDaemon, results: Path | None) -> list[Task]:
     )
     tasks = []
     for name, pipeline, handle, params, state, started, ended in rows:
-        found = results / "jobs" / str(name) / "result.json" if results else None
-        result = json.loads(found.read_text()) if found and found.exists() else {}
+        found = next((daemon.spool / "runs").glob(f"*/*/jobs/{name}/result.json"), None)
+        result = json.loads(found.read_text()) if found else {}
         summary, error = result.get("summary") or {}, result.get("error") or {}
         region = json.loads(str(params)).get("region")
         wall = float(ended) - float(started) if started and ended else None  # type: ignore[arg-type]
@@ -296,9 +296,7 @@ def report_run(run: Run, slurm_rss: dict[str, float]) -> None:
         if t.error:
             print(f"      error: {t.error}")
     if run.state != "done":
-        jobs = (
-            f"{run.results}/jobs/*/log.txt, {run.results}/jobs/slurm/ and " if run.results else ""
-        )
+        jobs = f"{run.daemon_log.parent / 'spool'}/runs/*/*/jobs/*/log.txt and "
         print(f"    logs: {jobs}{run.daemon_log}")
 
 

@@ -58,6 +58,12 @@ def inputs_of(
     return tuple(items)
 
 
+def work_dir_for(batch_dir: Path) -> Path:
+    """The work folder of a run of jobs started by hand on ``batch_dir``: in a spool beside
+    the batch folder (the daemon's is its configured spool), never inside it."""
+    return batch_dir.parent / "spool" / batch_dir.name
+
+
 def run(
     batch_dir: Path,
     pipeline: Pipeline,
@@ -71,12 +77,14 @@ def run(
     cpus: int = 2,
     env: Mapping[str, str] | None = None,
 ) -> Finished:
-    """Write the spec of job ``name`` in ``batch_dir/results`` and run it to its end."""
+    """Write the spec of job ``name`` (results in ``batch_dir/results``, the job folder in
+    :func:`work_dir_for`) and run it to its end."""
     spec = JobSpec(
         job_id=1, job_name=name, pipeline=pipeline, attempt=1, batch_id=1, batch_revision=1,
         batch_kind=kind, batch_dir=str(batch_dir), run_dir=str(batch_dir / "results"),
-        manifest_sha256="0" * 64, inputs=inputs, model=model, registry_dir=str(registry),
-        params=dict(params), resources=Resources(cpus=cpus), title=f"benchmark {name}",
+        work_dir=str(work_dir_for(batch_dir)), manifest_sha256="0" * 64, inputs=inputs,
+        model=model, registry_dir=str(registry), params=dict(params),
+        resources=Resources(cpus=cpus), title=f"benchmark {name}",
     )  # fmt: skip
     spec.job_dir.mkdir(parents=True, exist_ok=True)
     (spec.job_dir / SPEC_FILE).write_text(spec.to_json(), encoding="utf-8")

@@ -41,6 +41,7 @@ from slurm_scenario import (
     train_model,
 )
 
+from daemon.contract.spool import work_dir
 from daemon.core.records import Batch, Job
 from daemon.core.states import BatchState, JobState
 from daemon.executors.slurm import make_slurm_executor
@@ -96,13 +97,14 @@ def running(service: Service) -> int:
 
 def report(config: Config, dropped_during: list[str], down: float, up: float, conf: Path) -> int:
     found = batches_and_jobs(config)
+    spool = config.daemon.spool_dir
     record = jobcomp(conf.parent.parent / "log" / "jobcomp.txt")
     checks = [
         ("every batch ends done", all(b.state is BatchState.DONE for b, _ in found)),
         ("every job ran once (1 attempt, 1 start, 1 result)",
-         all(ran_once(b, j) for b, jobs in found for j in jobs)),
+         all(ran_once(spool, b, j) for b, jobs in found for j in jobs)),
         ("Slurm recorded each task and report once",
-         all(recorded_once(b, jobs, record) for b, jobs in found)),
+         all(recorded_once(spool, b, jobs, record) for b, jobs in found)),
         ("every image has one mask and one table row", all(outputs_whole(b) for b, _ in found)),
         ("batches dropped during the outage were taken in during it and submitted after it",
          all(down <= b.created_at <= up and min(j.submitted_at or 0 for j in jobs) >= up
@@ -115,8 +117,8 @@ def report(config: Config, dropped_during: list[str], down: float, up: float, co
     return 0 if all(ok for _, ok in checks) else 1
 
 
-def ran_once(batch: Batch, job: Job) -> bool:
-    folder = Path(batch.run_dir) / "jobs" / job.name
+def ran_once(spool: Path, batch: Batch, job: Job) -> bool:
+    folder = work_dir(spool, batch.id, batch.run_dir) / "jobs" / job.name
     starts = (folder / "log.txt").read_text().count("watchd: Slurm job ")
     return job.attempts == 1 and starts == 1 and (folder / "result.json").is_file()
 
@@ -131,8 +133,10 @@ def jobcomp(path: Path) -> Counter[tuple[str, str]]:
     return counts
 
 
-def recorded_once(batch: Batch, jobs: list[Job], record: Counter[tuple[str, str]]) -> bool:
-    workdir = str(Path(batch.run_dir) / "jobs")
+def recorded_once(
+    spool: Path, batch: Batch, jobs: list[Job], record: Counter[tuple[str, str]]
+) -> bool:
+    workdir = str(work_dir(spool, batch.id, batch.run_dir) / "jobs")
     shards = sum(1 for j in jobs if "-infer-" in j.name)
     prefix = f"b{batch.id:06d}"
     return (

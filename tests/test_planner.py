@@ -219,7 +219,7 @@ def test_a_job_the_executor_refused_for_good_fails_its_queued_batch() -> None:
         batch(1, BatchState.QUEUED), manifest(), (refused, job(2, JobState.PENDING, attempts=0))
     )
     problem = Problem("job j1", "refused by the slurm executor: Invalid partition",
-                      "see its log: jobs/j1/log.txt")  # fmt: skip
+                      "see its log: logs/j1.log")  # fmt: skip
     assert plan(snap(view)) == [
         Cancel((2,), "batch failed"),
         MoveBatch(
@@ -395,7 +395,7 @@ def test_a_trial_spec_merges_its_params_over_the_manifest_and_carries_its_resour
     trial = replace(job(7, JobState.PENDING, pipeline=Pipeline.TRAIN),
                     params={"learning_rate": 0.01, "trial": 3})  # fmt: skip
     given = Resources(cpus=1, gpus=0, tasks=2)
-    spec = job_spec(trial, batch(kind=Kind.SWEEP), m, m.files, "/registry", given)
+    spec = job_spec(trial, batch(kind=Kind.SWEEP), m, m.files, "/registry", given, "/spool")
     assert spec.params["epochs"] == 3 and spec.params["learning_rate"] == 0.01
     assert spec.params["trial"] == 3 and spec.resources == given
     assert spec.batch_kind == "sweep"

@@ -191,8 +191,12 @@ def test_a_batchs_progress_counts_the_images_of_its_inference_jobs(tmp_path: Pat
 
 
 @pytest.mark.parametrize("planted", ["link", "fifo", "huge", "garbage"])
-def test_a_progress_file_planted_by_the_owner_is_not_believed(tmp_path: Path, planted: str) -> None:
-    job_dir = tmp_path / "batch" / "results" / "run" / "jobs" / "b1-infer-0000"
+def test_a_progress_file_that_is_not_a_small_plain_file_is_not_believed(
+    tmp_path: Path, planted: str
+) -> None:
+    """(In the spool, the service's own: no owner can plant one; read by the rule all the
+    same.)"""
+    job_dir = tmp_path / "spool" / "runs" / "b000001" / "run" / "jobs" / "b1-infer-0000"
     job_dir.mkdir(parents=True)
     target = job_dir / PROGRESS_FILE
     (tmp_path / "elsewhere.json").write_text('{"done": 5}')
@@ -204,7 +208,7 @@ def test_a_progress_file_planted_by_the_owner_is_not_believed(tmp_path: Path, pl
         target.write_text('{"done": 5, "x": "' + "x" * 10_000 + '"}')
     else:
         target.write_text("not json")
-    assert read_progress(tmp_path / "batch", job_dir) is None
+    assert read_progress(job_dir) is None
     target.unlink()
     target.write_text('{"done": 5, "total": 9}')
-    assert read_progress(tmp_path / "batch", job_dir) == 5
+    assert read_progress(job_dir) == 5

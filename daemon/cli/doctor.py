@@ -18,6 +18,7 @@ from pathlib import Path
 from daemon.cli.base import liveness
 from daemon.contract.errors import ConfigError, WatchdError
 from daemon.contract.names import model_names
+from daemon.contract.spool import private_problem
 from daemon.contract.version import code_version
 from daemon.executors import Check, make_executor
 from daemon.site.access import user_name
@@ -62,10 +63,10 @@ def root_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
 def _lease(name: str, root: Path, config: Config) -> Check:
     """Which daemon holds the root: this configuration's, or another (with its own database)
     that keeps this one's daemon off it while it runs."""
-    holder = read_lease(root)
+    now = time.time()
+    holder = read_lease(config.daemon.spool_dir, root, now, config.daemon.lease_seconds)
     if holder is None:
         return Check(name, True, "none (the daemon takes it when it starts)")
-    now = time.time()
     detail = f"{holder.describe()}, renewed {now - holder.renewed_at:.0f} s ago"
     if holder.database == str(config.daemon.database):
         return Check(name, True, detail)
@@ -252,11 +253,7 @@ def registry_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
     path = config.registry.path
     hint = "training jobs write new model versions there: make it writable for watchd's user"
     if not path.exists():
-        problem = _write_problem(_nearest_existing(path.parent))
-        detail = f"{path}: not there yet (the first training creates it)"
-        if problem:
-            return [Check("registry", False, f"{detail}; its folder: {problem}", hint)]
-        return [Check("registry", True, detail)]
+        return [_to_be_made("registry", path, "the first training creates it", hint)]
     if not path.is_dir():
         return [Check("registry", False, f"{path}: is not a folder", "name a folder")]
     problem = _write_problem(path)
@@ -264,6 +261,19 @@ def registry_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
         return [Check("registry", False, f"{path}: {problem}", hint)]
     models = len(model_names(path))
     return [Check("registry", True, f"{path}: {models} model(s), writable by {user_name()}")]
+
+
+def spool_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
+    """The spool: there (or makeable) and the service's alone. Only as the daemon's user does
+    "alone" mean the service's (``sudo -u watchd watchctl doctor``)."""
+    path = config.daemon.spool_dir
+    hint = "docs/install.md, step 2: install -d -o watchd -g watchd -m 0750 SPOOL, beside the roots"
+    if not path.exists():
+        return [_to_be_made("spool", path, "the daemon makes it at its first start", hint)]
+    problem = private_problem(path)
+    if problem:
+        return [Check("spool", False, f"not the service's alone: {problem}", hint)]
+    return [Check("spool", True, f"{path}: private to {user_name()}")]
 
 
 def executor_checks(config: Config, environ: Mapping[str, str]) -> list[Check]:
@@ -294,6 +304,15 @@ def _write_problem(folder: Path) -> str | None:
     return None
 
 
+def _to_be_made(name: str, path: Path, by: str, hint: str) -> Check:
+    """A folder not there yet: fine if it can be made where it goes (``by`` says who makes it)."""
+    problem = _write_problem(_nearest_existing(path.parent))
+    detail = f"{path}: not there yet ({by})"
+    if problem:
+        return Check(name, False, f"{detail}; its folder: {problem}", hint)
+    return Check(name, True, detail)
+
+
 def _writable(path: Path) -> bool:
     """The database file and its folder (SQLite writes its -wal and -shm files beside it)."""
     return os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
@@ -312,5 +331,6 @@ GROUPS: tuple[CheckGroup, ...] = (
     database_checks,
     daemon_checks,
     registry_checks,
+    spool_checks,
     executor_checks,
 )

@@ -1,10 +1,7 @@
-"""A job's log, ``<run dir>/jobs/<job name>/log.txt`` (what the job printed, appended to by
-each attempt): its last lines, and the lines it gains until the job ends (``watchctl logs``).
-
-The log lies in its owner's batch folder, so it is read by the rule of
-:mod:`daemon.contract.heldfolder` (held from the batch folder): a link planted there is never
-followed (as root, that would print any file), a FIFO never waited on; both raise
-:class:`~daemon.contract.heldfolder.UnsafeEntry`."""
+"""A job's log, ``<work folder>/jobs/<job name>/log.txt`` in the spool (what the job printed,
+appended to by each attempt): its last lines, and the lines it gains until the job ends
+(``watchctl logs``). The spool is the service's; operators read it as members of its group.
+The log is opened without following a link or waiting on a FIFO all the same."""
 
 from __future__ import annotations
 
@@ -17,6 +14,7 @@ from typing import BinaryIO
 
 from daemon.contract.heldfolder import HeldFolder
 from daemon.contract.jobspec import LOG_FILE, job_dir
+from daemon.contract.spool import work_dir
 from daemon.core.records import Batch, Job
 from daemon.store import Store
 
@@ -25,19 +23,18 @@ BLOCK = 8192
 
 @dataclass(frozen=True)
 class LogFile:
-    """A file below a batch folder, to be read by the rule."""
+    """A job's log in the spool."""
 
-    batch_dir: Path
-    path: Path  # below batch_dir
+    path: Path
 
     def open(self) -> BinaryIO:
         """Open it for reading (FileNotFoundError if missing, UnsafeEntry if not a file)."""
-        with HeldFolder.inside(self.batch_dir, self.path.parent) as held:
+        with HeldFolder.open(self.path.parent) as held:
             return held.open_read(self.path.name)
 
 
-def log_file(batch: Batch, job: Job) -> LogFile:
-    return LogFile(batch.path, job_dir(batch.run_dir, job.name) / LOG_FILE)
+def log_file(spool: Path, batch: Batch, job: Job) -> LogFile:
+    return LogFile(job_dir(work_dir(spool, batch.id, batch.run_dir), job.name) / LOG_FILE)
 
 
 def _decode(line: bytes) -> str:

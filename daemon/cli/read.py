@@ -46,7 +46,9 @@ def status_command(config: ConfigOption = None, as_json: JsonOption = False) -> 
     cfg, store = open_store(config)
     beat = store.heartbeat()
     live = liveness(beat, time.time(), cfg.daemon.heartbeat_seconds)
-    leases = {str(r.path): read_lease(r.path) for r in cfg.roots}
+    now = time.time()
+    spool, lease_seconds = cfg.daemon.spool_dir, cfg.daemon.lease_seconds
+    leases = {str(r.path): read_lease(spool, r.path, now, lease_seconds) for r in cfg.roots}
     roots = overview.roots(
         [str(r.path) for r in cfg.roots], store.roots(), live.get("info", {}), leases,
         str(cfg.daemon.database), time.time(),
@@ -252,9 +254,9 @@ def logs_command(
     Ctrl-C stops following (exit status 0)."""
     if follow and as_json:
         raise click.UsageError("--follow prints lines as they come: leave out --json")
-    _, store = open_store(config)
+    cfg, store = open_store(config)
     found = _job(store, job)
-    log = joblog.log_file(store.batch(found.batch_id), found)
+    log = joblog.log_file(cfg.daemon.spool_dir, store.batch(found.batch_id), found)
     if follow:
         _follow(store, found, log, lines)
         return
@@ -264,7 +266,7 @@ def logs_command(
         state = found.state.value
         raise WatchdError(f"job {found.name} has no log yet (it is {state}): {log.path}") from None
     except PermissionError:
-        raise denied(log.path, "the job's log") from None  # on the share: the experts' group
+        raise denied(log.path, "the job's log") from None  # in the spool: the group watchd
     except OSError as exc:
         raise _unreadable(log, exc) from None
     text = [*last.lines, *([last.partial.decode("utf-8", "replace")] if last.partial else [])]

@@ -174,6 +174,14 @@ class HeldFolder:
         with self._parent(above) as parent:
             return os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
 
+    def exists(self, relative: str | PurePosixPath) -> bool:
+        """Whether anything (a link too) has the name ``relative`` below this folder."""
+        try:
+            self.lstat(relative)
+        except FileNotFoundError:
+            return False
+        return True
+
     def entries(self) -> list[os.DirEntry[str]]:
         """This folder's entries (entry types need no further stat for most filesystems)."""
         with os.scandir(self.fd) as listing:

@@ -3,7 +3,9 @@
 A job is ``python -m pipelines.<pipeline> JOB_DIR``. The daemon writes ``JOB_DIR/spec.json``
 (a :class:`JobSpec`, JSON, never a pickle) before it submits; the pipeline writes
 ``JOB_DIR/result.json`` (a :class:`JobResult`) as its last act, atomically. The local and the
-Slurm executor launch the identical command, and an operator can run it by hand.
+Slurm executor launch the identical command, and an operator can run it by hand. ``JOB_DIR``
+lies in the service's spool (:mod:`daemon.contract.spool`), never in a batch folder: a job
+trusts the spec it reads there, and the owner of the batch folder cannot write it.
 
 The result file, not the executor's exit status, is the truth of what a job did: a cluster
 forgets finished jobs and a restarted daemon has no exit status for a process it did not start.
@@ -23,12 +25,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SPEC_VERSION = 1
+SPEC_VERSION = 2  # 2: job folders in the spool (work_dir)
 SPEC_FILE = "spec.json"
 RESULT_FILE = "result.json"
 PROGRESS_FILE = "progress.json"  # an inference job's images done so far: {"done": n, "total": m}
 LOG_FILE = "log.txt"
-JOBS_DIR = "jobs"  # under a run folder: one folder per job
+JOBS_DIR = "jobs"  # under a run's work folder (in the spool): one folder per job
+LOGS_DIR = "logs"  # under a run's results folder (the owner's): each ended job's log, copied
+
+
+def owner_log(job_name: str) -> str:
+    """Where the owner reads a job's log, below the run's results folder."""
+    return f"{LOGS_DIR}/{job_name}.log"
 
 
 class Pipeline(enum.Enum):
@@ -58,9 +66,10 @@ class ErrorKind(enum.Enum):
         return self in (ErrorKind.INTERNAL, ErrorKind.LOST)
 
 
-def job_dir(run_dir: str | Path, name: str) -> Path:
-    """The folder of job ``name`` of a run: its spec, result, log and launch record."""
-    return Path(run_dir) / JOBS_DIR / name
+def job_dir(work_dir: str | Path, name: str) -> Path:
+    """The folder of job ``name`` of a run, in the run's work folder in the spool: its spec,
+    result, progress, log and launch record."""
+    return Path(work_dir) / JOBS_DIR / name
 
 
 class Role(enum.Enum):
@@ -149,7 +158,11 @@ class Identity:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """Everything a pipeline needs, with absolute paths; written by the daemon as spec.json."""
+    """Everything a pipeline needs, with absolute paths; written by the daemon as spec.json.
+
+    ``run_dir`` is the run's results folder in the batch folder (the owner's: only what is
+    meant for the owner is written there, through the held batch folder); ``work_dir`` the
+    run's folder in the spool (the service's: what the jobs hand each other)."""
 
     job_id: int
     job_name: str
@@ -160,6 +173,7 @@ class JobSpec:
     batch_kind: str
     batch_dir: str
     run_dir: str
+    work_dir: str
     manifest_sha256: str
     inputs: tuple[InputFile, ...]
     model: ModelRef
@@ -175,7 +189,7 @@ class JobSpec:
 
     @property
     def job_dir(self) -> Path:
-        return job_dir(self.run_dir, self.job_name)
+        return job_dir(self.work_dir, self.job_name)
 
     def to_json(self) -> str:
         data = dataclasses.asdict(dataclasses.replace(self, inputs=()))

@@ -13,6 +13,7 @@ from itertools import pairwise
 from typing import Any
 
 from daemon.contract.jobspec import InputFile, JobSpec, Pipeline, Resources, Role, Shard
+from daemon.contract.spool import work_dir
 from daemon.core.manifest import Manifest
 from daemon.core.manifest_schema import Kind
 from daemon.core.records import Batch, Job, NewJob
@@ -118,7 +119,9 @@ def next_stage_job(
                       inherit_inputs=True, params={"regional": regional})  # fmt: skip
     if batch.kind is Kind.SWEEP and Pipeline.SWEEP not in {j.pipeline for j in jobs}:
         plan = manifest.sweep if manifest else None
-        params = {"sweep": plan.describe() if plan else {}}
+        # the trials the sweep job may read: those recorded here as succeeded, by name
+        trials = sorted(j.name for j in jobs if j.pipeline is Pipeline.TRAIN)
+        params = {"sweep": plan.describe() if plan else {}, "trial_jobs": trials}
         return NewJob(f"b{batch.id:06d}-sweep", Pipeline.SWEEP, stage, 0, 1, (),
                       executor, inherit_inputs=True, params=params)  # fmt: skip
     return NewJob(f"b{batch.id:06d}-report", Pipeline.REPORT, stage, 0, 1, (),
@@ -137,9 +140,11 @@ def job_spec(
     inputs: Sequence[InputFile],
     registry_dir: str,
     resources: Resources,
+    spool: str,
 ) -> JobSpec:
     """The spec of the job's next attempt; the job's own params override the manifest's;
-    ``resources``: what the executor gives this job."""
+    ``resources``: what the executor gives this job; ``spool``: the service's spool, where the
+    run's work folder is."""
     params = {**manifest.params, **job.params}
     return JobSpec(
         job_id=job.id,
@@ -151,6 +156,7 @@ def job_spec(
         batch_kind=manifest.kind.value,
         batch_dir=str(batch.path),
         run_dir=batch.run_dir,
+        work_dir=str(work_dir(spool, batch.id, batch.run_dir)),
         manifest_sha256=batch.manifest_sha256,
         inputs=tuple(inputs),
         model=manifest.model,

@@ -11,7 +11,14 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-from daemon.contract.jobspec import ErrorKind, JobResult, Pipeline, Problem, summarised
+from daemon.contract.jobspec import (
+    ErrorKind,
+    JobResult,
+    Pipeline,
+    Problem,
+    owner_log,
+    summarised,
+)
 from daemon.core.jobplan import Sharding, compute_jobs, next_stage_job
 from daemon.core.manifest import Manifest
 from daemon.core.readiness import NotReady, Ready, Verdict
@@ -59,6 +66,7 @@ class Snapshot:
     free_slots: int | None = None  # None: the executor queues without limit
     submitting: bool = True  # False while shutting down
     paused_roots: frozenset[str] = frozenset()  # paused by an operator: no job goes out
+    held_elsewhere: frozenset[str] = frozenset()  # roots another daemon holds: nor there
 
 
 @dataclass(frozen=True)
@@ -134,7 +142,7 @@ def opens_work(actions: Iterable[Action]) -> bool:
 
 def plan(snapshot: Snapshot) -> list[Action]:
     """Every action this tick: intents, then each batch in order, then submissions (none for
-    the batches of a paused drop root)."""
+    the batches of a paused drop root, or of one another daemon holds)."""
     actions: list[Action] = []
     views = {v.batch.id: v for v in snapshot.batches}
     handled: set[int] = set()
@@ -158,7 +166,8 @@ def plan(snapshot: Snapshot) -> list[Action]:
         actions += batch_actions
         pending += ready_to_submit
     if snapshot.submitting:
-        free = [j for j in pending if views[j.batch_id].batch.root not in paused]
+        stopped = paused | snapshot.held_elsewhere
+        free = [j for j in pending if views[j.batch_id].batch.root not in stopped]
         actions += _submissions(free, snapshot.free_slots)
     return actions
 
@@ -388,7 +397,7 @@ def _failure(jobs: Sequence[Job], seen: Mapping[int, JobSeen], policy: Policy) -
         message = error.message if error else (job.reason or "it ended without a result")
         if not problems:
             problems = (
-                Problem(f"job {job.name}", message, f"see its log: jobs/{job.name}/log.txt"),
+                Problem(f"job {job.name}", message, f"see its log: {owner_log(job.name)}"),
             )
         return _Failure(
             f"job {job.name} failed{attempts}: {message}",

@@ -39,14 +39,10 @@ class Submission:
     group: str = ""
     attempt: int = 0  # with the job directory, names this submission for good
     resources: ResourceRequest = field(default_factory=ResourceRequest)  # [resources]
-    batch_dir: Path | None = None  # the batch folder of job_dir (None: job_dir is trusted)
 
     def held_job_dir(self) -> HeldFolder:
-        """The job's folder held by the rule of :mod:`daemon.contract.heldfolder`, from its batch
-        folder (a planted link or FIFO on the way raises UnsafeEntry, an OSError)."""
-        if self.batch_dir is None:
-            return HeldFolder.open(self.job_dir)
-        return HeldFolder.inside(self.batch_dir, self.job_dir)
+        """The job's folder (in the spool, the service's own), held."""
+        return HeldFolder.open(self.job_dir)
 
 
 @dataclass(frozen=True)

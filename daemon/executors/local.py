@@ -2,11 +2,13 @@
 
 Each job runs in its own session, so it outlives a daemon that is stopped or killed; a handle
 ``local:PID:START`` names the process for good (the start time tells a reused pid apart), and
-``launch.json`` in the job directory lets a restarted daemon find a job it started before.
+``launch.json`` in the job directory lets a restarted daemon find a job it started before. The
+process started is :mod:`daemon.executors.local_job`, which runs the job as its child and ends
+it when it runs past its time limit or makes no progress for ``stall_minutes`` (limits it keeps
+while the daemon is away); the job's exit status is its own.
 
-The job's folder is in its owner's batch folder: its log is opened by the daemon, by the rule
-of :mod:`daemon.contract.heldfolder`, and handed to the child; a link, FIFO or hard link planted as
-``log.txt`` refuses the job (with that reason), never redirects or blocks it.
+The job's folder is in the spool (:mod:`daemon.contract.spool`, the service's own): its log is
+opened there by the daemon and handed to the child.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from daemon.executors import (
     Submission,
     resources,
 )
+from daemon.executors.local_job import ended_why
 from daemon.site.config import JobShapes, LocalExecutorSection
 from daemon.site.subprocesses import (
     ExitWatch,
@@ -46,6 +49,7 @@ from daemon.site.subprocesses import (
 )
 
 LAUNCH_FILE = "launch.json"
+LAUNCHER = "daemon.executors.local_job"
 CANCEL_GRACE_SECONDS = 10.0
 # A start that failed for want of processes, memory or file descriptors may work later; any
 # other failure (no such interpreter, not executable) will fail every time.
@@ -106,7 +110,11 @@ class LocalExecutor:
         return Accepted(self._watch(adopted)) if adopted else self._start(sub)
 
     def _start(self, sub: Submission) -> Handover:
-        command = [self.python, "-m", sub.module, str(sub.job_dir)]
+        limit = 60 * min(sub.resources.time_minutes or self.limits.time_minutes,
+                         self.limits.max_time_minutes)  # fmt: skip
+        stall = 60 * self.limits.stall_minutes
+        supervisor = [self.python, "-m", LAUNCHER, str(sub.job_dir), str(limit), str(stall), "--"]
+        command = [*supervisor, self.python, "-m", sub.module, str(sub.job_dir)]
         env = {**self.env, **sub.env, "OMP_NUM_THREADS": str(sub.cpus)}
         try:
             with sub.held_job_dir() as held:
@@ -139,15 +147,15 @@ class LocalExecutor:
         try:
             with sub.held_job_dir() as held:
                 handle = _recorded(held)
-                started = _exists(held, LOG_FILE)
+                started = held.exists(LOG_FILE)
         except OSError:
             return None  # no job folder to read (or a planted one): nothing started from it
         argv_tail = ["-m", sub.module, str(sub.job_dir)]
         if handle and _alive(handle) and runs(_pid(handle), argv_tail):
-            return handle  # (launch.json lies in the owner's folder: it must name this job)
+            return handle
         if not started:
             return None
-        found = find_process(argv_tail)
+        found = find_process(argv_tail, leader=True)  # the launcher, not the job it runs
         return f"local:{found[0]}:{found[1]}" if found else None
 
     def poll(self, handles: Sequence[str]) -> dict[str, Status]:
@@ -162,7 +170,7 @@ class LocalExecutor:
         if code is None:
             return Status(Phase.RUNNING)
         del self._children[handle]
-        return Status(Phase.ENDED, code)
+        return Status(Phase.ENDED, code, ended_why(code))
 
     def cancel(self, handles: Sequence[str]) -> None:
         for handle in handles:
@@ -206,14 +214,6 @@ def _recorded(held: HeldFolder) -> str:
             return str(json.loads(file.read())["handle"])
     except (OSError, ValueError, KeyError, TypeError):
         return ""
-
-
-def _exists(held: HeldFolder, name: str) -> bool:
-    try:
-        held.lstat(name)
-    except FileNotFoundError:
-        return False
-    return True
 
 
 def _pid(handle: str) -> int:

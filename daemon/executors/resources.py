@@ -92,5 +92,6 @@ def slurm_bounds(site: SlurmExecutorSection) -> dict[str, int]:
 
 
 def local_bounds(local: LocalExecutorSection) -> dict[str, int]:
-    """The local executor has no time or memory limits to ask for; GPUs and DDP tasks it has."""
-    return {"gpus": local.max_gpus, "tasks": local.max_tasks}
+    """The local executor has time limits, GPUs and DDP tasks to ask for; no memory limits."""
+    return {"time_minutes": local.max_time_minutes, "gpus": local.max_gpus,
+            "tasks": local.max_tasks}  # fmt: skip

@@ -31,6 +31,7 @@ import structlog
 from daemon.contract.errors import ExecutorUnavailable, SubmissionError, WatchdError
 from daemon.contract.heldfolder import HeldFolder
 from daemon.contract.jobspec import Pipeline, Resources
+from daemon.contract.spool import make_private
 from daemon.core.manifest import ResourceRequest
 from daemon.core.states import Phase
 from daemon.executors import (
@@ -53,6 +54,7 @@ from daemon.site.config import SlurmExecutorSection
 log = structlog.get_logger("watchd.slurm")
 
 Adopted = dict[tuple[Path, str, int], str]  # (jobs folder, job name, attempt) → handle
+MAX_TASKS_BYTES = 64 << 20  # a tasks file: a line per task, at most max_array_tasks of them
 
 
 @dataclass(frozen=True)
@@ -202,10 +204,9 @@ class SlurmExecutor:
         return job_id
 
     def _write_files(self, launch: Launch) -> Path:
-        """Write the tasks file and the script under the batch folder, by the rule of
-        :mod:`daemon.contract.heldfolder` (a link planted on the way or at a name raises
-        UnsafeEntry)."""
-        with HeldFolder.inside(launch.batch_dir, launch.files, create=True) as held:
+        """Write the tasks file and the script into the spool, beside the job folders."""
+        make_private(launch.files)
+        with HeldFolder.open(launch.files) as held:
             held.write_text(f"{launch.key}.tasks", launching.tasks_text(launch))
             held.write_text(f"{launch.key}.sh", launching.job_script(launch, self.python))
         return launch.files / f"{launch.key}.sh"
@@ -289,14 +290,10 @@ def _found(launch: Launch, adopted: Adopted) -> dict[int, str]:
 
 
 def _tasks_file(launch: Launch, key: str) -> str:
-    """The text of launch ``key``'s tasks file beside ``launch``'s (read by the rule of
-    :mod:`daemon.contract.heldfolder`), or '' if there is none to read."""
+    """The text of launch ``key``'s tasks file beside ``launch``'s, or '' if there is none."""
     try:
-        with (
-            HeldFolder.inside(launch.batch_dir, launch.files) as held,
-            held.open_read(f"{key}.tasks") as file,
-        ):
-            return file.read().decode("utf-8", "replace")
+        with HeldFolder.open(launch.files) as held, held.open_read(f"{key}.tasks") as file:
+            return file.read(MAX_TASKS_BYTES).decode("utf-8", "replace")
     except OSError:
         return ""
 

@@ -1,13 +1,10 @@
 """The job side of a Slurm launch: open the job's log by the rule, then become the job.
 
-``python -m daemon.executors.slurm_job BATCH_DIR JOB_DIR -- COMMAND...``, run by the job
-script on the compute node as the daemon's user. A shell's ``>>log.txt`` would follow a link
-planted there by the batch folder's owner (and append to any file the daemon's user may write,
-the model registry's included) or block on a FIFO; here the job folder is held from the batch
-folder and ``log.txt`` opened by :mod:`daemon.contract.heldfolder` (no link, FIFO or hard link),
-made the job's stdout and stderr, and the job's working folder is that held folder. A log that may
-not be opened ends the task with exit status 3 before the job starts: the daemon sees it end
-without a result.
+``python -m daemon.executors.slurm_job JOB_DIR -- COMMAND...``, run by the job script on the
+compute node as the daemon's user. The job folder is in the spool (the service's own); its
+``log.txt`` is opened without following a link or blocking on a FIFO, made the job's stdout and
+stderr, and the job's working folder is that folder. A log that may not be opened ends the
+task with exit status 3 before the job starts: the daemon sees it end without a result.
 """
 
 from __future__ import annotations
@@ -32,13 +29,13 @@ def banner(env: Mapping[str, str], host: str, at: dt.datetime) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    if len(argv) < 4 or argv[2] != "--":
-        print("usage: python -m daemon.executors.slurm_job BATCH_DIR JOB_DIR -- COMMAND...",
+    if len(argv) < 3 or argv[1] != "--":
+        print("usage: python -m daemon.executors.slurm_job JOB_DIR -- COMMAND...",
               file=sys.stderr)  # fmt: skip
         return 2
-    batch_dir, job_dir, _, *command = argv
+    job_dir, _, *command = argv
     try:
-        with HeldFolder.inside(batch_dir, job_dir) as held:
+        with HeldFolder.open(job_dir) as held:
             log_fd = held.open_append(LOG_FILE)
             os.fchdir(held.fd)
     except (OSError, ValueError) as exc:

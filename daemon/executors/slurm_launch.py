@@ -1,17 +1,18 @@
 """How submissions go out to Slurm: grouped into launches (one job, or one job array whose
 tasks are the shards of a batch's stage), each with a tasks file and a job script. Pure.
 
-A launch's files live in ``<run>/jobs/slurm/`` next to the job directories, on the share the
-compute nodes see:
+A launch's files live in ``jobs/slurm/`` next to the job folders, in the run's work folder in
+the spool (:mod:`daemon.contract.spool`: the service's own, on a share the compute nodes see,
+which no data owner can write):
 
 - ``KEY.tasks``: one line per array task, ``<job name>\\t<attempt>``; task *i* runs line *i+1*;
 - ``KEY.sh``: the job script, a fixed template whose only values are quoted paths and a module
   name; every Slurm option is an sbatch argument or a pyslurm field, never script text.
 
-Slurm's own output file goes to /dev/null: slurmstepd opens it by path and would follow a link
-that the batch folder's owner planted under ``results/``. The script hands over at once to
-:mod:`daemon.executors.slurm_job`, which opens the job's ``log.txt`` by the rule of
-:mod:`daemon.contract.heldfolder` and runs the job with its output there.
+Slurm's own output file goes to /dev/null: a task's log is its job folder's (a tasks file names
+the job of each task), which the script cannot name to Slurm. The script hands over at once to
+:mod:`daemon.executors.slurm_job`, which opens the job's ``log.txt`` and runs the job with its
+output there.
 
 KEY is a digest of the job directories and attempts, and the job's comment is
 ``watchd:<name>:<KEY>``: a restarted daemon, or one whose submit timed out after Slurm accepted
@@ -46,7 +47,6 @@ SCRIPT = """\
 # watchd job script: a fixed template (daemon/executors/slurm_launch.py). The values put in
 # are quoted paths and a module name; every Slurm option was given to sbatch as an argument.
 set -euo pipefail
-batch_dir=@BATCH_DIR@
 jobs_dir=@JOBS_DIR@
 tasks=@TASKS@
 python=@PYTHON@
@@ -56,8 +56,8 @@ name=$(sed -n "$((task + 1))p" "$tasks" | cut -f1)
 if [ -z "$name" ]; then echo "watchd: no job for task $task in $tasks" >&2; exit 3; fi
 job_dir=$jobs_dir/$name
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
-# log.txt is opened by watchd's rule (never a link, FIFO or hard link), not by the shell
-exec "$python" -m daemon.executors.slurm_job "$batch_dir" "$job_dir" -- \\
+# log.txt is opened by watchd's launcher (never through a link), not by the shell
+exec "$python" -m daemon.executors.slurm_job "$job_dir" -- \\
   @LAUNCHER@"$python" -m "$module" "$job_dir"
 """
 
@@ -87,11 +87,6 @@ class Launch:
     @property
     def is_array(self) -> bool:
         return len(self.submissions) > 1
-
-    @property
-    def batch_dir(self) -> Path:
-        """The batch folder the job folders are held from (the jobs folder if not known)."""
-        return self.submissions[0].batch_dir or self.jobs_dir
 
     @property
     def files(self) -> Path:
@@ -158,7 +153,6 @@ def live_tasks(
 
 def job_script(launch: Launch, python: str) -> str:
     filled = {
-        "@BATCH_DIR@": shlex.quote(str(launch.batch_dir)),
         "@JOBS_DIR@": shlex.quote(str(launch.jobs_dir)),
         "@TASKS@": shlex.quote(str(launch.files / f"{launch.key}.tasks")),
         "@PYTHON@": shlex.quote(python),

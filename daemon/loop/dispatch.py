@@ -1,12 +1,16 @@
 """Dispatch: hand jobs to the executor and read back what became of them.
 
-Submitting writes the attempt's spec into the job directory first (unless it is there already),
+Submitting writes the attempt's spec into the job's folder in the spool first (unless it is
+there already: :mod:`daemon.contract.spool`, the service's own, which no data owner can write),
 then asks the executor, then records what became of each job: SUBMITTED with its handle, FAILED
 with the executor's word when it refused the job for good (the planner then fails the batch),
 or nothing (still pending, offered again next tick). A daemon that dies between a job's end and
 the recording of it finds the result at the next submission of that attempt and records it
 instead of running the job again. Polling asks the executor about every live job in one call
-and reads the result file of each job the executor says has ended (or has forgotten).
+and reads the result file of each job the executor says has ended (or has forgotten), and copies
+that job's log into the owner's results folder (``logs/<job>.log``, its last LOG_COPY_BYTES),
+through the held batch folder: the owner reads what the job printed, and nothing the daemon
+reads back lies there.
 
 Cancelling marks the jobs cancelled and keeps, in the same transaction, a cancel for each one
 the executor has; a cancel is dropped once delivered, and sent again every tick until then
@@ -24,7 +28,7 @@ from pathlib import Path
 
 import structlog
 
-from daemon.contract import jobspec
+from daemon.contract import jobspec, spool
 from daemon.contract.errors import ExecutorUnavailable
 from daemon.contract.heldfolder import HeldFolder
 from daemon.contract.jobspec import (
@@ -47,6 +51,8 @@ from daemon.store import Store
 log = structlog.get_logger("watchd.dispatch")
 
 PROGRESS_SECONDS = 10.0  # a running inference job's progress file is read at most this often
+LOG_COPY_BYTES = 1 << 20  # the end of a job's log that the owner's copy keeps
+MAX_RESULT_BYTES = 16 << 20  # a result.json larger than this is not read (a job's summary is small)
 FINISHED_HANDLE = "finished"  # an attempt found finished before it was recorded as submitted
 
 
@@ -67,13 +73,16 @@ class Dispatcher:
         store: Store,
         executor: Executor,
         registry_dir: str,
+        spool: str,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """A job that ended without a result is given the executor's ``result_grace`` for its
-        result to show before it counts as lost."""
+        result to show before it counts as lost. ``spool``: the service's spool, where the job
+        folders are."""
         self.store = store
         self.executor = executor
         self.registry_dir = registry_dir
+        self.spool = spool
         self.result_grace = executor.result_grace()
         self.clock = clock
         self._no_result_since: dict[int, float] = {}
@@ -103,14 +112,15 @@ class Dispatcher:
             job = handles[handle]
             result, note = None, ""
             if status.phase in (Phase.ENDED, Phase.UNKNOWN):
-                batch_dir, job_dir = self._folders(job)
-                result = read_result(batch_dir, job_dir)
+                batch, job_dir = self._folders(job)
+                result = read_result(job_dir)
                 if result is None and self._result_may_come(job.id):
                     seen[job.id] = JobSeen(job.id, Phase.QUEUED)  # no news yet
                     continue
                 self._no_result_since.pop(job.id, None)
                 if result is None:
-                    note = end_note(status.reason, batch_dir, job_dir)
+                    note = end_note(status.reason, job_dir)
+                copy_log(batch, job_dir)
             seen[job.id] = JobSeen(job.id, status.phase, status.exit_code, result, note)
             if status.phase is Phase.RUNNING:
                 self._progress(job)
@@ -131,7 +141,7 @@ class Dispatcher:
         if job.pipeline is not Pipeline.INFER or now < self._progress_due.get(job.id, 0.0):
             return
         self._progress_due[job.id] = now + PROGRESS_SECONDS
-        done = read_progress(*self._folders(job))
+        done = read_progress(self._folders(job)[1])
         if done is not None and done != job.images_done:
             self.store.job_progress(job.id, max(0, min(done, job.images)))
             self._progressed.add(job.batch_id)
@@ -140,10 +150,11 @@ class Dispatcher:
         since = self._no_result_since.setdefault(job_id, self.clock())
         return self.clock() - since < self.result_grace
 
-    def _folders(self, job: Job) -> tuple[Path, Path]:
-        """The job's batch folder and its job folder below it."""
+    def _folders(self, job: Job) -> tuple[Batch, Path]:
+        """The job's batch and its job folder in the spool."""
         batch = self.store.batch(job.batch_id)
-        return batch.path, jobspec.job_dir(batch.run_dir, job.name)
+        work = spool.work_dir(self.spool, batch.id, batch.run_dir)
+        return batch, jobspec.job_dir(work, job.name)
 
     def submit(self, work: Sequence[tuple[Job, Batch, Manifest]], now: float) -> Outcome:
         """Write each job's spec and hand the jobs to the executor in one call."""
@@ -156,7 +167,7 @@ class Dispatcher:
                 continue  # its earlier attempt may still run until the cancel is delivered
             given = self.executor.allocation(job.pipeline, manifest.resources)
             inputs = self.store.job_inputs(job.id)
-            spec = job_spec(job, batch, manifest, inputs, self.registry_dir, given)
+            spec = job_spec(job, batch, manifest, inputs, self.registry_dir, given, self.spool)
             try:
                 finished = prepare_job_dir(spec)
             except OSError as exc:
@@ -226,21 +237,25 @@ def _submission(spec: JobSpec, manifest: Manifest) -> Submission:
     return Submission(
         spec.job_id, spec.job_name, spec.pipeline.module, spec.job_dir,
         spec.resources.cpus, spec.resources.gpus, spec.resources.tasks, group=group,
-        attempt=spec.attempt, resources=manifest.resources, batch_dir=Path(spec.batch_dir),
+        attempt=spec.attempt, resources=manifest.resources,
     )  # fmt: skip
 
 
-def end_note(reason: str, batch_dir: Path, job_dir: Path, lines: int = 3) -> str:
-    """What to say of a job that ended without a result: the executor's word (e.g. Slurm's
-    state and reason) and the last lines of the job's log, on one line. The log is read by
-    the rule of :mod:`daemon.contract.heldfolder`: a link or FIFO planted there is not read."""
-    parts = [reason] if reason else []
+def _log_end(job_dir: Path, size: int) -> bytes:
+    """The last ``size`` bytes of a job's log (b'' where there is none)."""
     try:
-        with HeldFolder.inside(batch_dir, job_dir) as held, held.open_read(LOG_FILE) as log_file:
-            log_file.seek(max(0, log_file.seek(0, 2) - 4096))
-            tail = log_file.read().decode("utf-8", "replace").splitlines()
+        with HeldFolder.open(job_dir) as held, held.open_read(LOG_FILE) as log_file:
+            log_file.seek(max(0, log_file.seek(0, 2) - size))
+            return log_file.read(size)
     except OSError:
-        tail = []
+        return b""
+
+
+def end_note(reason: str, job_dir: Path, lines: int = 3) -> str:
+    """What to say of a job that ended without a result: the executor's word (e.g. Slurm's
+    state and reason) and the last lines of the job's log, on one line."""
+    parts = [reason] if reason else []
+    tail = _log_end(job_dir, 4096).decode("utf-8", "replace").splitlines()
     last = [line.strip() for line in tail if line.strip()][-lines:]
     if last:
         parts.append("log ends: " + " | ".join(last))
@@ -258,19 +273,35 @@ def _append_line(sub: Submission, line: str) -> None:
                     error=str(exc))  # fmt: skip
 
 
-def read_result(batch_dir: Path, job_dir: Path) -> JobResult | None:
+def copy_log(batch: Batch, job_dir: Path) -> None:
+    """Copy the end of an ended job's log into the owner's results folder, ``logs/<job>.log``,
+    through the held batch folder (written whole, under a fresh name, renamed into place: a link
+    or FIFO planted there is replaced, never written through). A folder that refuses it is
+    logged; the status file and the store still say what became of the job."""
+    text = _log_end(job_dir, LOG_COPY_BYTES)
+    if not text:
+        return
+    relative = Path(batch.run_dir).relative_to(batch.path).as_posix()
     try:
-        with HeldFolder.inside(batch_dir, job_dir) as held, held.open_read(RESULT_FILE) as file:
-            return JobResult.from_json(file.read().decode("utf-8"))
+        with HeldFolder.batch(batch.root, batch.folder, batch.identity) as held:
+            held.write_bytes(f"{relative}/{jobspec.owner_log(job_dir.name)}", text, fsync=False)
+    except (OSError, ValueError) as exc:
+        log.warning("job log not copied into the batch folder", batch_id=batch.id,
+                    job=job_dir.name, error=str(exc))  # fmt: skip
+
+
+def read_result(job_dir: Path) -> JobResult | None:
+    try:
+        with HeldFolder.open(job_dir) as held, held.open_read(RESULT_FILE) as file:
+            return JobResult.from_json(file.read(MAX_RESULT_BYTES).decode("utf-8"))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def read_progress(batch_dir: Path, job_dir: Path) -> int | None:
-    """The images done that a job's progress file says (it lies in the owner's folder: read
-    by the rule, a few bytes at most), or None."""
+def read_progress(job_dir: Path) -> int | None:
+    """The images done that a job's progress file says, or None."""
     try:
-        with HeldFolder.inside(batch_dir, job_dir) as held, held.open_read(PROGRESS_FILE) as file:
+        with HeldFolder.open(job_dir) as held, held.open_read(PROGRESS_FILE) as file:
             return int(json.loads(file.read(4096))["done"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -282,10 +313,10 @@ def prepare_job_dir(spec: JobSpec) -> bool:
     A result newer than a spec of the same attempt means the job ran to its end and the daemon
     died before recording it. Otherwise a stale result of an earlier attempt is removed first,
     so a result found later always belongs to the attempt that was submitted. The job folder
-    is made and written by the rule of :mod:`daemon.contract.heldfolder` (held from the batch
-    folder: a link or FIFO planted on the way or in it raises UnsafeEntry, an OSError).
+    is in the spool, made as the spool's folders are (:func:`daemon.contract.spool.make_private`).
     """
-    with HeldFolder.inside(spec.batch_dir, spec.job_dir, create=True) as held:
+    spool.make_private(spec.job_dir)
+    with HeldFolder.open(spec.job_dir) as held:
         text, old_text = spec.to_json(), None
         try:
             with held.open_read(SPEC_FILE) as file:

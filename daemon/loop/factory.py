@@ -35,10 +35,10 @@ def build_service(
     stop: threading.Event | None = None,
 ) -> Service:
     """The service for ``config``, running jobs on ``executor``; it claims the drop roots
-    (raises AnotherDaemon where another daemon holds the database). ``stop``: the event that
-    asks for shutdown, shared with the executor's retries."""
+    (raises AnotherDaemon where another daemon holds the database or every root, and
+    SpoolNotPrivate where the spool is not the service's alone). ``stop``: the event that asks
+    for shutdown, shared with the executor's retries."""
     claims = Claims.take(config, clock())
-    config = claims.held(config)
     store = Store.open(config.daemon.database)
     events: queue.Queue[WatchEvent] = queue.Queue()
     intake = config.intake
@@ -50,7 +50,7 @@ def build_service(
         max(intake.max_check_seconds, intake.check_seconds),
     )
     waitroom = WaitRoom(timing, schedule, store.manifest_text, lambda batch: events.put(Wake()))
-    dispatch = Dispatcher(store, executor, str(config.registry.path))
+    dispatch = Dispatcher(store, executor, str(config.registry.path), str(config.daemon.spool_dir))
     metrics = Metrics()
     planner = config.planner
     shards = Sharding(planner.shard_size, planner.max_shard_size, executor.width(),

@@ -56,7 +56,7 @@ class Parts:
     """What the service runs, built from the configuration and the executor by
     :func:`daemon.loop.factory.build_service` (tests and scripts build theirs the same way)."""
 
-    config: Config  # as the claims left it: the drop roots this daemon holds
+    config: Config
     claims: Claims
     executor: Executor
     store: Store
@@ -251,8 +251,13 @@ class Service:
             self.waitroom.touched(str(root), folder)
             self._look(root, folder, now)
 
+    def _suspended(self) -> frozenset[str]:
+        """The drop roots that take in and submit nothing now: those an operator paused and
+        those another daemon holds (taken back when it lets them go)."""
+        return self.paused | {str(root) for root in self.claims.refused}
+
     def _look(self, root: Path, folder: str, now: float) -> None:
-        if str(root) in self.paused:
+        if str(root) in self._suspended():
             return  # the manifest waits on disk; the catch-up at resume finds it
         try:
             looked = self.intake.look(root, folder, now)
@@ -275,7 +280,7 @@ class Service:
                 elif root.path in self._lost_roots:
                     self._lost_roots.discard(root.path)
                     log.info("drop root back", root=str(root.path))
-            if str(root.path) in self.paused:
+            if str(root.path) in self._suspended():
                 continue
             started = time.monotonic()
             try:
@@ -329,11 +334,17 @@ class Service:
 
     def _renew_leases(self, now: float) -> None:
         """Every heartbeat. A root whose lease another daemon took (this one stalled for longer
-        than the lease) is its now: this daemon stops rather than run batches twice."""
-        if now >= self._next_renewal:
-            self._next_renewal = now + self.config.daemon.heartbeat_seconds
-            if self.claims.renew(now):
-                self.request_stop()
+        than the lease) is its now: this daemon takes in and submits nothing more there, and
+        goes on with its other roots. A root held elsewhere that is free again is taken back
+        and scanned at once."""
+        if now < self._next_renewal:
+            return
+        self._next_renewal = now + self.config.daemon.heartbeat_seconds
+        lost, back = self.claims.renew(now)
+        changed = {str(root) for root in (*lost, *back)}
+        self._dirty.update(b.id for b in self.store.active_batches() if b.root in changed)
+        if back:
+            self._next_rescan = now
 
     # -- the snapshot ------------------------------------------------------------------------
 
@@ -367,6 +378,7 @@ class Service:
         return Snapshot(
             now=now, policy=self.policy, batches=views, seen=seen, intents=intents,
             free_slots=free, submitting=self._submitting, paused_roots=self.paused,
+            held_elsewhere=frozenset(str(root) for root in self.claims.refused),
         )  # fmt: skip
 
     def _view(self, batch: Batch, jobs: Iterable[Job], now: float) -> BatchView:

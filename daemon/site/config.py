@@ -37,6 +37,10 @@ class ObserverMode(enum.Enum):
 
 class DaemonSection(_Section):
     state_dir: Path = Path("var/state")
+    # The service's own folder for what the daemon and its jobs exchange (daemon.contract.spool):
+    # on a filesystem the compute nodes see, writable by the service's user alone, never inside
+    # a drop root.
+    spool_dir: Path = Path("var/spool")
     tick_seconds: Seconds = 1.0
     heartbeat_seconds: Seconds = 5.0
     rescan_seconds: Seconds = 300.0
@@ -119,12 +123,23 @@ class LocalExecutorSection(_Section):
     # lets it use the machine's GPUs (local jobs are not given GPUs of their own: each sees
     # every GPU and runs on the first, so keep max_parallel to what one GPU holds)
     inference_gpus: Annotated[int, Field(ge=0, le=64)] = 0
+    # A job is ended when it runs longer than its manifest's [resources] time_minutes, else
+    # than this (a manifest may ask up to max_time_minutes) ...
+    time_minutes: Annotated[int, Field(ge=1, le=365 * 24 * 60)] = 24 * 60
+    max_time_minutes: Annotated[int, Field(ge=1, le=365 * 24 * 60)] = 7 * 24 * 60
+    # ... or when neither its log nor its progress file changed for this long (0: never).
+    stall_minutes: Annotated[float, Field(ge=0, le=7 * 24 * 60)] = 60.0
 
     @pydantic.model_validator(mode="after")
-    def _inference_gpus_within_bounds(self) -> LocalExecutorSection:
+    def _defaults_within_bounds(self) -> LocalExecutorSection:
         if self.inference_gpus > self.max_gpus:
             raise ValueError(
                 f"inference_gpus = {self.inference_gpus} is above max_gpus = {self.max_gpus}"
+            )
+        if self.time_minutes > self.max_time_minutes:
+            raise ValueError(
+                f"time_minutes = {self.time_minutes} is above max_time_minutes = "
+                f"{self.max_time_minutes}"
             )
         return self
 
@@ -300,13 +315,20 @@ def _resolved(config: Config, base: Path) -> Config:
         if root.path in seen:
             clashes.append(f"roots[{i}].path: {root.path} is listed twice")
         seen.add(root.path)
+    spool = absolute(config.daemon.spool_dir)
+    for i, root in enumerate(roots):
+        if spool.is_relative_to(root.path) or root.path.is_relative_to(spool):
+            clashes.append(
+                f"daemon.spool_dir: {spool} overlaps roots[{i}].path {root.path}: the spool is "
+                "the service's own, out of the data owners' reach; put it beside the drop roots"
+            )
     if clashes:
         raise ConfigError(str(config.source), clashes)
     return config.model_copy(
         update={
             "roots": roots,
             "daemon": config.daemon.model_copy(
-                update={"state_dir": absolute(config.daemon.state_dir)}
+                update={"state_dir": absolute(config.daemon.state_dir), "spool_dir": spool}
             ),
             "registry": config.registry.model_copy(update={"path": absolute(config.registry.path)}),
             "executor": _resolved_executor(config.executor, absolute),

@@ -113,17 +113,25 @@ def signal_group(pid: int, signum: int) -> bool:
     return True
 
 
-def find_process(argv_tail: Sequence[str]) -> tuple[int, int] | None:
-    """A live process whose command line ends with ``argv_tail``: its pid and start ticks.
+def find_process(argv_tail: Sequence[str], *, leader: bool = False) -> tuple[int, int] | None:
+    """A live process whose command line ends with ``argv_tail`` (and that leads its process
+    group, when ``leader``): its pid and start ticks.
 
     For a job started just before its starter died, before the starter could write down the
     pid: the job's own command line (module and job folder) names it."""
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and runs(int(entry), argv_tail):
+        if entry.isdigit() and runs(int(entry), argv_tail) and (not leader or _leads(int(entry))):
             ticks = process_start_ticks(int(entry))
             if ticks is not None:
                 return int(entry), ticks
     return None
+
+
+def _leads(pid: int) -> bool:
+    try:
+        return os.getpgid(pid) == pid
+    except ProcessLookupError:
+        return False
 
 
 def runs(pid: int, argv_tail: Sequence[str]) -> bool:

@@ -63,6 +63,10 @@ class JobRun:
     def run_dir(self) -> Path:
         return Path(self.spec.run_dir)
 
+    @property
+    def work_dir(self) -> Path:
+        return Path(self.spec.work_dir)
+
 
 @dataclass(frozen=True)
 class TrainedModel:
@@ -106,7 +110,8 @@ def write_spec(
     batch_kind: str = "inference",
     resources: Resources = ONE_CPU,
 ) -> JobSpec:
-    """Write spec.json for a job of ``batch_dir`` (run_dir is ``batch_dir/results``)."""
+    """Write spec.json for a job of ``batch_dir`` (run_dir is ``batch_dir/results``, the work
+    folder a spool's beside the batch folder: :func:`jobrun.work_dir_for`)."""
     name = job_name or f"{pipeline.value}-{shard.index:04d}"
     spec = JobSpec(
         job_id=abs(hash((str(batch_dir), name))) % 10**6,
@@ -118,6 +123,7 @@ def write_spec(
         batch_kind=batch_kind,
         batch_dir=str(batch_dir),
         run_dir=str(batch_dir / "results"),
+        work_dir=str(jobrun.work_dir_for(batch_dir)),
         manifest_sha256="ab" * 32,
         inputs=inputs,
         model=model,

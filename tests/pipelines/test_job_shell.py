@@ -1,11 +1,18 @@
 """The job shell's allocator settings and its peak memory: freed memory is reused, not
-faulted in again; handed back where it lies between live blocks; a peak is the job's own."""
+faulted in again; handed back where it lies between live blocks; a peak is the job's own. And
+what it trusts: a spec only in a private spool, and only the spec of its own folder."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from daemon.contract.jobspec import ModelRef, Pipeline
 
 # Four 8 MiB blocks allocated, written and freed, 20 times: the pattern of a forward pass's
 # activations. Prints the minor page faults of the 20 rounds (after 3 to settle).
@@ -99,3 +106,41 @@ def test_a_job_s_peak_memory_is_its_own_not_its_parent_s() -> None:
     own, getrusage = map(float, done.stdout.split())
     assert getrusage > 600, "getrusage counts the parent's memory at the fork"
     assert own < 400
+
+
+def test_a_job_refuses_a_spec_that_is_not_in_a_private_spool(
+    tmp_path: Path, job_spec: Callable[..., Any], run: Callable[..., Any]
+) -> None:
+    """A job trusts only a spec in the service's spool: one in a folder that someone else could
+    write (or whose parent someone else could change) is not read, and no result is written
+    (nothing there would be trusted either). Made private, the same spec runs."""
+    batch_dir = tmp_path / "batch"
+    batch_dir.mkdir()
+    spec = job_spec(batch_dir, Pipeline.REPORT, (), registry=tmp_path / "registry",
+                    model=ModelRef("m"), params={}, job_name="report")  # fmt: skip
+    work = Path(spec.work_dir)
+    work.chmod(0o777)  # the folder above the job folders: anyone may rename them
+    refused = run(spec)
+    assert refused.returncode == 2 and refused.result is None
+    assert "the job folder is not the service's alone, its spec is not read" in refused.log
+    assert "writable by its group or by others without the sticky bit" in refused.log
+    work.chmod(0o755)
+    again = run(spec)
+    assert again.result is not None  # read and run (it fails: nothing to report)
+    assert "nothing to report" in again.result.error.message  # type: ignore[union-attr]
+
+
+def test_a_spec_that_names_another_job_folder_is_refused(
+    tmp_path: Path, job_spec: Callable[..., Any], run: Callable[..., Any]
+) -> None:
+    """A spec copied into another job's folder still names its own: the job refuses it."""
+    batch_dir = tmp_path / "batch"
+    batch_dir.mkdir()
+    spec = job_spec(batch_dir, Pipeline.REPORT, (), registry=tmp_path / "registry",
+                    model=ModelRef("m"), params={}, job_name="report")  # fmt: skip
+    other = spec.job_dir.parent / "other"
+    other.mkdir()
+    (other / "spec.json").write_text(spec.to_json())
+    refused = run(dataclasses.replace(spec, job_name="other"))  # runs other/, reads its spec
+    assert refused.returncode == 2 and refused.result is None
+    assert f"is the spec of {spec.job_dir}" in refused.log

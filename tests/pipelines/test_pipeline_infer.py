@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytest
 import tifffile
+from jobrun import work_dir_for
 from labelimages import zarr_levels
 from PIL import Image
 
@@ -107,7 +108,8 @@ def test_each_shard_writes_masks_at_the_inputs_paths_in_their_format(
 
 def test_each_shard_writes_its_table_with_the_model_version(inferred: InferredBatch) -> None:
     run_dir = inferred.batch_dir / "results"
-    assert sorted(p.name for p in (run_dir / "parts").iterdir()) == [
+    parts = work_dir_for(inferred.batch_dir) / "parts"
+    assert sorted(p.name for p in parts.iterdir()) == [
         "table-0000.csv",
         "table-0001.csv",
     ]
@@ -115,7 +117,7 @@ def test_each_shard_writes_its_table_with_the_model_version(inferred: InferredBa
         (inferred.model.registry / inferred.model.name / "v0001" / "metadata.json").read_text()
     )
     rows = []
-    for part in sorted((run_dir / "parts").iterdir()):
+    for part in sorted(parts.iterdir()):
         with open(part, newline="", encoding="utf-8") as handle:
             reader = csv.DictReader(handle)
             assert reader.fieldnames == TABLE_HEADER
@@ -140,7 +142,7 @@ def test_running_a_shard_again_replaces_its_outputs(
     inferred: InferredBatch, run: Callable[..., JobRun]
 ) -> None:
     first = inferred.shards[0]
-    table = inferred.batch_dir / "results" / "parts" / "table-0000.csv"
+    table = work_dir_for(inferred.batch_dir) / "parts" / "table-0000.csv"
     before = table.read_text(encoding="utf-8")
     again = run(first.spec)
     assert again.returncode == 0, again.log
@@ -210,7 +212,7 @@ def test_bad_images_fail_the_shard_with_one_problem_each(
     assert "empty" in by_file["input 'images/empty.png'"].message
     assert "not a PNG or TIFF" in by_file["input 'images/notes.tif'"].message
     assert all(p.hint for p in error.problems)
-    assert not (batch_dir / "results" / "parts").exists()
+    assert not (work_dir_for(batch_dir) / "parts").exists()
 
 
 def test_a_mask_that_cannot_be_written_fails_the_job_after_the_masks_written_before_it(
@@ -241,10 +243,10 @@ def test_a_mask_that_cannot_be_written_fails_the_job_after_the_masks_written_bef
     error = job.result.error  # type: ignore[union-attr]
     assert error is not None and error.kind is ErrorKind.INPUT
     assert [p.where for p in error.problems] == ["'results/masks/plate 2 ü'"]
-    ledger = batch_dir / "results" / "ledger" / "shard-0002.jsonl"
+    ledger = work_dir_for(batch_dir) / "ledger" / "shard-0002.jsonl"
     done = [json.loads(line)["path"] for line in ledger.read_text().splitlines()]
     assert done == [f"images/{f.name}" for f in files[:3]]
-    assert not (batch_dir / "results" / "parts").exists()
+    assert not (work_dir_for(batch_dir) / "parts").exists()
     blocker.unlink()
     again = run(spec)
     assert again.result is not None and again.result.summary["resumed"] == 3, again.log
@@ -322,13 +324,13 @@ def test_a_rerun_skips_images_already_done_with_the_same_bytes_and_model(
     first = run(spec)
     assert first.returncode == 0 and first.result is not None, first.log
     assert (first.result.summary["segmented"], first.result.summary["resumed"]) == (3, 0)
-    ledger = batch_dir / "results" / "ledger" / "shard-0002.jsonl"
+    ledger = work_dir_for(batch_dir) / "ledger" / "shard-0002.jsonl"
     assert len(ledger.read_text().splitlines()) == 3
-    table = (batch_dir / "results" / "parts" / "table-0002.csv").read_text()
+    table = (work_dir_for(batch_dir) / "parts" / "table-0002.csv").read_text()
     again = run(spec)
     assert again.result is not None and again.result.summary["resumed"] == 3, again.log
     assert "3 of 3 images already done (ledger): skipped" in again.log
-    assert (batch_dir / "results" / "parts" / "table-0002.csv").read_text() == table
+    assert (work_dir_for(batch_dir) / "parts" / "table-0002.csv").read_text() == table
     image = Image.open(files[1])
     Image.fromarray(255 - np.asarray(image)).save(files[1])  # new bytes at the same path
     changed = run(spec)
@@ -363,7 +365,7 @@ def test_a_scanners_slide_is_read_by_its_pyramid_like_the_same_slide_as_a_tiff(
     assert job.returncode == 0, job.log
     assert f"images/{scanned}: tiled inference" in job.log
     assert "tissue mask from the 275x275 level" in job.log
-    with open(batch_dir / "results" / "parts" / "table-0000.csv", newline="") as handle:
+    with open(work_dir_for(batch_dir) / "parts" / "table-0000.csv", newline="") as handle:
         mine, tif = list(csv.DictReader(handle))
     assert mine["path"] == f"images/{scanned}" and int(mine["windows_glass"]) > 0
     assert [mine[key] for key in ("windows_run", "windows_glass")] == [
@@ -405,7 +407,7 @@ def test_an_ome_zarr_store_is_segmented_like_the_same_slide_as_a_tiff_in_one_tas
     assert job.returncode == 0, job.log
     assert "images/slide.ome.zarr: tiled inference" in job.log
     assert job.log.count("tissue mask from the 275x275 level") == 2
-    with open(one_dir / "results" / "parts" / "table-0000.csv", newline="") as handle:
+    with open(work_dir_for(one_dir) / "parts" / "table-0000.csv", newline="") as handle:
         store_row, tif_row = list(csv.DictReader(handle))
     assert {k: v for k, v in store_row.items() if k != "path"} == {
         k: v for k, v in tif_row.items() if k != "path"
@@ -433,7 +435,7 @@ def test_an_ome_zarr_store_is_segmented_like_the_same_slide_as_a_tiff_in_one_tas
                          zarr_levels(one / label, "labels/segmentation"), strict=True):  # fmt: skip
         np.testing.assert_array_equal(got, want)
     assert (results / "objects/images/slide.ome.zarr.csv").read_text() == objects
-    with open(results / "parts" / "table-regions.csv", newline="") as handle:
+    with open(work_dir_for(regions_dir) / "parts" / "table-regions.csv", newline="") as handle:
         (row,) = list(csv.DictReader(handle))
     assert row == store_row
 
@@ -461,7 +463,7 @@ def test_a_large_rgb_16_bit_tiff_is_segmented_window_by_window_like_the_whole_im
                          params=infer_params, job_name="whole"))  # fmt: skip
     assert whole.returncode == 0, whole.log
     whole_mask = read_mask(batch_dir / "results" / "masks" / "images" / "slide.tif") > 0
-    shutil.rmtree(batch_dir / "results" / "ledger")
+    shutil.rmtree(work_dir_for(batch_dir) / "ledger")
     params = {**infer_params, "max_whole_pixels": 100_000, "tile_size": 128, "tile_overlap": 32}
     tiled = run(job_spec(batch_dir, Pipeline.INFER, slide, registry=registry_dir, model=model,
                          params=params, job_name="tiled"))  # fmt: skip
@@ -476,7 +478,7 @@ def test_a_large_rgb_16_bit_tiff_is_segmented_window_by_window_like_the_whole_im
     # The session's model trained 2 epochs: many pixels sit near the threshold, where each
     # window's own standardisation tips them. scripts/bench_tiled.py measures a trained model.
     assert (tiled_mask == whole_mask).mean() > 0.9
-    with open(batch_dir / "results" / "parts" / "table-0000.csv", newline="") as handle:
+    with open(work_dir_for(batch_dir) / "parts" / "table-0000.csv", newline="") as handle:
         (row,) = list(csv.DictReader(handle))
     assert row["tiled"] == "1" and int(row["area_px"]) == int(tiled_mask.sum())
     with open(results / "objects" / "images" / "slide.tif.csv", newline="") as handle:
@@ -564,8 +566,9 @@ def test_any_legal_file_name_round_trips_through_the_shard_table_and_the_report(
                           model=model, params=infer_params, job_name="report"))  # fmt: skip
     assert report.returncode == 0, report.log
     expected = sorted(f"images/{name}" for name in ODD_NAMES)
-    for table in ("parts/table-0002.csv", "table.csv"):
-        with open(batch_dir / "results" / table, newline="", encoding="utf-8") as handle:
+    tables = (work_dir_for(batch_dir) / "parts/table-0002.csv", batch_dir / "results/table.csv")
+    for table in tables:
+        with open(table, newline="", encoding="utf-8") as handle:
             assert sorted(row["path"] for row in csv.DictReader(handle)) == expected, table
     assert all((batch_dir / "results" / "masks" / "images" / name).is_file() for name in ODD_NAMES)
 
@@ -608,11 +611,11 @@ def test_a_slide_split_across_region_jobs_assembles_into_the_one_job_label_image
         np.testing.assert_array_equal(got, want)
     objects = "objects/images/slide.tif.csv"
     assert (results / objects).read_text() == (expected / objects).read_text()
-    with open(results / "parts" / "table-regions.csv", newline="") as handle:
+    with open(work_dir_for(batch_dir) / "parts" / "table-regions.csv", newline="") as handle:
         (row,) = list(csv.DictReader(handle))
-    with open(expected / "parts" / "table-0000.csv", newline="") as handle:
+    with open(work_dir_for(one_dir) / "parts" / "table-0000.csv", newline="") as handle:
         (wanted,) = list(csv.DictReader(handle))
     assert row == wanted
     assert int(row["windows_glass"]) > 0 and int(row["windows_run"]) > 0
-    assert not (results / "regions").exists()
+    assert not (work_dir_for(batch_dir) / "regions").exists()
     assert int(row["objects"]) > 10  # droplets found, so the comparison means something

@@ -3,11 +3,14 @@
 The rule (:mod:`daemon.contract.heldfolder`, :func:`pipelines.job.run_folder`): nothing outside the
 batch folder is ever written. A link, FIFO or file planted where a job needs a folder fails the
 job with an INPUT problem naming it; one planted at a file name the job writes is replaced by
-the job's own file (the link itself, never its target).
+the job's own file (the link itself, never its target). What the jobs hand each other is not in
+the batch folder at all (the spool): entries planted at the names it had there are neither read
+nor written.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -75,8 +78,7 @@ def shard(
     [
         ("masks", "link", "is a symbolic link, not a folder"),
         ("masks/images", "link", "is a symbolic link, not a folder"),
-        ("ledger", "fifo", "is a FIFO, not a folder"),
-        ("parts", "link", "is a symbolic link, not a folder"),
+        ("masks", "fifo", "is a FIFO, not a folder"),
     ],
 )
 def test_a_link_or_fifo_planted_where_a_job_makes_a_folder_fails_it_naming_the_entry(
@@ -106,22 +108,28 @@ def test_links_and_fifos_planted_at_the_names_of_a_jobs_files_are_replaced_by_it
     job_spec: Callable[..., Any],
     run: Callable[..., JobRun],
 ) -> None:
-    """The mask's own name, the ledger, the shard table, result.json; then the report's table,
-    summary and report: each planted as a link to a file outside or as a FIFO."""
+    """The mask's own name; then the report's table, summary and report: each planted as a link
+    to a file outside or as a FIFO. The names the ledger, the shard table and the job's files
+    had under results/ before they moved to the spool: planted too, neither read nor written
+    (the jobs succeed, the FIFO blocks nothing, the links still point where they pointed)."""
     outside = _outside(tmp_path)
     spec = shard()
     results = Path(spec.run_dir)
     first_mask = f"masks/{spec.inputs[0].path}"
     planted = {
         first_mask: "link",
-        "ledger/shard-0000.jsonl": "fifo",
-        "parts/table-0000.csv": "link",
-        f"jobs/{spec.job_name}/result.json": "link",
         "table.csv": "link",
         "summary.json": "fifo",
         "report.html": "link",
     }
-    for name, kind in planted.items():
+    ignored = {
+        "ledger/shard-0000.jsonl": "fifo",
+        "parts/table-0000.csv": "link",
+        "parts/table-9999.csv": "fifo",
+        f"jobs/{spec.job_name}/result.json": "link",
+        "jobs/report/result.json": "fifo",
+    }
+    for name, kind in {**planted, **ignored}.items():
         _plant(results / name, kind, outside / "keep.txt")
     job = run(spec)
     assert job.returncode == 0 and job.result is not None, job.log
@@ -135,6 +143,9 @@ def test_links_and_fifos_planted_at_the_names_of_a_jobs_files_are_replaced_by_it
         entry = results / name
         assert entry.is_file() and not entry.is_symlink(), name
         assert entry.stat().st_nlink == 1 and entry.read_bytes() != SENTINEL, name
+    for name, kind in ignored.items():
+        entry = results / name
+        assert entry.is_symlink() if kind == "link" else entry.is_fifo(), name
     assert _listing(outside) == {"keep.txt": SENTINEL}
 
 
@@ -153,3 +164,53 @@ def test_an_input_with_a_name_of_250_bytes_gets_its_mask(
     for name in (long_name, longest):
         mask = Path(spec.run_dir) / "masks" / "images" / name
         assert mask.read_bytes().startswith(b"\x89PNG"), name
+
+
+def test_the_red_teams_plants_under_results_reach_no_output(
+    shard: Callable[..., Any],
+    tmp_path: Path,
+    job_spec: Callable[..., Any],
+    run: Callable[..., JobRun],
+) -> None:
+    """Issue 25's findings 1 to 3, on an inference batch: a training model card, curves and a
+    previews index naming a secret by its absolute path; a shard table that is a link to the
+    secret, another that is a FIFO; a forged spec for the report job. The report reads what the
+    jobs left in the spool, never these: it ends DONE at once, and the secret appears in no
+    output and no log."""
+    canary = f"CANARY-{os.urandom(8).hex()}"
+    secret = tmp_path / "service-only" / "secret.txt"
+    secret.parent.mkdir()
+    secret.write_text(canary + "\n")
+    secret.chmod(0o600)
+    spec = shard()
+    job = run(spec)
+    assert job.returncode == 0, job.log
+    results = Path(spec.run_dir)
+    (results / "training" / "previews").mkdir(parents=True)
+    (results / "training" / "model.json").write_text('{"name": "x", "version": 1}')
+    (results / "training" / "metrics.csv").write_text("epoch,train_loss,val_loss,val_dice,val_iou\n"
+                                                      "1,0.5,0.5,0.5,0.5\n")  # fmt: skip
+    (results / "training" / "previews" / "index.json").write_text(
+        json.dumps({"previews": [{"file": str(secret)}]})
+    )
+    (results / "parts").mkdir()
+    (results / "parts" / "table-9999.csv").symlink_to(secret)
+    os.mkfifo(results / "parts" / "table-9998.csv")
+    (results / "jobs" / "report").mkdir(parents=True)
+    (results / "jobs" / "report" / "spec.json").write_text(
+        json.dumps({"batch_dir": "/", "run_dir": str(secret.parent)})
+    )
+    report = job_spec(Path(spec.batch_dir), Pipeline.REPORT, spec.inputs,
+                      registry=Path(spec.registry_dir), model=spec.model, params=spec.params,
+                      job_name="report")  # fmt: skip
+    reported = run(report)
+    assert reported.returncode == 0 and reported.result is not None, reported.log
+    assert reported.result.summary["sections"] == ["inference"]
+    summary = json.loads((results / "summary.json").read_text())
+    assert "training" not in summary and summary["inference"]["images"] == len(spec.inputs)
+    outputs = [p for p in results.rglob("*") if p.is_file() and not p.is_symlink()]
+    outputs += [p for p in Path(report.work_dir).rglob("*") if p.is_file()]
+    assert len(outputs) > 5
+    for path in outputs:
+        assert canary.encode() not in path.read_bytes(), path
+    assert list(secret.parent.iterdir()) == [secret]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tifffile
+from jobrun import work_dir_for
 from labelimages import zarr_levels
 from PIL import Image
 from zarr.core.sync import cleanup_resources
@@ -113,7 +114,9 @@ def test_a_missing_shard_table_fails_the_report_as_internal(
 ) -> None:
     batch_dir = tmp_path / "batch"
     shutil.copytree(inferred.batch_dir, batch_dir)
-    for name in ("parts/table-0001.csv", "report.html", "summary.json", "table.csv"):
+    shutil.copytree(work_dir_for(inferred.batch_dir), work_dir_for(batch_dir))
+    (work_dir_for(batch_dir) / "parts" / "table-0001.csv").unlink()
+    for name in ("report.html", "summary.json", "table.csv"):
         (batch_dir / "results" / name).unlink(missing_ok=True)
     job = run(report_spec(batch_dir, "inference", inferred.shards[0], job_spec, inferred.inputs))
     assert job.returncode == 1, job.log
@@ -261,8 +264,9 @@ def test_a_slide_is_shown_as_its_overview_with_its_objects_a_planted_link_is_not
     first = masks / label_image_name(names[0])
     (masks / label_image_name(names[1])).symlink_to(first.name)
     rows = [_table_row(name, result) for name in names]
-    (batch_dir / "results" / "parts").mkdir()
-    (batch_dir / "results" / "parts" / "table-0000.csv").write_text(table_csv(rows), "utf-8")
+    parts = work_dir_for(batch_dir) / "parts"
+    parts.mkdir(parents=True)
+    (parts / "table-0000.csv").write_text(table_csv(rows), "utf-8")
     inputs = tuple(InputFile(name, (batch_dir / name).stat().st_size) for name in names)
     spec = job_spec(batch_dir, Pipeline.REPORT, inputs, registry=tmp_path / "registry",
                     model=ModelRef("spheroids"), params={}, job_name="report")  # fmt: skip

@@ -208,7 +208,7 @@ def test_watchctl_lists_and_promotes_through_the_catalogue(tmp_path: Path) -> No
     publish(root, 0.9)
     publish(root, 0.5)
     config = tmp_path / "config.toml"
-    config.write_text(f'[[roots]]\npath = "{tmp_path}"\n[registry]\npath = "{root}"\n')
+    config.write_text(f'[[roots]]\npath = "{tmp_path / "drop"}"\n[registry]\npath = "{root}"\n')
     listed = watchctl(config, "list", "--json")
     assert listed.returncode == 0, listed.stderr
     (model,) = json.loads(listed.stdout)["models"]

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytest
 import tifffile
+from jobrun import work_dir_for
 from PIL import Image
 from pylibCZIrw import czi as pyczi
 
@@ -98,5 +99,5 @@ def test_an_inference_job_segments_a_czi_like_the_same_image_as_a_png(
         ours = tifffile.imread(batch_dir / "results" / "masks" / f"{item.path}.tif")
         theirs = np.asarray(Image.open(inferred.batch_dir / "results" / "masks" / source.path))
         assert np.array_equal(ours > 0, theirs > 0)
-    table = (batch_dir / "results" / "parts" / "table-0000.csv").read_text()
+    table = (work_dir_for(batch_dir) / "parts" / "table-0000.csv").read_text()
     assert all(f'"{item.path}"' in table for item in inputs)

@@ -478,89 +478,66 @@ def planted_mid_run(
     return only(config, folder.name)
 
 
-@pytest.mark.parametrize("target", ["a file outside", "the registry's weights"])
-def test_a_log_planted_as_a_link_fails_the_job_and_the_file_it_points_to_is_unchanged(
-    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path,
-    tmp_path: Path, target: str,
-) -> None:  # fmt: skip
-    """Also through `watchctl retry`, which the status file suggests; `watchctl logs` refuses
-    the link instead of printing the file it points to."""
-    config = config_for()
-    outside = tmp_path / "outside.txt"
-    outside.write_text("another user's file\n")
-    weights = next(config.registry.path.rglob("*.pt"))
-    victim = outside if target == "a file outside" else weights
-    was = victim.read_bytes()
-
-    def plant(job_dir: Path) -> None:
-        job_dir.mkdir(parents=True)
+def _plants(job_dir: Path, kind: str, victim: Path, elsewhere: Path, state: Path) -> None:
+    """What an owner plants where a job's files were under results/ before they moved to the
+    spool (issue 25): the log as a link or a FIFO, the job's folder as a link, a forged spec
+    (the red team's: the batch folder "/" and the run folder in the daemon's state), a forged
+    result; and where the daemon copies the job's log for the owner, a link."""
+    job_dir.mkdir(parents=True)
+    if kind == "log link":
         (job_dir / "log.txt").symlink_to(victim)
-
-    folder = drop_root / "planted log link"
-    batch = planted_mid_run(config, staged(count=1), folder, plant)
-    said = "'log.txt' is a symbolic link, not a regular file: remove it, watchd makes it itself"
-    assert batch.state is BatchState.FAILED and said in batch.reason
-    assert said in (folder / STATUS_NAME).read_text()
-    assert victim.read_bytes() == was
-    assert watchctl(config, "retry", str(batch.id)).returncode == 0
-    with Replay(config) as replay:
-        replay.run()
-    again = only(config, folder.name)
-    assert again.state is BatchState.FAILED and said in again.reason
-    assert victim.read_bytes() == was
-    logs = watchctl(config, "logs", f"b{batch.id:06d}-infer-0000")
-    assert logs.returncode == 1 and logs.stdout == ""
-    assert logs.stderr.startswith("Error: will not read ") and logs.stderr.endswith(
-        "log.txt: 'log.txt' is a symbolic link, not a regular file\n"
-    )
+    elif kind == "log fifo":
+        os.mkfifo(job_dir / "log.txt")
+    elif kind == "job folder link":
+        job_dir.rmdir()
+        job_dir.symlink_to(elsewhere)
+    elif kind == "forged spec":
+        forged = {"batch_dir": "/", "run_dir": str(state / "owned"), "spec_version": 2,
+                  "job_name": job_dir.name, "pipeline": "infer"}  # fmt: skip
+        (job_dir / "spec.json").write_text(json.dumps(forged))
+    elif kind == "forged result":
+        (job_dir / "result.json").write_text(json.dumps(
+            {"ok": True, "pipeline": "infer", "finished_at": "2026-01-01", "summary": {}}
+        ))  # fmt: skip
+    logs = job_dir.parent.parent / "logs"
+    logs.mkdir(exist_ok=True)
+    (logs / f"{job_dir.name}.log").symlink_to(victim)
 
 
-def test_a_log_planted_as_a_fifo_fails_the_job_at_once_and_other_batches_go_on(
-    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path
-) -> None:
-    """Before, the daemon's main thread blocked in posix_spawn for ever (and `watchctl logs`
-    hung on it too)."""
-    config = config_for()
-    shutil.copytree(staged("other", count=1), drop_root / "other batch")
-    folder = drop_root / "planted log fifo"
-    batch = planted_mid_run(
-        config, staged(count=1), folder, lambda job_dir: _fifo(job_dir / "log.txt")
-    )
-    said = "'log.txt' is a FIFO, not a regular file: remove it, watchd makes it itself"
-    assert batch.state is BatchState.FAILED and said in batch.reason
-    assert said in (folder / STATUS_NAME).read_text()
-    assert only(config, "other batch").state is BatchState.DONE
-    logs = watchctl(config, "logs", f"b{batch.id:06d}-infer-0000")
-    assert logs.returncode == 1 and "'log.txt' is a FIFO, not a regular file" in logs.stderr
-
-
-def _fifo(path: Path) -> None:
-    path.parent.mkdir(parents=True)
-    os.mkfifo(path)
-
-
-def test_a_job_folder_planted_as_a_link_fails_the_batch_and_nothing_is_written_there(
+@pytest.mark.parametrize(
+    "kind", ["log link", "log fifo", "job folder link", "forged spec", "forged result"]
+)
+def test_what_an_owner_plants_where_the_jobs_files_were_is_neither_read_nor_written(
     config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path,
-    tmp_path: Path,
+    tmp_path: Path, kind: str,
 ) -> None:  # fmt: skip
+    """The job's spec, log, result and launch record live in the spool, which the owner cannot
+    write: a plant under results/ at their old names changes nothing. The batch ends DONE, the
+    file a link points to (the registry's weights) is unchanged, nothing is written in the
+    folder a link leads to or in the daemon's state, `watchctl logs` prints the job's real log,
+    and the owner's copy of it replaced the link planted at its name."""
     config = config_for()
+    victim = next(config.registry.path.rglob("*.pt"))
+    was = victim.read_bytes()
     elsewhere = tmp_path / "another lab's folder"
     elsewhere.mkdir()
-
-    def plant(job_dir: Path) -> None:
-        job_dir.parent.mkdir()
-        job_dir.symlink_to(elsewhere)
-
-    folder = drop_root / "planted job folder"
-    batch = planted_mid_run(config, staged(count=1), folder, plant)
-    assert batch.state is BatchState.FAILED and batch.reason == "results folder not writable"
-    run = Path(batch.run_dir).name
-    assert batch.problems[0].render() == (
-        f"results folder: cannot be written: 'results/{run}/jobs/b{batch.id:06d}-infer-0000' "
-        "is a symbolic link, not a folder — "
-        "remove it: watchd writes its results only inside the batch folder"
-    )
+    state = config.daemon.state_dir
+    before = sorted(p.name for p in state.iterdir())
+    folder = drop_root / f"planted {kind}"
+    batch = planted_mid_run(
+        config, staged(count=1), folder,
+        lambda job_dir: _plants(job_dir, kind, victim, elsewhere, state),
+    )  # fmt: skip
+    assert batch.state is BatchState.DONE, batch.reason
+    assert victim.read_bytes() == was
     assert list(elsewhere.iterdir()) == []
+    assert sorted(p.name for p in state.iterdir()) == before
+    job = f"b{batch.id:06d}-infer-0000"
+    logs = watchctl(config, "logs", job)
+    assert logs.returncode == 0 and "attempt 1 started" in logs.stdout, logs.stderr
+    copy = Path(batch.run_dir) / "logs" / f"{job}.log"
+    assert copy.is_file() and not copy.is_symlink()
+    assert "attempt 1 started" in copy.read_text()
 
 
 def test_an_input_named_like_a_status_temporary_is_never_deleted(

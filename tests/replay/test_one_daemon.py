@@ -20,7 +20,7 @@ from test_cli import cli
 from test_crash import WATCHD, start_daemon, wait_for
 
 from daemon.core.states import BatchState
-from daemon.site.claims import LEASE_NAME, LOCK_NAME
+from daemon.site.claims import LOCK_NAME, lease_path
 from daemon.site.config import Config, load_config
 from daemon.store import Store
 
@@ -49,6 +49,7 @@ def other_database(config: Config, where: Path, roots: list[Path]) -> Config:
     """The same settings with a state directory (a database) of its own and these roots."""
     document = tomllib.loads(config.source.read_text())
     document["daemon"]["state_dir"] = str(where / "state")
+    document["daemon"]["spool_dir"] = str(config.daemon.spool_dir)  # the site's one spool
     document["roots"] = [{**document["roots"][0], "path": str(root)} for root in roots]
     where.mkdir(exist_ok=True)
     (where / "config.toml").write_text(tomli_w.dumps(document))
@@ -130,13 +131,48 @@ def test_a_daemon_killed_with_sigkill_restarts_at_once_and_a_clean_stop_leaves_n
     wait_for(beating(first.pid), config, 60)
     first.kill()
     first.wait()
-    lease = json.loads((drop_root / LEASE_NAME).read_text())
-    assert lease["pid"] == first.pid  # left behind, stale
+    lease = lease_path(config.daemon.spool_dir, drop_root)
+    assert json.loads(lease.read_text())["pid"] == first.pid  # left behind, stale
     restarted = start_daemon(config, tmp_path / "restarted.log")
     try:
         wait_for(beating(restarted.pid), config, 30)
-        assert json.loads((drop_root / LEASE_NAME).read_text())["pid"] == restarted.pid
+        assert json.loads(lease.read_text())["pid"] == restarted.pid
     finally:
         stop(restarted)
     assert restarted.returncode == 0
-    assert not (drop_root / LEASE_NAME).exists()
+    assert not lease.exists()
+    assert not any(p.name.startswith(".watchd") for p in drop_root.iterdir())
+
+
+def test_a_lease_forged_in_the_drop_root_stops_nothing(
+    config_for: Callable[..., Config],
+    tmp_path: Path,
+    drop_root: Path,
+    staged: Callable[..., Path],
+) -> None:
+    """The red team's: an expert puts a lease naming another host, renewed in the far future,
+    where the lease used to lie (and a string for its time beside it). The lease is in the
+    spool now: the daemon does not read these, keeps its root, runs the next batch, and starts
+    again after a restart."""
+    config = config_for()
+    daemon = start_daemon(config, tmp_path / "daemon.log")
+    try:
+        wait_for(beating(daemon.pid), config, 60)
+        forged = {"host": "gw-forged", "pid": 4242, "start_ticks": 1, "renewed_at": 1e12,
+                  "database": "/elsewhere.sqlite", "root": str(drop_root)}  # fmt: skip
+        (drop_root / ".watchd-lease.json").write_text(json.dumps(forged))
+        (drop_root / ".watchd-lease-soon.json").write_text(json.dumps({**forged,
+                                                                       "renewed_at": "soon"}))
+        shutil.copytree(staged("plate", count=2), drop_root / "plate")
+        wait_for(lambda s: [b.state for b in s.batches()] == [BatchState.DONE], config, 120)
+        assert daemon.poll() is None  # still running: nothing stopped it
+    finally:
+        stop(daemon)
+    again = start_daemon(config, tmp_path / "again.log")
+    try:
+        wait_for(beating(again.pid), config, 60)
+    finally:
+        stop(again)
+    assert (daemon.returncode, again.returncode) == (0, 0)
+    logged = (tmp_path / "daemon.log").read_text() + (tmp_path / "again.log").read_text()
+    assert "held by another watchd" not in logged and "taken by another watchd" not in logged

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 from slurm_scenario import cluster, slurm_config, stage_inference, start_cluster, train_model
 
+from daemon.contract.spool import work_dir
 from daemon.core.states import BatchState
-from daemon.site.config import Config
+from daemon.site.config import Config, load_config
 
 # The daemon's Slurm client in these tests. CI has no pyslurm for this Slurm release: there the
 # command-line client runs them. With a matching pyslurm installed, the same tests check the
@@ -104,6 +105,7 @@ class Trained:
     registry: Path
     handle: str  # the training job's Slurm handle
     run_dir: Path
+    work_dir: Path  # the run's work folder in the spool
 
 
 @pytest.fixture(scope="session")
@@ -113,7 +115,9 @@ def slurm_training(tmp_path_factory: pytest.TempPathFactory, slurm_conf: Path) -
     base = tmp_path_factory.mktemp("slurm-training")
     batch, train = train_model(base, slurm_conf, CLIENT)
     assert batch.state is BatchState.DONE, batch.reason
-    return Trained(base / "registry", str(train.handle), Path(batch.run_dir))
+    spool = load_config(base / "config.toml").daemon.spool_dir
+    work = work_dir(spool, batch.id, batch.run_dir)
+    return Trained(base / "registry", str(train.handle), Path(batch.run_dir), work)
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from slurm_scenario import batches_and_jobs, cluster, node_gpus
 
 from daemon.contract.errors import ExecutorUnavailable
 from daemon.contract.jobspec import ErrorKind
+from daemon.contract.spool import work_dir
 from daemon.core.manifest import STATUS_NAME
 from daemon.core.records import Batch, IntentAction, Job
 from daemon.core.states import BatchState, JobState
@@ -46,8 +47,8 @@ def some_running(service: Service) -> bool:
     return bool(service.store.jobs(states=[JobState.RUNNING]))
 
 
-def job_dir(batch: Batch, job: Job) -> Path:
-    return Path(batch.run_dir) / "jobs" / job.name
+def job_dir(config: Config, batch: Batch, job: Job) -> Path:
+    return work_dir(config.daemon.spool_dir, batch.id, batch.run_dir) / "jobs" / job.name
 
 
 def test_a_training_batch_is_one_job_under_srun_with_the_gpu_its_manifest_asked_for(
@@ -55,13 +56,13 @@ def test_a_training_batch_is_one_job_under_srun_with_the_gpu_its_manifest_asked_
 ) -> None:
     (record,) = job_fields(slurm_env, slurm_training.handle.removeprefix("slurm:"))
     assert record["JobState"] == "COMPLETED"
-    log = (slurm_training.run_dir / "jobs" / "b000001-train" / "log.txt").read_text()
+    log = (slurm_training.work_dir / "jobs" / "b000001-train" / "log.txt").read_text()
     if node_gpus(slurm_conf):
         assert record["TresPerNode"] == "gres:gpu:1"
         assert "GPUs 0," in log  # Slurm gave the job one of the node's (fake) GPUs
     else:  # scripts/slurm-cluster said so: this machine refused to make the device nodes
         assert "GPUs none," in log
-    launches = slurm_training.run_dir / "jobs" / "slurm"
+    launches = slurm_training.work_dir / "jobs" / "slurm"
     (tasks,) = [t for t in launches.glob("*.tasks") if t.read_text() == "b000001-train\t1\n"]
     script = tasks.with_suffix(".sh").read_text()
     assert "-m daemon.executors.slurm_job" in script  # the log is opened by the rule first
@@ -92,7 +93,7 @@ def test_an_inference_batch_goes_out_as_one_throttled_array_and_ends_done(
     assert counts["submit"] == 2  # the array and the report
     # one status query per poll cycle, whatever the number of jobs
     assert counts["jobs"] <= took / config.executor.slurm.poll_seconds + counts["submit"] + 2
-    assert all(starts(job_dir(batch, j)) == 1 and j.attempts == 1 for j in jobs)
+    assert all(starts(job_dir(config, batch, j)) == 1 and j.attempts == 1 for j in jobs)
     masks = sorted((Path(batch.run_dir) / "masks").rglob("*.png"))
     assert len(masks) == 6 and (Path(batch.run_dir) / "report.html").is_file()
 
@@ -233,7 +234,7 @@ def test_restarts_adopt_the_jobs_slurm_has_and_never_submit_twice(
     assert (
         cli.counts["submit"] + second.client.counts["submit"] + third.client.counts["submit"] == 2
     )
-    assert all(j.attempts == 1 and starts(job_dir(batch, j)) == 1 for j in jobs)
+    assert all(j.attempts == 1 and starts(job_dir(config, batch, j)) == 1 for j in jobs)
 
 
 def test_a_controller_outage_holds_submissions_while_new_batches_are_taken_in(
@@ -267,7 +268,7 @@ def test_a_controller_outage_holds_submissions_while_new_batches_are_taken_in(
     done = batches_and_jobs(config)
     assert [b.state for b, _ in done] == [BatchState.DONE, BatchState.DONE]
     for batch, jobs in done:
-        assert all(j.attempts == 1 and starts(job_dir(batch, j)) == 1 for j in jobs)
+        assert all(j.attempts == 1 and starts(job_dir(config, batch, j)) == 1 for j in jobs)
 
 
 def test_watchctl_cancel_cancels_the_slurm_jobs(

@@ -15,6 +15,7 @@ from replay import Replay, copy_slowly
 from slurm_scenario import batches_and_jobs
 
 from daemon.contract.jobspec import SPEC_FILE, ErrorKind
+from daemon.contract.spool import work_dir
 from daemon.core.manifest import STATUS_NAME
 from daemon.core.records import IntentAction, Job
 from daemon.core.states import BatchState, JobState
@@ -46,7 +47,8 @@ def spec_files(service: Service) -> dict[str, tuple[int, int]]:
     """Each job's spec.json as (inode, mtime): a rewrite (temp file + rename) changes both."""
     found = {}
     for batch in service.store.batches():
-        for spec in (Path(batch.run_dir) / "jobs").glob(f"*/{SPEC_FILE}"):
+        work = work_dir(service.config.daemon.spool_dir, batch.id, batch.run_dir)
+        for spec in (work / "jobs").glob(f"*/{SPEC_FILE}"):
             found[spec.parent.name] = (spec.stat().st_ino, spec.stat().st_mtime_ns)
     return found
 

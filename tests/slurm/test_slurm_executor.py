@@ -29,10 +29,8 @@ def executor(slurm: MemorySlurm, clock: Clock) -> SlurmExecutor:
 
 
 def shards(tmp_path: Path, count: int, batch: int = 1) -> list[Submission]:
-    """Shards of a batch folder that exists (the launch files are written below it)."""
-    folder = tmp_path / f"b{batch}"
-    folder.mkdir(exist_ok=True)
-    jobs = folder / "results" / "r" / "jobs"
+    """Shards of a batch (the launch files are written beside their job folders, in a spool)."""
+    jobs = tmp_path / "spool" / "runs" / f"b{batch:06d}" / "r" / "jobs"
     names = [f"b{batch:06d}-infer-{i:04d}" for i in range(count)]
     return [
         Submission(
@@ -42,7 +40,6 @@ def shards(tmp_path: Path, count: int, batch: int = 1) -> list[Submission]:
             jobs / name,
             group=f"b{batch:06d}-infer",
             attempt=1,
-            batch_dir=folder,
         )
         for i, name in enumerate(names)
     ]

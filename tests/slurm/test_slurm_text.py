@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -241,10 +240,9 @@ def stand_in_python(folder: Path) -> str:
 
 
 def array_on_disk(drop_root: Path) -> tuple[launching.Launch, Path]:
-    """A launch of three tasks, its files written, under a batch folder with an awkward name."""
-    batch = drop_root / "plate $(touch x) 'q'"
-    jobs = batch / "results" / "r" / "jobs"
-    subs = [replace(sub(i, jobs), batch_dir=batch) for i in range(3)]
+    """A launch of three tasks, its files written, in a spool whose path is awkward."""
+    jobs = drop_root.parent / "spool $(touch x) 'q'" / "runs" / "b000001" / "r" / "jobs"
+    subs = [sub(i, jobs) for i in range(3)]
     launch = launching.plan(subs, SITE)[0]
     launch.files.mkdir(parents=True)
     for s in launch.submissions:
@@ -275,12 +273,12 @@ def test_the_job_script_maps_each_array_task_to_its_job_folder_whatever_the_path
 
 
 @pytest.mark.parametrize("planted", ["link", "fifo"])
-def test_the_job_script_refuses_a_log_planted_as_a_link_or_fifo_and_writes_nothing_there(
+def test_the_job_script_refuses_a_log_that_is_a_link_or_fifo_and_writes_nothing_there(
     drop_root: Path, tmp_path: Path, planted: str
 ) -> None:
-    """The owner of the batch folder plants ``log.txt``: a link to a file the daemon's user may
-    write (the registry's weights) is not appended to, a FIFO does not block the task; the task
-    ends at once with exit status 3, before the job runs."""
+    """(The spool is the service's alone; all the same:) a ``log.txt`` that is a link to a file
+    the daemon's user may write (the registry's weights) is not appended to, a FIFO does not
+    block the task; the task ends at once with exit status 3, before the job runs."""
     launch, script = array_on_disk(drop_root)
     log = launch.jobs_dir / "b000001-infer-0001" / "log.txt"
     weights = tmp_path / "weights.pt"
