@@ -314,11 +314,12 @@ class Watcher:
         self._polling: dict[Path, BaseObserver] = {}
         self._listings: dict[Path, ManifestListing] = {}
 
-    def start(self) -> dict[Path, ObserverMode]:
-        """Start watching every root that exists now; the mode chosen for each."""
+    def start(self, skip: Collection[Path] = ()) -> dict[Path, ObserverMode]:
+        """Start watching every root that exists now but those in ``skip`` (another daemon
+        holds them); the mode chosen for each."""
         for root in self.roots:
-            self.modes[root.path] = choose_mode(root.observer, filesystem_type(root.path))
-            self.arm(root)
+            if root.path not in skip:
+                self.arm(root)
         return dict(self.modes)
 
     def arm(self, root: RootSection) -> bool:
@@ -327,6 +328,8 @@ class Watcher:
         inotify that runs out of watches or instances (the kernel's limits) falls back to
         polling for this root, and says so."""
         self._disarm(root.path)
+        if root.path not in self.modes:
+            self.modes[root.path] = choose_mode(root.observer, filesystem_type(root.path))
         try:
             if self.modes[root.path] is ObserverMode.INOTIFY:
                 try:
@@ -386,6 +389,11 @@ class Watcher:
             return reader and self._inotify[root].alive
         observer = self._polling.get(root)
         return observer is not None and all(e.is_alive() for e in observer.emitters)
+
+    def disarm(self, root: Path) -> None:
+        """Stop watching ``root`` (another daemon holds it now) until it is armed again."""
+        self._disarm(root)
+        self.modes.pop(root, None)
 
     def _disarm(self, root: Path) -> None:
         watch = self._inotify.pop(root, None)

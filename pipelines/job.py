@@ -45,7 +45,13 @@ from typing import Any
 
 import torch
 
-from daemon.contract.heldfolder import FolderReplaced, HeldFolder, UnsafeEntry
+from daemon.contract.heldfolder import (
+    FolderReplaced,
+    HeldFolder,
+    NotWritable,
+    UnsafeEntry,
+    unwritable_problem,
+)
 from daemon.contract.jobspec import (
     RESULT_FILE,
     SPEC_FILE,
@@ -221,7 +227,12 @@ def _attempt(pipeline: Pipeline, work: Work, job_dir: Path) -> tuple[int, Any]:
         return EXIT_OK, None if summary is None else dict(summary)
     except UntrustedSpec:
         raise  # the caller refuses the job: nothing is written where nothing is trusted
-    except (InputError, UnsafeEntry) as exc:
+    except (InputError, UnsafeEntry, NotWritable) as exc:
+        if isinstance(exc, NotWritable) and not _owners(spec, exc.folder):
+            log.exception("the spool cannot be written")  # the service's: retried
+            return EXIT_INTERNAL, _failure(ErrorKind.INTERNAL, str(exc))
+        if isinstance(exc, NotWritable):
+            exc = InputError("the results folder cannot be written", [unwritable_problem(exc)])
         if isinstance(exc, UnsafeEntry):
             assert spec is not None  # nothing is written under the batch folder before
             exc = InputError("an entry planted under results/", [planted_problem(spec, exc)])
@@ -235,6 +246,11 @@ def _attempt(pipeline: Pipeline, work: Work, job_dir: Path) -> tuple[int, Any]:
         log.exception("internal error")
         message = f"{type(exc).__name__}: {exc}"
         return EXIT_INTERNAL, _failure(ErrorKind.INTERNAL, message)
+
+
+def _owners(spec: JobSpec | None, folder: Path) -> bool:
+    """Whether ``folder`` is in the batch folder (its owner's), not in the spool."""
+    return spec is not None and folder.is_relative_to(spec.batch_dir)
 
 
 def write_result(job_dir: Path, result: JobResult) -> None:

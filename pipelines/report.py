@@ -38,12 +38,21 @@ from typing import Any
 import numpy as np
 
 from daemon.contract.heldfolder import HeldFolder, parts_of
-from daemon.contract.jobspec import JOBS_DIR, RESULT_FILE, JobResult, JobSpec, Pipeline, Role
-from daemon.contract.safeopen import RefusedInput, open_input
+from daemon.contract.jobspec import (
+    JOBS_DIR,
+    RESULT_FILE,
+    InputFile,
+    JobResult,
+    JobSpec,
+    Pipeline,
+    Role,
+)
+from daemon.contract.names import inference_params
+from daemon.contract.safeopen import RefusedInput
 from daemon.contract.version import code_version
 from pipelines import figures
-from pipelines.images import UnreadableImage, decode
-from pipelines.job import log, run_folder, run_job, work_folder
+from pipelines.images import read_bounded
+from pipelines.job import InputError, log, run_folder, run_job, work_folder
 from pipelines.layout import (
     CURVE_COLUMNS,
     MASKS_DIR,
@@ -207,23 +216,27 @@ def sample_overlays(
     spec: JobSpec, rows: list[dict[str, str]], batch: HeldFolder
 ) -> list[tuple[str, str]]:
     """(caption, data URI) for the images :func:`overlay_picks` chose, read (with their masks)
-    through the held batch folder."""
+    through the held batch folder, each bounded by what its header declares (the owner may
+    have replaced either: :func:`pipelines.images.read_bounded`)."""
     masks = Path(spec.run_dir).relative_to(spec.batch_dir) / MASKS_DIR
+    params = inference_params(spec.params)
+    most = int(params["max_whole_pixels"])
     pictures = []
     for label, row in overlay_picks(rows):
         try:
-            with open_input(batch, row["path"]) as handle:
-                image = decode(handle.read(), name=row["path"])
-            with open_input(batch, f"{masks}/{mask_name(row['path'])}") as handle:
-                mask = decode(handle.read())
-        except (OSError, RefusedInput, UnreadableImage) as exc:
+            image = read_bounded(batch, InputFile(row["path"]), most, params["channel"])
+            mask = read_bounded(batch, InputFile(f"{masks}/{mask_name(row['path'])}"), most)
+        except (OSError, RefusedInput, InputError) as exc:
             log.warning("no overlay for %s: %s", row["path"], exc)
+            continue
+        if image is None or mask is None:
             continue
         caption = (
             f"{label}: {row['path']}: {row['objects']} object(s), {row['area_px']} px, "
             f"confidence {float(row['confidence']):.3f}"
         )
-        pictures.append((caption, figures.data_uri(figures.overlay(image, mask > 0.5))))
+        overlay = figures.overlay(image[0], mask[0] > 0.5)
+        pictures.append((caption, figures.data_uri(overlay)))
     return pictures
 
 

@@ -27,7 +27,7 @@ from pathlib import Path, PurePosixPath
 from typing import IO, BinaryIO
 
 from daemon.contract.errors import WatchdError
-from daemon.contract.jobspec import Identity
+from daemon.contract.jobspec import Identity, Problem
 
 TMP_PREFIX = ".tmp-"
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -57,6 +57,33 @@ class UnsafeEntry(WatchdError, OSError):
 
     def __str__(self) -> str:
         return f"'{self.relative}' {self.what}"
+
+
+# A write the filesystem refuses for want of room or of permission: said as such, not a crash.
+WRITE_REFUSED = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EPERM, errno.EACCES})
+
+
+class NotWritable(WatchdError, OSError):
+    """A write below a held folder that the filesystem refused (:data:`WRITE_REFUSED`): full,
+    over quota, read-only, or not permitted. ``folder`` is the held folder written in."""
+
+    def __init__(self, code: int, strerror: str, folder: Path) -> None:
+        self.folder = folder
+        super().__init__(code, strerror)
+
+    def __str__(self) -> str:
+        return f"{self.folder} cannot be written: {self.strerror}"
+
+
+def unwritable_problem(exc: OSError) -> Problem:
+    """A batch's results folder that cannot be written, said for its owner."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        hint = "the share is full (or over quota): free space, then ask for a retry"
+    elif exc.errno in (errno.ELOOP, errno.ENOTDIR):
+        hint = "remove it: watchd writes its results only inside the batch folder"
+    else:
+        hint = "make the batch folder writable for the watchd service, then ask for a retry"
+    return Problem("results folder", f"cannot be written: {exc.strerror or exc}", hint)
 
 
 class FolderReplaced(WatchdError, OSError):
@@ -151,7 +178,7 @@ class HeldFolder:
             for part in parts_of(relative):
                 walked.append(part)
                 parent, fd = fd, -1
-                with self._located():
+                with self._located(), self._writing():
                     fd = _step(parent, part, "/".join(walked), create)
         except BaseException:
             if fd >= 0:
@@ -199,7 +226,7 @@ class HeldFolder:
         """Yield a file whose content replaces ``relative`` when the block exits cleanly; the
         folders on the way are made. A folder, FIFO or link planted at the name is refused."""
         *above, name = parts_of(relative)
-        with self._parent(above, create=True) as parent:
+        with self._writing(), self._parent(above, create=True) as parent:
             existing = _lstat_or_none(name, parent.fd)
             if existing is not None and stat.S_ISDIR(existing.st_mode):
                 with self._located():
@@ -232,14 +259,18 @@ class HeldFolder:
         below this folder; the folders on the way to ``new`` are made."""
         *above_old, old_name = parts_of(old)
         *above_new, new_name = parts_of(new)
-        with self._parent(above_old) as source, self._parent(above_new, create=True) as target:
+        with (
+            self._writing(),
+            self._parent(above_old) as source,
+            self._parent(above_new, create=True) as target,
+        ):
             os.rename(old_name, new_name, src_dir_fd=source.fd, dst_dir_fd=target.fd)
 
     def open_append(self, relative: str | PurePosixPath) -> int:
         """A descriptor appending to a regular file below this folder (made if missing); a
         link, FIFO or hard-linked file planted there is refused, never opened for writing."""
         *above, name = parts_of(relative)
-        with self._parent(above, create=True) as parent, self._located():
+        with self._writing(), self._parent(above, create=True) as parent, self._located():
             fd = _open_file(name, _APPEND_FLAGS, parent.fd, str(relative), mode=0o666)
         os.set_blocking(fd, True)
         return fd
@@ -276,7 +307,8 @@ class HeldFolder:
     def mkdir(self, name: str) -> None:
         """Make a new folder ``name`` in this one; FileExistsError if anything has that name
         (so a name planted in advance is never taken for ours)."""
-        os.mkdir(_one_name(name), 0o777, dir_fd=self.fd)
+        with self._writing():
+            os.mkdir(_one_name(name), 0o777, dir_fd=self.fd)
 
     def remove_strays(self, *, below: bool = True) -> list[str]:
         """Remove the temporaries interrupted writes left here, and anywhere below when
@@ -299,6 +331,19 @@ class HeldFolder:
         return removed
 
     # -- plumbing --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Say a write the filesystem refused (:data:`WRITE_REFUSED`) as :class:`NotWritable`,
+        naming this folder."""
+        try:
+            yield
+        except (NotWritable, UnsafeEntry):
+            raise
+        except OSError as exc:
+            if exc.errno in WRITE_REFUSED:
+                raise NotWritable(exc.errno, exc.strerror or str(exc), self.path) from exc
+            raise
+
     @contextlib.contextmanager
     def _located(self) -> Iterator[None]:
         """Say in an :class:`UnsafeEntry` raised in the block which folder it is relative to."""

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import structlog
 
 from daemon.contract.errors import ManifestError
-from daemon.contract.jobspec import ErrorKind, Problem
+from daemon.contract.heldfolder import unwritable_problem
+from daemon.contract.jobspec import ErrorKind
 from daemon.core.planner import (
     Action,
     Cancel,
@@ -191,13 +192,7 @@ class Actor:
                 log.warning("batch folder unreachable; its jobs wait for the share",
                             batch_id=batch.id, folder=batch.folder, error=str(exc))  # fmt: skip
             return
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            hint = "the share is full (or over quota): free space, then ask for a retry"
-        elif exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            hint = "remove it: watchd writes its results only inside the batch folder"
-        else:
-            hint = "make the batch folder writable for the watchd service, then ask for a retry"
-        problem = Problem("results folder", f"cannot be written: {exc.strerror or exc}", hint)
+        problem = unwritable_problem(exc)
         if not self.store.batch(batch.id).state.terminal:
             jobs = [j.id for j in self.store.jobs([batch.id]) if not j.state.terminal]
             self._cancel(Cancel(tuple(jobs), "batch failed"), now)

@@ -30,7 +30,7 @@ import structlog
 
 from daemon.contract import jobspec, spool
 from daemon.contract.errors import ExecutorUnavailable
-from daemon.contract.heldfolder import HeldFolder
+from daemon.contract.heldfolder import FolderReplaced, HeldFolder, temporary_name
 from daemon.contract.jobspec import (
     LOG_FILE,
     PROGRESS_FILE,
@@ -162,16 +162,23 @@ class Dispatcher:
         done: list[tuple[Job, str]] = []
         unwritable: list[tuple[Batch, OSError]] = []
         cancelling = set(self.store.kept_cancels().values())
+        probed: dict[int, OSError | None] = {}  # batch id → why its results folder refused
         for job, batch, manifest in work:
             if job.id in cancelling:
                 continue  # its earlier attempt may still run until the cancel is delivered
+            if batch.id not in probed:
+                probed[batch.id] = probe_run_folder(batch)
+            refusal = probed[batch.id]
+            if refusal is not None:
+                unwritable.append((batch, refusal))
+                continue
             given = self.executor.allocation(job.pipeline, manifest.resources)
             inputs = self.store.job_inputs(job.id)
             spec = job_spec(job, batch, manifest, inputs, self.registry_dir, given, self.spool)
             try:
                 finished = prepare_job_dir(spec)
-            except OSError as exc:
-                unwritable.append((batch, exc))
+            except OSError as exc:  # the spool is the operator's to mend: the jobs wait for it
+                self._warn("the spool cannot be written; jobs wait", str(exc), spool=self.spool)
                 continue
             if finished:
                 done.append((job, FINISHED_HANDLE))
@@ -271,6 +278,27 @@ def _append_line(sub: Submission, line: str) -> None:
     except OSError as exc:  # the store and the status file still say it
         log.warning("cannot write to the job's log", path=str(sub.job_dir / LOG_FILE),
                     error=str(exc))  # fmt: skip
+
+
+def probe_run_folder(batch: Batch) -> OSError | None:
+    """Why the batch's results folder cannot be written (None when it can): it is made if
+    missing and a file made and removed in it, through the held batch folder, once per batch
+    per submission round. A link planted on the way, a folder that is not writable or a full
+    share is found here, where the batch fails saying so, not in its jobs."""
+    relative = Path(batch.run_dir).relative_to(batch.path).as_posix()
+    try:
+        with (
+            HeldFolder.batch(batch.root, batch.folder, batch.identity) as held,
+            held.folder(relative, create=True) as run,
+        ):
+            probe = temporary_name()
+            run.write_bytes(probe, b"", fsync=False)
+            run.unlink(probe)
+    except FolderReplaced:
+        return None  # a new revision supersedes this batch; its jobs refuse the new folder
+    except OSError as exc:
+        return exc
+    return None
 
 
 def copy_log(batch: Batch, job_dir: Path) -> None:

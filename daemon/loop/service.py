@@ -108,7 +108,7 @@ class Service:
         now = self.clock()
         self.executor.wake_on_end(lambda: self.events.put(Wake()))
         self.pulse.started_at = now
-        modes = self.watcher.start()
+        modes = self.watcher.start(skip=self.claims.refused)
         for path, mode in modes.items():
             log.info("watching", root=str(path), mode=mode.value)
         self._self_test()
@@ -274,6 +274,8 @@ class Service:
         """Scan every root for manifests that events did not announce; re-arm lost roots."""
         self._next_rescan = now + self.config.daemon.rescan_seconds
         for root in self.config.roots:
+            if root.path in self.claims.refused:
+                continue  # another daemon holds it: neither watched nor scanned
             if root.path in self._lost_roots or not self.watcher.armed(root.path):
                 if not self.watcher.arm(root):
                     self._root_lost(root.path)
@@ -341,6 +343,8 @@ class Service:
             return
         self._next_renewal = now + self.config.daemon.heartbeat_seconds
         lost, back = self.claims.renew(now)
+        for root in lost:
+            self.watcher.disarm(root)
         changed = {str(root) for root in (*lost, *back)}
         self._dirty.update(b.id for b in self.store.active_batches() if b.root in changed)
         if back:

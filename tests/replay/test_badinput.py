@@ -34,6 +34,7 @@ from replay import Replay, at, copy_slowly, manifest_text, write_atomically
 from test_crash import wait_for
 
 from daemon.contract.jobspec import Identity
+from daemon.contract.spool import work_dir
 from daemon.core.manifest import STATUS_NAME
 from daemon.core.manifest_schema import Kind
 from daemon.core.records import Batch
@@ -263,7 +264,7 @@ def test_a_batch_folder_replaced_mid_run_is_a_new_batch_and_its_images_are_never
         Identity.of(os.stat(folder), os.stat(folder.parent)),
     )
     assert first.identity == Identity.of(os.stat(moved), os.stat(drop_root)) != second.identity
-    old_read, new_read = _inputs_read(moved), _inputs_read(folder)
+    old_read, new_read = _inputs_read(config, first), _inputs_read(config, second)
     assert old_read and old_read <= _digests(old) and not old_read & _digests(new)
     assert new_read == _digests(new)
     status = (folder / STATUS_NAME).read_text()
@@ -280,11 +281,11 @@ def _a_job_done(config: Config) -> bool:
         store.close()
 
 
-def _inputs_read(folder: Path) -> set[str]:
-    """The sha256 of every input an inference job of ``folder`` segmented (from its ledgers)."""
-    lines = [
-        line for path in folder.glob("results/*/ledger/*") for line in path.read_text().splitlines()
-    ]
+def _inputs_read(config: Config, batch: Batch) -> set[str]:
+    """The sha256 of every input an inference job of ``batch`` segmented (from its ledgers, in
+    its work folder in the spool)."""
+    work = work_dir(config.daemon.spool_dir, batch.id, batch.run_dir)
+    lines = [line for path in work.glob("ledger/*") for line in path.read_text().splitlines()]
     return {json.loads(line)["input_sha256"] for line in lines}
 
 
@@ -346,12 +347,14 @@ def test_a_manifest_the_service_cannot_read_fails_visibly_and_is_taken_in_once_r
     """The daemon runs as an unprivileged user (nobody), the folder belongs to another."""
     with tempfile.TemporaryDirectory(dir="/tmp") as where:
         base = Path(where)
-        root, state = base / "drop", base / "state"
+        root, state, spool = base / "drop", base / "state", base / "spool"
         for made in (root, state):
             made.mkdir()
             made.chmod(0o777)
+        spool.mkdir(mode=0o750)
+        os.chown(spool, 65534, 65534)  # the service's own
         base.chmod(0o755)
-        config = write_config(base, root, base / "registry")
+        config = write_config(base, root, base / "registry", daemon={"spool_dir": str(spool)})
         folder = root / "locked manifest"
         shutil.copytree(staged(count=1), folder)
         folder.chmod(0o777)
@@ -522,7 +525,6 @@ def test_what_an_owner_plants_where_the_jobs_files_were_is_neither_read_nor_writ
     elsewhere = tmp_path / "another lab's folder"
     elsewhere.mkdir()
     state = config.daemon.state_dir
-    before = sorted(p.name for p in state.iterdir())
     folder = drop_root / f"planted {kind}"
     batch = planted_mid_run(
         config, staged(count=1), folder,
@@ -531,7 +533,7 @@ def test_what_an_owner_plants_where_the_jobs_files_were_is_neither_read_nor_writ
     assert batch.state is BatchState.DONE, batch.reason
     assert victim.read_bytes() == was
     assert list(elsewhere.iterdir()) == []
-    assert sorted(p.name for p in state.iterdir()) == before
+    assert not (state / "owned").exists() and not list(state.rglob("*.png"))
     job = f"b{batch.id:06d}-infer-0000"
     logs = watchctl(config, "logs", job)
     assert logs.returncode == 0 and "attempt 1 started" in logs.stdout, logs.stderr

@@ -132,7 +132,7 @@ def test_a_missing_config_or_database_is_a_clear_error(tmp_path: Path) -> None:
         == f"Error: {tmp_path / 'nope.toml'}: 1 problem(s)\n  - file not found".strip()
     )
     config = tmp_path / "c.toml"
-    config.write_text(f'[daemon]\nstate_dir = "{tmp_path}/state"\n[[roots]]\npath = "{tmp_path}"\n')
+    config.write_text(f'[daemon]\nstate_dir = "{tmp_path}/state"\n[[roots]]\npath = "{tmp_path}/drop"\n')
     done = cli("watchctl", "status", "--config", str(config), check=False)
     assert done.returncode == 1
     assert done.stderr.strip() == (
@@ -221,7 +221,7 @@ def test_manifest_keeps_within_the_configured_limit_and_says_when_it_counts_inst
     folder = tmp_path / "plate"
     synth.make_batch(folder, "inference", count=24, size=16, seed=1)
     config = tmp_path / "config.toml"
-    config.write_text(f'[[roots]]\npath = "{tmp_path}"\n\n[intake]\nmax_manifest_bytes = 2048\n')
+    config.write_text(f'[[roots]]\npath = "{tmp_path}/drop"\n\n[intake]\nmax_manifest_bytes = 2048\n')
     done = cli("watchctl", "manifest", str(folder), "--config", str(config))
     assert done.stdout.strip() == f"wrote {folder / 'manifest.toml'}"
     assert done.stderr.startswith("note: listing all 24 files would make the manifest larger")

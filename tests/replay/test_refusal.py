@@ -10,6 +10,7 @@ from conftest import write_config
 from replay import Replay, copy_slowly
 
 from daemon.contract.jobspec import ErrorKind
+from daemon.contract.spool import work_dir
 from daemon.core.manifest import STATUS_NAME
 from daemon.core.states import BatchState, JobState
 from daemon.store import Store
@@ -37,5 +38,5 @@ def test_a_job_the_local_executor_cannot_start_fails_its_batch_with_the_reason(
     assert (job.state, job.error_kind, job.attempts) == (JobState.FAILED, ErrorKind.INPUT, 0)
     assert moves == ["waiting", "queued", "failed"]  # never RUNNING: nothing ran
     assert said in (drop_root / "plate" / STATUS_NAME).read_text()
-    log = Path(batch.run_dir) / "jobs" / job.name / "log.txt"
+    log = work_dir(config.daemon.spool_dir, batch.id, batch.run_dir) / "jobs" / job.name / "log.txt"
     assert log.read_text().endswith(f"watchd: refused by the local executor: {said}\n")

@@ -14,6 +14,7 @@ from conftest import MODEL, TINY_TRAINING
 from replay import Replay, copy_slowly, manifest_text
 from zarr.core.sync import cleanup_resources
 
+from daemon.contract.spool import work_dir
 from daemon.core.manifest_schema import Kind
 from daemon.core.states import BatchState, JobState
 from daemon.site.config import Config
@@ -96,9 +97,10 @@ def test_a_sweep_drop_runs_its_trials_together_and_ends_with_the_best_trial_regi
     ]
     assert json.loads((registry / MODEL / "aliases.json").read_text())["latest"] == before + 1
     run_dir = Path(batch.run_dir)
+    work = work_dir(config.daemon.spool_dir, batch.id, batch.run_dir)
     candidates = {
         path.parent.name: json.loads(path.read_text())
-        for path in (run_dir / "trials").glob("*/candidate.json")
+        for path in (work / "trials").glob("*/candidate.json")
     }
     winner = max(candidates, key=lambda job: candidates[job]["metrics"]["val_dice"])
     metadata = json.loads((registry / MODEL / f"v{before + 1:04d}" / "metadata.json").read_text())

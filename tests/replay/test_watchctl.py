@@ -28,6 +28,7 @@ from test_cli import cli
 from test_crash import start_daemon, wait_for
 
 from daemon.cli.doctor import inotify_limits
+from daemon.contract.spool import work_dir
 from daemon.core.manifest import STATUS_NAME
 from daemon.core.manifest_schema import Kind
 from daemon.core.states import BatchState, JobState
@@ -165,8 +166,10 @@ def test_logs_print_the_tail_of_a_jobs_log_by_id_or_name(history: History) -> No
     batch = next(b for b in store.batches() if b.folder == "plate A")
     job = store.jobs([batch.id])[0]
     store.close()
-    path = Path(batch.run_dir) / "jobs" / job.name / "log.txt"
+    path = work_dir(config.daemon.spool_dir, batch.id, batch.run_dir) / "jobs" / job.name / "log.txt"
     whole = path.read_text().splitlines()
+    copy = (Path(batch.run_dir) / "logs" / f"{job.name}.log").read_text().splitlines()
+    assert copy == whole  # the owner's copy, in the batch folder
     assert len(whole) > 3
     by_name = cli("watchctl", "logs", job.name, "-n", "3", "--config", str(config.source))
     assert by_name.stdout.splitlines() == whole[-3:]
@@ -204,7 +207,7 @@ def test_doctor_passes_on_a_good_setup_and_says_what_it_checked(history: History
     assert list(checks) == [
         "config", "root 0", "root 0 observer", "root 0 lease", "root 1", "root 1 observer",
         "root 1 lease", "inotify",
-        "database", "daemon", "registry", "local executor",
+        "database", "daemon", "registry", "spool", "local executor",
     ]  # fmt: skip
     assert checks["root 0"]["detail"].endswith("readable and writable by " + _user())
     assert checks["root 0 observer"]["detail"].endswith(" filesystem, observer inotify")
@@ -291,14 +294,15 @@ def test_requeue_runs_a_done_batch_again_and_inference_skips_what_is_current(
         replay.run(until=lambda s: s.store.batch(1).state is BatchState.DONE)
         store = replay.service.store
         jobs, events = store.jobs([1]), store.events(1)
-        outcome, run_dir = store.intent(1).outcome, store.batch(1).run_dir
+        outcome, batch = store.intent(1).outcome, store.batch(1)
     assert outcome == "requeue: waiting for inputs again"
     assert [(j.state, j.attempts, j.tries) for j in jobs] == [(JobState.SUCCEEDED, 2, 1)] * 2
     assert [e.to_state.value for e in events if e.job_id is None] == [
         "waiting", "queued", "running", "done", "waiting", "queued", "running", "done",
     ]  # fmt: skip
     assert any(e.reason == f"requeue asked by {_user()}" for e in events)
-    log = (Path(run_dir) / "jobs" / jobs[0].name / "log.txt").read_text()
+    work = work_dir(config.daemon.spool_dir, batch.id, batch.run_dir)
+    log = (work / "jobs" / jobs[0].name / "log.txt").read_text()
     assert "2 of 2 images already done (ledger): skipped" in log
     (request,) = ctl_json(config, "show", "1")["requests"]
     assert (request["action"], request["by"], request["outcome"]) == (
@@ -403,7 +407,7 @@ def test_logs_follow_prints_a_running_jobs_log_and_ends_when_the_job_ends(
         daemon.wait(timeout=60)
     assert follow.returncode == 0, follow.stderr
     assert ended.state is JobState.SUCCEEDED
-    log = Path(batch.run_dir) / "jobs" / job.name / "log.txt"
+    log = work_dir(config.daemon.spool_dir, batch.id, batch.run_dir) / "jobs" / job.name / "log.txt"
     assert follow.stdout.splitlines() == log.read_text().splitlines()
 
 
