@@ -83,7 +83,9 @@ class StoreReader(Regions):
     def _open(self, channel: Any, max_pixels: int) -> None:
         """Its multiscales, its levels checked and admitted by the guard, its plane."""
         try:
-            root = zarr.open_group(self.store, mode="r", use_consolidated=False)
+            # its format said, zarr reads no consolidated metadata (.zmetadata), only each node's
+            root = zarr.open_group(self.store, mode="r", zarr_format=self._format(),
+                                   use_consolidated=False)  # fmt: skip
             attrs = dict(root.attrs)
         except Refused:
             raise
@@ -120,6 +122,14 @@ class StoreReader(Regions):
         plane = planes.page(channel)  # (ChannelProblem: the job says which channels there are)
         self.fixed = {"t": 0, "z": 0, "c": plane}
         self.axes = axes
+
+    def _format(self) -> int:
+        """The store's Zarr format: 3 where its top holds a zarr.json, else 2."""
+        try:
+            self.store.root.lstat("zarr.json")
+        except FileNotFoundError:
+            return 2
+        return 3
 
     def _admit(self, axes: list[str], max_pixels: int) -> None:
         """Every level checked (:func:`check_declared`: samples, shape, chunks; codecs) before

@@ -230,7 +230,8 @@ class Guard:
 
 
 def _is_metadata(key: str) -> bool:
-    return key.rpartition("/")[2] in METADATA_NAMES
+    # .zmetadata (consolidated) is not asked for by the readers here, but bounded if it is
+    return key.rpartition("/")[2] in METADATA_NAMES | {".zmetadata"}
 
 
 def json_depth(data: bytes) -> int:

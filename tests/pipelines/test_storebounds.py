@@ -306,6 +306,13 @@ def test_every_codec_allowed_reads_bit_for_bit(tmp_path: Path, codecs: dict[str,
 def test_metadata_too_large_or_nested_too_deep_is_refused_before_zarr_parses_it(
     tmp_path: Path,
 ) -> None:
+    """Consolidated metadata (.zmetadata) is not read at all: each node's is."""
+    unread = hand_store(tmp_path / "unread", [64, 64], [64, 64], files={"0.0": bytes(8192)})
+    (unread / ".zmetadata").write_bytes(b"[" * 2 * MiB)
+    with HeldFolder.open(unread) as folder:
+        reader = StoreReader(folder, ITEM, 256)
+        assert reader.region(0, 64, 0, 64).tolist() == np.zeros((64, 64)).tolist()
+        reader.close()
     large = hand_store(tmp_path / "large", [64, 64], [64, 64])
     attrs = multiscales("yx", 2) | {"padding": " " * MiB}
     (large / ".zattrs").write_text(json.dumps(attrs))
