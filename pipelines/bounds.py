@@ -89,7 +89,7 @@ def stored(handle: BinaryIO, item: InputFile) -> int:
     handle.seek(0)  # the walk moved the descriptor's offset under the buffered handle
     if 2 * holes > status.st_size:
         message = (
-            f"is a sparse file: {_spaced(holes)} of its {_spaced(status.st_size)} bytes are "
+            f"is a sparse file: {spaced(holes)} of its {spaced(status.st_size)} bytes are "
             "holes, never written"
         )
         hint = (
@@ -163,8 +163,8 @@ def check_windowable(item: InputFile, declared: Declared, max_pixels: int) -> No
     """Raise InputError unless the window-by-window reader can take this image (over
     ``max_pixels``): a TIFF, by name and content, whose strips or tiles are not larger."""
     over = (
-        f"is {declared.width}×{declared.height} pixels ({_spaced(declared.pixels)}), more "
-        f"than params.max_whole_pixels = {_spaced(max_pixels)} allows to segment as a whole"
+        f"is {declared.width}×{declared.height} pixels ({spaced(declared.pixels)}), more "
+        f"than params.max_whole_pixels = {spaced(max_pixels)} allows to segment as a whole"
     )
     if declared.kind != "TIFF" or Path(item.path).suffix.lower() not in TIFF_SUFFIXES:
         hint = (
@@ -191,11 +191,11 @@ def check_windowable(item: InputFile, declared: Declared, max_pixels: int) -> No
 
 def oversized(item: InputFile, declared: Declared, size: int) -> Problem:
     message = (
-        f"is {_spaced(size)} bytes, more than a {declared.width}×{declared.height} "
-        f"{declared.kind} can hold (at most {_spaced(declared.max_file_bytes)} bytes)"
+        f"is {spaced(size)} bytes, more than a {declared.width}×{declared.height} "
+        f"{declared.kind} can hold (at most {spaced(declared.max_file_bytes)} bytes)"
     )
     return Problem(where(item), message, "it holds more than the image; export it again")
 
 
-def _spaced(n: int) -> str:
+def spaced(n: int) -> str:
     return f"{n:,}".replace(",", " ")

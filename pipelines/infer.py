@@ -375,7 +375,8 @@ class Segmenter:
         params = self.params
         options = (window_cache_rows(params), params["channel"], float(params["glass_tolerance"]))
         if is_store(item.path):
-            with open_store(self.batch, item, *options) as (store, state):
+            most = int(params["max_whole_pixels"])  # a chunk's pixels, as a TIFF tile's
+            with open_store(self.batch, item, *options, most) as (store, state):
                 yield store, {**state, "digest": state["state"]}
             return
         with open_item(self.batch, item) as handle, held_still(handle, item):

@@ -9,6 +9,14 @@ of more than one time point or Z slice is refused; a channel is picked by ``chan
 from ``omero.channels`` (:class:`pipelines.channels.Planes`, as for a multi-channel TIFF); the
 smallest dataset is the level the tissue mask comes from. Samples are 8- or 16-bit unsigned.
 
+Every read of the store is bounded by what it declares (:mod:`pipelines.storebounds`): its
+metadata by size and nesting before zarr parses it; every level's shape, chunks and codecs
+before any chunk of it is read (a chunk no larger than ``max_whole_pixels`` pixels, as a
+TIFF's tile); every chunk file by what its chunk can need encoded, and its decoded size before
+the decoder runs. A chunk the store does not hold is Zarr's fill value, left out by its writer
+as empty: a store holding none of its image's chunks is refused, and windows over none of the
+chunks it holds are not run, as windows over glass are not (counted with them).
+
 A store has no one file to checksum: what the ledger and the regions' assembly compare is its
 state (:func:`daemon.contract.stores.walk_store`: every file's name, size and time), walked
 before the image is read and again after; a store that changed in between is a problem of the
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,13 +36,15 @@ import zarr
 
 from daemon.contract.heldfolder import HeldFolder
 from daemon.contract.jobspec import InputFile, Problem
+from daemon.contract.names import INFERENCE
 from daemon.contract.stores import MAX_STORE_ENTRIES, walk_store
-from pipelines.bounds import where
+from pipelines.bounds import spaced, where
 from pipelines.channels import Planes
 from pipelines.job import InputError
-from pipelines.omezarr import FolderStore
+from pipelines.omezarr import FolderStore, walk_keys
+from pipelines.storebounds import Guard, Refused, check_declared, chunks_of
 from pipelines.tiles import Regions
-from pipelines.tissue import MAX_LEVEL_PIXELS
+from pipelines.tissue import MAX_LEVEL_PIXELS, summed
 
 _EXPORT = "write the image as an OME-Zarr image (NGFF 0.4 or 0.5, e.g. bioformats2raw) or a TIFF"
 _PLANE = {"t": "time points", "z": "Z slices"}
@@ -46,15 +57,38 @@ class StoreReader(Regions):
 
     def __init__(
         self, folder: HeldFolder, item: InputFile, cache_pixel_rows: int, channel: Any = None,
-        glass_tolerance: float = 0.0,
+        glass_tolerance: float = 0.0, max_pixels: int = INFERENCE.max_whole_pixels,
     ) -> None:  # fmt: skip
         """``folder``: the store, held (the caller closes it). Raises InputError where it is
-        not an image this reads, ChannelProblem where ``channel`` does not fit it."""
+        not an image this reads or is larger than it may be (``max_pixels``: a chunk's, as
+        for a TIFF's tile), ChannelProblem where ``channel`` does not fit it."""
         self.item = item
-        self.store = FolderStore(folder, read_only=True)
+        self.guard = Guard()
+        self.store = FolderStore(folder, read_only=True, guard=self.guard)
         try:
-            root = zarr.open_group(self.store, mode="r")
+            self._open(channel, max_pixels)
+            level = self.levels[0]
+            height, width = level.shape[-2:]
+            self._layout(height, width, *level.chunks[-2:], level.dtype, cache_pixel_rows)
+            self.stored = summed(self._stored_chunks(folder))
+            self.tolerance = glass_tolerance
+            self.tissue = self._tissue() if glass_tolerance > 0 else None
+        except Refused as exc:
+            self.store.close()
+            raise self._refused(exc.message, exc.hint) from None
+        except BaseException:
+            self.store.close()
+            raise
+
+    def _open(self, channel: Any, max_pixels: int) -> None:
+        """Its multiscales, its levels checked and admitted by the guard, its plane."""
+        try:
+            # its format said, zarr reads no consolidated metadata (.zmetadata), only each node's
+            root = zarr.open_group(self.store, mode="r", zarr_format=self._format(),
+                                   use_consolidated=False)  # fmt: skip
             attrs = dict(root.attrs)
+        except Refused:
+            raise
         except Exception as exc:  # zarr raises what its parsers do on a damaged store
             raise self._refused(f"cannot be opened as a Zarr group ({type(exc).__name__}: "
                                 f"{exc})") from exc  # fmt: skip
@@ -66,6 +100,8 @@ class StoreReader(Regions):
         try:
             paths = [str(d["path"]) for d in found[0]["datasets"]]
             arrays = [root[p] for p in paths]
+        except Refused:
+            raise
         except Exception as exc:
             raise self._refused(f"has a multiscales entry whose datasets cannot be read "
                                 f"({type(exc).__name__}: {exc})") from exc  # fmt: skip
@@ -77,6 +113,7 @@ class StoreReader(Regions):
         if axes[-2:] != ["y", "x"] or len(set(axes)) != len(axes) or set(axes) - set("tczyx"):
             raise self._refused(f"has the axes {','.join(axes)}; the image's last two must be "
                                 "y and x, the others any of t, c, z")  # fmt: skip
+        self._admit(axes, max_pixels)
         sizes = dict(zip(axes, level.shape, strict=True))
         stacked = next((f"{sizes[a]} {_PLANE[a]}" for a in "tz" if sizes.get(a, 1) > 1), "")
         channels = sizes.get("c", 1)
@@ -85,16 +122,62 @@ class StoreReader(Regions):
         plane = planes.page(channel)  # (ChannelProblem: the job says which channels there are)
         self.fixed = {"t": 0, "z": 0, "c": plane}
         self.axes = axes
-        if level.dtype not in (np.uint8, np.uint16):
-            raise self._refused(f"has {level.dtype} samples; watchd reads 8- and 16-bit "
-                                "unsigned images")  # fmt: skip
-        seg_h, seg_w = level.chunks[-2:]
-        self._layout(sizes["y"], sizes["x"], seg_h, seg_w, level.dtype, cache_pixel_rows)
-        self.tolerance = glass_tolerance
-        self.tissue = self._tissue() if glass_tolerance > 0 else None
 
-    def _refused(self, what: str) -> InputError:
-        return InputError("unreadable image", [Problem(where(self.item), what, _EXPORT)])
+    def _format(self) -> int:
+        """The store's Zarr format: 3 where its top holds a zarr.json, else 2."""
+        try:
+            self.store.root.lstat("zarr.json")
+        except FileNotFoundError:
+            return 2
+        return 3
+
+    def _admit(self, axes: list[str], max_pixels: int) -> None:
+        """Every level checked (:func:`check_declared`: samples, shape, chunks; codecs) before
+        any chunk of it is read, and admitted by the guard (its chunks may then be read)."""
+        for array in self.levels:
+            if array.ndim != len(axes):
+                raise self._refused(f"has array '{array.path}' of {array.ndim} dimensions, "
+                                    f"where its first has {len(axes)}")  # fmt: skip
+            if array.dtype not in (np.uint8, np.uint16):
+                raise self._refused(f"has {array.dtype} samples; watchd reads 8- and 16-bit "
+                                    "unsigned images")  # fmt: skip
+            check_declared(array, axes, max_pixels)
+            self.guard.admit(chunks_of(array))
+
+    def _stored_chunks(self, folder: HeldFolder) -> np.ndarray:
+        """Which chunks of the plane read are stored (chunk rows × chunk columns), from one
+        walk of the first level's folder; Refused where none is."""
+        level = self.levels[0]
+        meta = level.metadata
+        encoding = meta.chunk_key_encoding if meta.zarr_format == 3 else None
+        separator = meta.dimension_separator if encoding is None else encoding.separator
+        first = "c" if encoding is not None and encoding.name == "default" else None
+        above = zip(self.axes[:-2], level.chunks[:-2], strict=True)
+        plane = tuple(self.fixed[axis] // size for axis, size in above)
+        grid = np.zeros((math.ceil(self.height / self.seg_h), self.across), dtype=bool)
+        with folder.folder(level.path) as inside:
+            for key in walk_keys(inside, level.ndim + 1):
+                parts = key.split(separator)
+                if first is not None and parts[:1] == [first]:
+                    parts = parts[1:]
+                if len(parts) == level.ndim and all(p.isascii() and p.isdigit() for p in parts):
+                    *others, row, column = map(int, parts)
+                    if tuple(others) == plane and row < grid.shape[0] and column < grid.shape[1]:
+                        grid[row, column] = True
+        if not grid.any():
+            raise Refused(
+                f"has none of the {spaced(grid.size)} chunks of array '{level.path}' stored"
+                f"{' for the plane read' if level.ndim > 2 else ''}: all of it would be the "
+                f"fill value {level.fill_value}, which is not an image",
+                "its chunk files are missing: copy the store again, whole",
+            )
+        if not grid.all():
+            log.info("%d of the %d chunks stored: windows over none of them are skipped, as "
+                     "over glass", grid.sum(), grid.size)  # fmt: skip
+        return grid
+
+    def _refused(self, what: str, hint: str = _EXPORT) -> InputError:
+        return InputError("unreadable image", [Problem(where(self.item), what, hint)])
 
     def _index(self, rows: slice, columns: slice) -> tuple[Any, ...]:
         return tuple(rows if a == "y" else columns if a == "x" else self.fixed[a]
@@ -111,7 +194,7 @@ class StoreReader(Regions):
             log.info("smallest level %dx%d too large to read whole: every window runs",
                      width, height)  # fmt: skip
             return None
-        pixels = np.asarray(level[self._index(slice(None), slice(None))])
+        pixels = self._read(level, slice(None), slice(None))
         return self._tissue_of(pixels[..., None])
 
     def _decode(self, index: int) -> np.ndarray:
@@ -119,7 +202,18 @@ class StoreReader(Regions):
         y0, x0 = row * self.seg_h, col * self.seg_w
         rows = slice(y0, min(y0 + self.seg_h, self.height))
         columns = slice(x0, min(x0 + self.seg_w, self.width))
-        return np.asarray(self.levels[0][self._index(rows, columns)])[..., None]
+        return self._read(self.levels[0], rows, columns)[..., None]
+
+    def _read(self, array: Any, rows: slice, columns: slice) -> np.ndarray:
+        """Rows and columns of the plane read of the level ``array``; a chunk the guard
+        refuses, or that its codec cannot decode, is a problem of the input."""
+        try:
+            return np.asarray(array[self._index(rows, columns)])
+        except Refused as exc:
+            raise self._refused(exc.message, exc.hint) from None
+        except Exception as exc:  # zarr and its codecs raise what they do on a damaged chunk
+            raise self._refused(f"has a chunk of array '{array.path}' that cannot be decoded "
+                                f"({type(exc).__name__}: {exc})") from exc  # fmt: skip
 
     def close(self) -> None:
         super().close()
@@ -144,11 +238,13 @@ def _names(ome: dict[str, Any], channels: int) -> tuple[str, ...]:
 
 @contextlib.contextmanager
 def open_store(
-    batch: HeldFolder, item: InputFile, cache_pixel_rows: int, channel: Any, tolerance: float
-) -> Iterator[tuple[StoreReader, dict[str, Any]]]:
+    batch: HeldFolder, item: InputFile, cache_pixel_rows: int, channel: Any, tolerance: float,
+    max_pixels: int = INFERENCE.max_whole_pixels,
+) -> Iterator[tuple[StoreReader, dict[str, Any]]]:  # fmt: skip
     """The store ``item`` of the batch folder, held, and what its walk found (size, time,
     state: what the regions of one image must agree on); InputError where it is gone, is not a
-    store, holds what no store may, or changed while the block ran."""
+    store, holds what no store may or more than it may (:class:`StoreReader`), or changed
+    while the block ran."""
     try:
         folder = batch.folder(item.path)
     except FileNotFoundError:
@@ -163,7 +259,7 @@ def open_store(
         )]) from None  # fmt: skip
     with folder:
         before = _walked(folder, item)
-        reader = StoreReader(folder, item, cache_pixel_rows, channel, tolerance)
+        reader = StoreReader(folder, item, cache_pixel_rows, channel, tolerance, max_pixels)
         try:
             yield reader, before
         finally:

@@ -23,7 +23,7 @@ report reads the overview and the matching label level back the same way
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import numcodecs
@@ -33,6 +33,7 @@ from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Sto
 from zarr.core.buffer import Buffer, BufferPrototype
 
 from daemon.contract.heldfolder import HeldFolder, parts_of
+from pipelines.storebounds import Guard, chunks_of
 
 CHUNK = 512  # pixels per side of a label chunk
 OVERVIEW_SIDE = 2048  # the overview's finest level is at most this many pixels across
@@ -46,7 +47,9 @@ class FolderStore(Store):
 
     The folders on a key's way are held once and reused (a chunk write is one open, not one
     per path component). Reading and listing go through the same held folders. A store made
-    ``read_only`` refuses writes (what zarr's mode "r" asks for).
+    ``read_only`` refuses writes (what zarr's mode "r" asks for). Given a ``guard`` (a store
+    its owner wrote: :class:`pipelines.storebounds.Guard`), a key is read only up to what the
+    guard allows it, and the guard checks what was read before zarr parses or decodes it.
     """
 
     supports_writes = True
@@ -54,10 +57,13 @@ class FolderStore(Store):
     supports_listing = True
     supports_partial_writes = False
 
-    def __init__(self, folder: HeldFolder, *, read_only: bool = False) -> None:
+    def __init__(
+        self, folder: HeldFolder, *, read_only: bool = False, guard: Guard | None = None
+    ) -> None:
         super().__init__(read_only=read_only)
         self.root = folder
         self.held: dict[str, HeldFolder] = {}
+        self.guard = guard
 
     def __eq__(self, other: object) -> bool:
         return other is self
@@ -83,12 +89,15 @@ class FolderStore(Store):
     async def get(
         self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
     ) -> Buffer | None:
+        limit = None if self.guard is None else self.guard.limit(key)
         try:
             folder, name = self._place(key)
             with folder.open_read(name) as handle:
-                data = handle.read()
+                data = handle.read() if limit is None else handle.read(limit + 1)
         except (FileNotFoundError, NotADirectoryError):
             return None
+        if self.guard is not None:
+            self.guard.check(key, data)
         if isinstance(byte_range, RangeByteRequest):
             data = data[byte_range.start : byte_range.end]
         elif isinstance(byte_range, OffsetByteRequest):
@@ -126,11 +135,11 @@ class FolderStore(Store):
             pass
 
     async def list(self) -> AsyncIterator[str]:
-        for key in self._walk(self.root, ""):
+        for key in walk_keys(self.root):
             yield key
 
     async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
-        for key in self._walk(self.root, ""):
+        for key in walk_keys(self.root):
             if key.startswith(prefix):
                 yield key
 
@@ -143,13 +152,18 @@ class FolderStore(Store):
         for entry in folder.entries():
             yield entry.name
 
-    def _walk(self, folder: HeldFolder, prefix: str) -> Iterable[str]:
-        for entry in folder.entries():
-            if entry.is_dir(follow_symlinks=False):
-                with folder.folder(entry.name) as inner:
-                    yield from self._walk(inner, f"{prefix}{entry.name}/")
-            elif entry.is_file(follow_symlinks=False):
-                yield f"{prefix}{entry.name}"
+
+def walk_keys(folder: HeldFolder, depth: int | None = None, prefix: str = "") -> Iterator[str]:
+    """The keys of the regular files below ``folder`` (``prefix`` before each), in folders
+    at most ``depth`` deep (1: its own files only; None: any), entered without following a
+    link."""
+    for entry in folder.entries():
+        if entry.is_dir(follow_symlinks=False) and (depth is None or depth > 1):
+            with folder.folder(entry.name) as inner:
+                yield from walk_keys(inner, None if depth is None else depth - 1,
+                                     f"{prefix}{entry.name}/")  # fmt: skip
+        elif entry.is_file(follow_symlinks=False):
+            yield f"{prefix}{entry.name}"
 
 
 def _multiscale(name: str, shapes: list[tuple[int, int]], first_scale: float) -> dict[str, Any]:
@@ -293,17 +307,20 @@ def overview_and_labels(folder: HeldFolder) -> tuple[np.ndarray, np.ndarray]:
     overview's grid: the label level whose pixel is the overview's (log2 of the overview's
     step, both sampled by picking), cropped or padded with background to the overview's shape.
 
-    The folder is the batch owner's to alter: every key is read through it, and the arrays are
-    checked to be what :class:`LabelImage` writes (2-D, of its types, the overview at most
-    OVERVIEW_SIDE across, chunks at most CHUNK²) before any pixel is read, so that no array
-    declared huge is allocated. One that is not raises (OSError, ValueError, LookupError, …).
+    The folder is the batch owner's to alter: every key is read through it, bounded as an
+    input store's are (:class:`pipelines.storebounds.Guard`), and the arrays are checked to be
+    what :class:`LabelImage` writes (2-D, of its types, the overview at most OVERVIEW_SIDE
+    across, chunks at most CHUNK²) before any pixel is read, so that no array declared huge is
+    allocated. One that is not raises (OSError, ValueError, LookupError, …).
     """
-    store = FolderStore(folder, read_only=True)
+    guard = Guard()
+    store = FolderStore(folder, read_only=True, guard=guard)
     try:
-        root = zarr.open_group(store, mode="r", zarr_format=2)
+        root = zarr.open_group(store, mode="r", zarr_format=2, use_consolidated=False)
         step = _overview_step(root.attrs.asdict())
-        overview = _checked(root, "0", np.uint8, OVERVIEW_SIDE)[:]
-        level = _checked(root, f"labels/{LABEL_NAME}/{step.bit_length() - 1}", np.uint32)
+        overview = _checked(root, guard, "0", np.uint8, OVERVIEW_SIDE)[:]
+        label_key = f"labels/{LABEL_NAME}/{step.bit_length() - 1}"
+        level = _checked(root, guard, label_key, np.uint32)
         labels = np.zeros(overview.shape, np.uint32)
         rows, cols = (min(a, b) for a, b in zip(overview.shape, level.shape, strict=True))
         labels[:rows, :cols] = level[:rows, :cols]
@@ -321,8 +338,9 @@ def _overview_step(attrs: dict[str, Any]) -> int:
     return step
 
 
-def _checked(root: Any, key: str, dtype: Any, side: int | None = None) -> Any:
-    """The array ``key`` of ``root`` if it is shaped as :class:`LabelImage` writes it."""
+def _checked(root: Any, guard: Guard, key: str, dtype: Any, side: int | None = None) -> Any:
+    """The array ``key`` of ``root`` if it is shaped as :class:`LabelImage` writes it, admitted
+    by ``guard`` (its chunks may be read)."""
     try:
         array = root[key]
     except KeyError:
@@ -333,4 +351,5 @@ def _checked(root: Any, key: str, dtype: Any, side: int | None = None) -> Any:
     if min(array.shape) < 1 or too_large or max(array.chunks) > CHUNK:
         raise ValueError(f"{key} has shape {array.shape} in chunks of {array.chunks}: "
                          "not an array this label image format writes")  # fmt: skip
+    guard.admit(chunks_of(array))
     return array

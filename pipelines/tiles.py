@@ -45,7 +45,7 @@ from daemon.contract.heldfolder import HeldFolder, temporary_name
 from pipelines.channels import ChannelProblem, plane_page
 from pipelines.layout import LABEL_IMAGE_SUFFIX, OBJECT_COLUMNS, image_stats
 from pipelines.omezarr import CHUNK, LabelImage, RowWriter, overview_step, work_array
-from pipelines.tissue import MAX_LEVEL_PIXELS, TissueMask, Windows
+from pipelines.tissue import MAX_LEVEL_PIXELS, TissueMask, Windows, any_within
 
 TILE = 256  # the mask's TIFF tiles (and the band height of the statistics)
 _EIGHT = np.ones((3, 3), dtype=bool)
@@ -63,11 +63,14 @@ class Regions:
     """Rectangular regions of an image's plane as float32 grey in [0, 1], read lazily: a
     segment (a TIFF's tile or strip, a Zarr chunk) is decoded when a region first needs it and
     kept, as decoded, among the last few rows of segments. A reader of a format gives its
-    segments (:meth:`_decode`) and, where it has a reduced level, the tissue mask."""
+    segments (:meth:`_decode`), the tissue mask where it has a reduced level, and which
+    segments are stored where one may be absent (a Zarr store leaves out a chunk of its fill
+    value only)."""
 
     height: int
     width: int
     tissue: TissueMask | None = None
+    stored: np.ndarray | None = None  # the segments stored, as a summed-area table
 
     def _layout(
         self, height: int, width: int, seg_h: int, seg_w: int, dtype: Any, cache_pixel_rows: int
@@ -95,7 +98,13 @@ class Regions:
 
     def has_tissue(self, top: int, bottom: int, left: int, right: int) -> bool:
         """Whether the rows ``top:bottom``, columns ``left:right`` are worth running the net
-        on: they touch tissue, or there is no tissue mask."""
+        on: they touch a stored segment (where a reader tells), and tissue (where there is a
+        tissue mask). A segment that is not stored holds its fill value only: not an image."""
+        if self.stored is not None:
+            rows = (top // self.seg_h, -(-min(bottom, self.height) // self.seg_h))
+            columns = (left // self.seg_w, -(-min(right, self.width) // self.seg_w))
+            if not any_within(self.stored, rows, columns):
+                return False
         return self.tissue is None or self.tissue.any(top, bottom, left, right)
 
     def close(self) -> None:
@@ -130,11 +139,11 @@ class Regions:
         for row in range(top // self.seg_h, (bottom - 1) // self.seg_h + 1):
             for col in range(left // self.seg_w, (right - 1) // self.seg_w + 1):
                 y0, x0 = row * self.seg_h, col * self.seg_w
-                if glass_unread and not self.has_tissue(y0, y0 + self.seg_h, x0, x0 + self.seg_w):
-                    assert self.tissue is not None
+                tissue = self.tissue if glass_unread else None
+                if tissue is not None and not tissue.any(y0, y0 + self.seg_h, x0, x0 + self.seg_w):
                     ys = slice(max(top, y0) - top, min(bottom, y0 + self.seg_h) - top)
                     xs = slice(max(left, x0) - left, min(right, x0 + self.seg_w) - left)
-                    out[ys, xs] = self.tissue.glass
+                    out[ys, xs] = tissue.glass
                     continue
                 seg = self.grey(self._segment(row * self.across + col))
                 ys = slice(max(top, y0), min(bottom, y0 + seg.shape[0], self.height))

@@ -47,9 +47,7 @@ class TissueMask:
         tissue = np.abs(level - glass) > tolerance
         if tissue.any() and GROW:
             tissue = ndimage.binary_dilation(tissue, iterations=GROW)
-        sums = np.zeros((tissue.shape[0] + 1, tissue.shape[1] + 1), dtype=np.int64)
-        sums[1:, 1:] = tissue.cumsum(0).cumsum(1)
-        return cls(tissue, height, width, glass, sums)
+        return cls(tissue, height, width, glass, summed(tissue))
 
     @property
     def fraction(self) -> float:
@@ -60,10 +58,22 @@ class TissueMask:
         """Whether the full image's rows ``top:bottom``, columns ``left:right`` touch tissue
         (every level pixel they overlap, even in part, counts)."""
         rows, cols = self.tissue.shape
-        y0, y1 = _span(top, bottom, self.height, rows)
-        x0, x1 = _span(left, right, self.width, cols)
-        sums = self.sums
-        return bool(sums[y1, x1] - sums[y0, x1] - sums[y1, x0] + sums[y0, x0] > 0)
+        return any_within(self.sums, _span(top, bottom, self.height, rows),
+                          _span(left, right, self.width, cols))  # fmt: skip
+
+
+def summed(mask: np.ndarray) -> np.ndarray:
+    """The summed-area table of a 2-D ``mask``: one row and one column of zeros first."""
+    sums = np.zeros((mask.shape[0] + 1, mask.shape[1] + 1), dtype=np.int64)
+    sums[1:, 1:] = mask.cumsum(0).cumsum(1)
+    return sums
+
+
+def any_within(sums: np.ndarray, rows: tuple[int, int], columns: tuple[int, int]) -> bool:
+    """Whether the mask whose :func:`summed` table is ``sums`` holds anything in its ``rows``
+    (first, end) and ``columns``."""
+    (y0, y1), (x0, x1) = rows, columns
+    return bool(sums[y1, x1] - sums[y0, x1] - sums[y1, x0] + sums[y0, x0] > 0)
 
 
 def _span(first: int, end: int, full: int, level: int) -> tuple[int, int]:

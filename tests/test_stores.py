@@ -95,6 +95,23 @@ def test_a_store_holding_a_link_or_a_fifo_is_refused_naming_where(
     ]
 
 
+def test_a_store_whose_metadata_is_larger_than_any_zarr_library_writes_is_refused_unread(
+    drop_root: Path,
+) -> None:
+    """The walk's own lstat tells (no file of the store is read at intake); the jobs bound
+    every read of it further (tests/pipelines/test_storebounds.py)."""
+    top = store(drop_root)
+    (top / "0" / ".zarray").write_bytes(b" " * (2**20 + 1))
+    verdict = judge(drop_root, manifest([{"path": "slide.ome.zarr"}]))
+    assert isinstance(verdict, NotReady) and verdict.reason == "inputs refused"
+    assert [p.message for p in verdict.problems] == [
+        "'slide.ome.zarr' holds Zarr metadata '0/.zarray' of 1 048 577 bytes, more than the "
+        "1 048 576 a metadata file may take: no Zarr library writes that much"
+    ]
+    (top / "0" / ".zarray").write_bytes(b" " * 2**20)  # at the bound: taken in
+    assert isinstance(judge(drop_root, manifest([{"path": "slide.ome.zarr"}])), Waiting)
+
+
 def test_a_store_that_is_a_file_or_a_link_to_a_folder_is_refused(
     drop_root: Path, tmp_path: Path
 ) -> None:

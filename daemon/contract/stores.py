@@ -4,9 +4,12 @@ The daemon walks a listed store while its batch waits (is it all there, has it s
 changing?) and the jobs walk it again before and after they read it (did it change in
 between?), by the one rule here: every folder of the store opened below the one above it
 without following a link, listed once, each entry lstat'ed once; only folders and regular
-files may be in it. What the walk gives: the files' bytes, the entries' latest modification
-time, whether the store's top holds Zarr metadata, and a digest of every file's name, size and
-time (the store's state: a chunk added, grown, rewritten or removed changes it).
+files may be in it, and no metadata file (``.zarray``, ``.zattrs``, ``.zgroup``, ``zarr.json``)
+larger than MAX_METADATA_BYTES: the walk's own lstat tells, before anyone reads it (the jobs
+bound what they read of a store further; they read no consolidated ``.zmetadata``). What the
+walk gives: the files' bytes, the entries' latest modification time, whether the store's top
+holds Zarr metadata, and a digest of every file's name, size and time (the store's state: a
+chunk added, grown, rewritten or removed changes it).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from daemon.contract.heldfolder import DIR_FLAGS, HeldFolder, what_it_is
 
 MAX_STORE_ENTRIES = 10_000_000  # for the jobs: the daemon bounded the store when it took it in
 METADATA = frozenset({".zattrs", ".zgroup", "zarr.json"})  # a Zarr v2 or v3 group's top
+METADATA_NAMES = METADATA | {".zarray"}  # every file of Zarr metadata the jobs read
+MAX_METADATA_BYTES = 2**20  # a Zarr library writes a few kB of it per group or array
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,8 @@ def walk_store(fd: int, max_entries: int) -> Walked:
                         inner = os.open(entry.name, DIR_FLAGS, dir_fd=here)
                         todo.append((inner, f"{prefix}{entry.name}/"))
                     elif stat.S_ISREG(st.st_mode):
+                        if entry.name in METADATA_NAMES and st.st_size > MAX_METADATA_BYTES:
+                            return Walked(problem=_oversized(f"{prefix}{entry.name}", st.st_size))
                         size += st.st_size
                         latest = max(latest, st.st_mtime_ns)
                         metadata = metadata or (not prefix and entry.name in METADATA)
@@ -76,6 +83,12 @@ def walk_store(fd: int, max_entries: int) -> Walked:
         for left, _ in todo:
             os.close(left)
     return Walked(size, latest, metadata, digest.hexdigest())
+
+
+def _oversized(key: str, size: int) -> str:
+    spaced = [f"{n:,}".replace(",", " ") for n in (size, MAX_METADATA_BYTES)]
+    return (f"holds Zarr metadata '{key}' of {spaced[0]} bytes, more than the {spaced[1]} a "
+            "metadata file may take: no Zarr library writes that much")  # fmt: skip
 
 
 def store_state(folder: HeldFolder, relative: str, max_entries: int) -> Walked:

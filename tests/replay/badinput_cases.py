@@ -7,6 +7,7 @@ once next to good batches and checks, per case, the status file, watchctl and th
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import struct
@@ -141,6 +142,64 @@ def one_compressed_strip(folder: Path) -> None:
     images(folder, 1)
     tifffile.imwrite(folder / "images" / "plate.tif", np.zeros((3000, 3000), np.uint8),
                      compression="zlib", rowsperstrip=3000)  # fmt: skip
+    (folder / "manifest.toml").write_text(good_manifest(folder), encoding="utf-8")
+
+
+_NGFF = {"multiscales": [{"version": "0.4", "axes": [{"name": "y"}, {"name": "x"}],
+                          "datasets": [{"path": "0"}]}]}  # fmt: skip
+
+
+def forged_store(
+    shape: list[int], chunks: list[int], dtype: str = "<u2", compressor: str | None = None,
+    chunk: Callable[[], bytes] | None = None, attrs: str = json.dumps(_NGFF),
+) -> Callable[[Path], None]:  # fmt: skip
+    """One image and an OME-Zarr store ``images/bomb.ome.zarr`` written by hand, as a forger
+    would (Zarr v2): a 2-D array of ``shape`` in ``chunks``, its first chunk made by ``chunk``
+    if given, its group's attributes ``attrs``; both listed by watchctl manifest."""
+
+    def make(folder: Path) -> None:
+        images(folder, 1)
+        store = folder / "images" / "bomb.ome.zarr"
+        (store / "0").mkdir(parents=True)
+        (store / ".zgroup").write_text('{"zarr_format": 2}')
+        (store / ".zattrs").write_text(attrs)
+        array = {"zarr_format": 2, "shape": shape, "chunks": chunks, "dtype": dtype,
+                 "compressor": compressor and {"id": compressor}, "fill_value": 0,
+                 "filters": None, "order": "C"}  # fmt: skip
+        (store / "0" / ".zarray").write_text(json.dumps(array))
+        if chunk is not None:
+            (store / "0" / "0.0").write_bytes(chunk())
+        (folder / "manifest.toml").write_text(good_manifest(folder), encoding="utf-8")
+
+    return make
+
+
+def zstd_bomb() -> bytes:
+    """A zstd frame of 32 KB whose header declares 1 GiB, and that holds it: 8 192 RLE
+    blocks of 128 KiB (4 bytes each)."""
+    frame = struct.pack("<IBQ", 0xFD2FB528, 0xE0, 2**30)
+    for number in range(8192):
+        header = (number == 8191) | 1 << 1 | (128 * 1024) << 3
+        frame += struct.pack("<I", header)[:3] + b"\x07"
+    return frame
+
+
+def gzip_bomb() -> bytes:
+    """A gzip stream of 64 KB that inflates to 64 MiB of zeros."""
+    return zlib.compress(bytes(64 * 2**20), wbits=31)
+
+
+_DEEP = '{"x": ' + "[" * 100 + "]" * 100 + ", " + json.dumps(_NGFF)[1:]  # nested 100 deep
+
+
+def sharded_store(folder: Path) -> None:
+    """An OME-Zarr 0.5 image on Zarr v3 with its chunks in shards (what the reader refuses)."""
+    import zarr
+
+    images(folder, 1)
+    group = zarr.open_group(str(folder / "images" / "bomb.ome.zarr"), mode="w", zarr_format=3)
+    group.create_array("0", data=np.ones((256, 256), np.uint8), chunks=(64, 64), shards=(128, 128))
+    group.attrs.update({"ome": {"version": "0.5", **_NGFF}})
     (folder / "manifest.toml").write_text(good_manifest(folder), encoding="utf-8")
 
 
@@ -636,6 +695,59 @@ CASES: tuple[Case, ...] = (
         one_compressed_strip,
         "stores them in compressed strips of 3000×3000 pixels",
         "job",
+    ),
+    Case(
+        "zarr-huge-chunk",
+        "an OME-Zarr store declaring shape and chunks [30000, 30000] uint16, holding no chunk "
+        "(the red team's 20 KB store: 5.6 GB and thousands of windows of fill value before)",
+        forged_store([30000, 30000], [30000, 30000]),
+        "'images/bomb.ome.zarr': stores array '0' in chunks of 30000×30000 pixels (900 000 000)",
+        "job",
+    ),
+    Case(
+        "zarr-no-chunks",
+        "an OME-Zarr store of 30000² in chunks of 512², holding none of them",
+        forged_store([30000, 30000], [512, 512]),
+        "has none of the 3 481 chunks of array '0' stored: all of it would be the fill value 0",
+        "job",
+    ),
+    Case(
+        "zarr-zstd-bomb",
+        "an OME-Zarr chunk of 32 KB in a zstd frame that declares and holds 1 GiB",
+        forged_store([256, 256], [256, 256], "|u1", "zstd", zstd_bomb),
+        "has chunk '0/0.0' that declares in its zstd header 1 073 741 824 bytes decoded, more "
+        "than the 65 536 bytes a chunk of 256×256 uint8 holds",
+        "job",
+    ),
+    Case(
+        "zarr-gzip-bomb",
+        "an OME-Zarr chunk of 64 KB in a gzip stream that inflates to 64 MiB",
+        forged_store([256, 256], [256, 256], "|u1", "gzip", gzip_bomb),
+        "has chunk '0/0.0' that inflates (gzip) to more than the 65 536 bytes a chunk of 256×256 "
+        "uint8 holds",
+        "job",
+    ),
+    Case(
+        "zarr-sharded",
+        "an OME-Zarr store in shards (Zarr v3 sharding, which the reader cannot bound)",
+        sharded_store,
+        "stores array '0' in shards (sharding_indexed), which watchd does not read",
+        "job",
+    ),
+    Case(
+        "zarr-metadata-deep",
+        "OME-Zarr metadata nested 100 deep",
+        forged_store([256, 256], [256, 256], attrs=_DEEP),
+        "has Zarr metadata '.zattrs' nested more than 32 levels deep",
+        "job",
+    ),
+    Case(
+        "zarr-metadata-huge",
+        "OME-Zarr metadata of 2 MB",
+        forged_store([256, 256], [256, 256], attrs=json.dumps(_NGFF).ljust(2_000_000)),
+        "'images/bomb.ome.zarr' holds Zarr metadata '.zattrs' of 2 000 000 bytes, more than the "
+        "1 048 576 a metadata file may take",
+        "inputs",
     ),
     Case(
         "whole-pixels",
