@@ -153,18 +153,6 @@ def test_strays_only_here_leave_the_folders_below_alone(batch: Path) -> None:
     assert (batch / "results" / below).exists()
 
 
-def test_a_folder_inside_a_batch_is_held_from_the_drop_root_down(batch: Path) -> None:
-    job = batch / "results" / "run" / "jobs" / "j"
-    with HeldFolder.inside(batch, job, create=True) as held:
-        held.write_text("spec.json", "{}")
-    assert (job / "spec.json").read_text() == "{}"
-    with HeldFolder.inside(batch, batch) as held, HeldFolder.open(batch) as same:
-        assert held.identity() == same.identity()
-    (batch / "results" / "run" / "jobs" / "k").symlink_to(batch.parent.parent / "outside")
-    with pytest.raises(UnsafeEntry, match="'results/run/jobs/k' is a symbolic link"):
-        HeldFolder.inside(batch, batch / "results" / "run" / "jobs" / "k")
-
-
 def test_a_new_folder_is_never_one_that_exists(batch: Path) -> None:
     (batch / "planted").mkdir()
     with HeldFolder.open(batch) as held:

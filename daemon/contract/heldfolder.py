@@ -149,20 +149,6 @@ class HeldFolder:
             raise FolderReplaced(Path(root) / folder)
         return held
 
-    @classmethod
-    def inside(
-        cls, batch_dir: Path | str, target: Path | str, *, create: bool = False
-    ) -> HeldFolder:
-        """Hold ``target``, a folder at or below the batch folder ``batch_dir`` (made when
-        ``create``), reached from the drop root (``batch_dir``'s parent) by this rule."""
-        batch_dir = Path(batch_dir)
-        relative = Path(target).relative_to(batch_dir).as_posix()
-        held = cls.batch(batch_dir.parent, batch_dir.name)
-        if relative == ".":
-            return held
-        with held:
-            return held.folder(relative, create=create)
-
     def identity(self) -> Identity:
         """The folder's identity, with its parent's inode (the drop root's, for a batch
         folder: see :meth:`Identity.same`)."""
