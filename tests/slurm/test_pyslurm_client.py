@@ -194,8 +194,8 @@ def test_the_daemon_refuses_to_start_with_pyslurm_and_no_slurm_conf_in_one_error
 ) -> None:
     config = tmp_path / "config.toml"
     document = {
-        "daemon": {"state_dir": str(tmp_path / "state")},
-        "roots": [{"path": str(tmp_path)}],
+        "daemon": {"state_dir": str(tmp_path / "state"), "spool_dir": str(tmp_path / "spool")},
+        "roots": [{"path": str(tmp_path / "drop")}],
         "executor": {
             "kind": "slurm",
             "slurm": {"client": "pyslurm", "slurm_conf": str(tmp_path / "gone.conf")},
