@@ -148,7 +148,7 @@ def test_parameters_are_bounded_and_unknown_ones_listed() -> None:
     found = problems_of(doc(params={"threshold": 2.0, "treshold": 0.1}))
     assert "manifest.toml, params.threshold: Input should be less than 1 (got 2.0)" in found
     assert (
-        "manifest.toml, params.treshold: unknown key 'treshold' (valid keys: batch_size, channel, glass_tolerance, gpu_batch_size, max_whole_pixels, min_object_area, mixed_precision, threshold, tile_overlap, tile_size)"
+        "manifest.toml, params.treshold: unknown key 'treshold' (valid keys: batch_size, channel, glass_tolerance, gpu_batch_size, max_whole_pixels, min_object_area, mixed_precision, split_neck, threshold, tile_overlap, tile_size)"
         in found
     )
 

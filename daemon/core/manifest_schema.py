@@ -75,6 +75,7 @@ class InferenceParams(_Strict):
 
     threshold: Annotated[float, Field(gt=0, lt=1)] = INFERENCE.threshold
     min_object_area: Annotated[int, Field(ge=0, le=10**8)] = INFERENCE.min_object_area
+    split_neck: Annotated[float, Field(ge=0, lt=1)] = INFERENCE.split_neck
     batch_size: Annotated[int, Field(ge=1, le=256)] = INFERENCE.batch_size
     tile_size: Annotated[int, Field(ge=64, le=8192)] = INFERENCE.tile_size
     tile_overlap: Annotated[int, Field(ge=0, le=1024)] = INFERENCE.tile_overlap
