@@ -24,6 +24,8 @@ the owner can neither read nor write it, :mod:`daemon.contract.spool`)::
     training/metrics.csv            per-epoch curves (CURVE_COLUMNS)
     training/model.json             the registered model: name, version, sha256, metrics
     training/previews/<stem>.png    validation overlays for the report (index.json: which, Dice)
+    training/validation.csv         scores of the kept weights per validation image
+                                    (VALIDATION_COLUMNS)
     training/wandb/                 the Weights & Biases run folder (offline unless configured)
     trials/<job name>/              a sweep trial: metrics.csv, candidate.pt, candidate.json
     sweep/trials.csv, sweep/sweep.json  the sweep's comparison of its trials, and its W&B config
@@ -51,6 +53,8 @@ METRICS_FILE = "metrics.csv"
 MODEL_FILE = "model.json"
 PREVIEWS_DIR = "previews"
 PREVIEW_INDEX = "index.json"
+VALIDATION_FILE = "validation.csv"
+QUALITY_FILE = "quality.csv"
 WANDB_DIR = "wandb"
 TRIALS_DIR = "trials"
 CANDIDATE_WEIGHTS = "candidate.pt"
@@ -84,6 +88,11 @@ TABLE_COLUMNS = (
 OBJECT_COLUMNS = ("id", "area_px", "centroid_y", "centroid_x", "bbox_top", "bbox_left",
                   "bbox_bottom", "bbox_right", "mean_intensity")  # fmt: skip
 CURVE_COLUMNS = ("epoch", "train_loss", "val_loss", "val_dice", "val_iou")
+# an image's objects against its true ones (pipelines/quality.py): count_error is found − true
+OBJECT_SCORE_COLUMNS = ("objects_true", "objects_found", "matched", "f1_50", "mean_matched_iou",
+                        "count_error", "dice")  # fmt: skip
+VALIDATION_COLUMNS = ("image", *OBJECT_SCORE_COLUMNS)
+QUALITY_COLUMNS = ("path", "mask", *OBJECT_SCORE_COLUMNS)
 
 
 def table_name(shard_index: int) -> str:
