@@ -108,3 +108,26 @@ INFERENCE = InferenceDefaults()
 def inference_params(params: Mapping[str, Any]) -> dict[str, Any]:
     """``params`` over the defaults: a spec written by hand may leave any of them out."""
     return {**dataclasses.asdict(INFERENCE), **params}
+
+
+@dataclass(frozen=True)
+class AugmentDefaults:
+    """How training batches vary each training image (pipelines/augment.py), where the manifest
+    does not say; a strength 0 (or false) turns one off. Validation images are never varied."""
+
+    augment_flips: bool = True  # mirrored up-down and left-right, each at even odds
+    augment_turns: bool = True  # turned by a random quarter turn
+    augment_intensity: float = 0.2  # grey × (1 ± up to this), plus up to ±half of it
+    augment_gamma: float = 0.4  # grey ** e^(± up to this)
+    augment_blur: float = 1.0  # Gaussian blur of up to this sigma, in pixels
+    augment_noise: float = 0.03  # Gaussian noise of up to this standard deviation (grey 0-1)
+    augment_vignetting: float = 0.3  # uneven light: darker away from a centre, by up to this
+
+
+AUGMENT = AugmentDefaults()
+
+
+def augment_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The augmentation parameters of ``params``, over the defaults."""
+    defaults = dataclasses.asdict(AUGMENT)
+    return {name: params.get(name, value) for name, value in defaults.items()}
