@@ -8,6 +8,8 @@ the owner; nothing here is read back but the masks the report shows)::
                                     image in OME-Zarr (pipelines/omezarr.py)
     objects/<input path>.csv        one row per object of such an image (OBJECT_COLUMNS)
     table.csv                       all shards' rows, sorted by path (report)
+    quality.csv                     inference with ground truth: objects against the true ones,
+                                    per image (QUALITY_COLUMNS; report)
     summary.json, report.html       the report
     training/model.json, training/metrics.csv   the registered model and its curves (report)
     sweep/trials.csv                the sweep's trials, ranked (report)

@@ -166,7 +166,8 @@ def manifest_command(
     email: Annotated[str | None, typer.Option(help="where to reach you")] = None,
     title: Annotated[str, typer.Option(help="a title for the batch")] = "",
     masks: Annotated[
-        str | None, typer.Option(help="training: folder of ground-truth masks")
+        str | None,
+        typer.Option(help="folder of ground-truth masks (training; inference: scored against)"),
     ] = None,
     param: Annotated[list[str] | None, typer.Option(help="NAME=VALUE, repeatable")] = None,
     checksums: Annotated[bool, typer.Option(help="record sha256 of every file")] = True,

@@ -1,20 +1,23 @@
 """The names and defaults the daemon and the jobs share beyond the job spec: the rule for model
 names, the registry's top level (a folder per model) and its aliases, the image formats the jobs
-read (by name: checked at intake, before any job runs), and the defaults of the inference
-parameters.
+read (by name: checked at intake, before any job runs), how an image pairs with its mask, and
+the defaults of the inference parameters and of training's augmentations.
 
 One place for each: the manifest's validation (:mod:`daemon.core.manifest_schema`), the model
-catalogue (:mod:`models.catalog`) and the inference job (:mod:`pipelines.infer`) read them here.
+catalogue (:mod:`models.catalog`), the inference job (:mod:`pipelines.infer`) and training
+(:mod:`pipelines.augment`) read them here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
+
+from daemon.contract.jobspec import InputFile, Role
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MODEL_NAME_RULE = "1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"
@@ -55,6 +58,25 @@ def input_format_problem(path: str) -> tuple[str, str] | None:
         return f"is a {_INSTRUMENT_FORMATS[suffix]} file, which watchd does not read", _EXPORT
     named = f"is a '{suffix}' file" if suffix else "has no suffix"
     return f"{named}; watchd reads PNG and TIFF images", "save the image as .png or .tif"
+
+
+def file_stem(path: str) -> str:
+    """An input's file name without its last suffix: what pairs an image with its mask."""
+    return PurePosixPath(path).stem
+
+
+def truths_of(inputs: Sequence[InputFile]) -> dict[str, InputFile]:
+    """{image path: its mask} of an inference batch's ground truth: a mask pairs with the image
+    of the same file stem, as for training, where no other image or mask has that stem."""
+    stems: dict[tuple[str, Role], list[InputFile]] = {}
+    for item in inputs:
+        stems.setdefault((file_stem(item.path), item.role), []).append(item)
+    found = {}
+    for (stem, role), images in stems.items():
+        masks = stems.get((stem, Role.MASK), [])
+        if role is Role.IMAGE and len(images) == 1 and len(masks) == 1:
+            found[images[0].path] = masks[0]
+    return found
 
 
 def is_store(path: str) -> bool:
