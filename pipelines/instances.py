@@ -2,13 +2,16 @@
 
 The net draws one mask for all spheroids; two that touch are one connected component of it.
 :func:`label_objects` cuts a component where it narrows: on the distance to the background
-(the distance transform), each local summit is the centre of a part, a watershed from the
-summits gives each pixel to one part, and two neighbouring parts stay one object unless the
-neck between them (the highest distance on their shared border, half its width) is narrower
-than ``split_neck`` times the thinner part's own half-width (its summit). So two spheroids in
-contact, whose outlines meet in a narrow waist, are two objects; a lumpy spheroid, whose lumps
-are joined by a waist nearly as wide as they are, stays one. ``split_neck`` 0 never cuts: the
-objects are the connected components, as before this step existed.
+(the distance transform of the component, its holes filled: a hole is no outline), each local
+summit is the centre of a part, a watershed from the summits gives each pixel to one part, and
+two neighbouring parts stay one object unless the neck between them (the highest distance on
+their shared border, half its width) is narrower than ``split_neck`` times the thinner part's
+own half-width (its summit). So two spheroids in contact, whose outlines meet in a narrow
+waist, are two objects; a lumpy spheroid, whose lumps are joined by a waist nearly as wide as
+they are, stays one. The cut is kept only where every part it leaves is round enough for a
+spheroid (its area at least :data:`ROUND` of its convex hull's): a mask the net broke into a
+crescent, around a spheroid it half missed, is not cut into its horns. ``split_neck`` 0 never
+cuts: the objects are the connected components, as before this step existed.
 
 Objects that were cut apart are kept apart by one pixel of background (of the part with the
 lower id, on their border), so that the 8-connected components of the returned mask are the
@@ -28,9 +31,11 @@ from collections.abc import Iterator
 
 import numpy as np
 from scipy import ndimage
+from skimage.measure import regionprops
 from skimage.segmentation import watershed
 
 EIGHT = np.ones((3, 3), dtype=bool)
+ROUND = 0.9  # a part a cut leaves is kept apart only if at least this solid (area / hull)
 # the four directions that reach every 8-neighbour pair once: right, down, down-right, down-left
 _HALF_NEIGHBOURHOOD = ((0, 1), (1, 0), (1, 1), (1, -1))
 
@@ -76,14 +81,15 @@ def cut_lines(component: np.ndarray, split_neck: float) -> np.ndarray | None:
     it stays whole. Each is measured alone: the array's edge counts as background."""
     mask = np.zeros((component.shape[0] + 2, component.shape[1] + 2), dtype=bool)
     mask[1:-1, 1:-1] = component
-    distance = ndimage.distance_transform_edt(mask).astype(np.float32)
-    summits = mask & (distance == ndimage.maximum_filter(distance, size=3))
+    shape = ndimage.binary_fill_holes(mask)
+    distance = ndimage.distance_transform_edt(shape).astype(np.float32)
+    summits = shape & (distance == ndimage.maximum_filter(distance, size=3))
     markers, count = ndimage.label(summits, structure=EIGHT)
     if count <= 1:
         return None
-    parts = watershed(-distance, markers, mask=mask, connectivity=2)
+    parts = watershed(-distance, markers, mask=shape, connectivity=2)
     groups = _merge(parts, distance, count, split_neck)
-    if groups is None:
+    if groups is None or min(part.solidity for part in regionprops(groups)) < ROUND:
         return None
     return (mask & (_apart(groups) == 0))[1:-1, 1:-1]
 

@@ -171,7 +171,7 @@ def test_augmentations_are_on_by_default_for_training_bounded_and_can_be_turned_
     assert problems_of(doc(params={"split_neck": 1})) == [
         "manifest.toml, params.split_neck: Input should be less than 1 (got 1)"
     ]
-    assert parse_manifest(doc()).params["split_neck"] == 0.85
+    assert parse_manifest(doc()).params["split_neck"] == 0.93
 
 
 def test_a_tile_overlap_of_half_a_window_or_more_is_refused() -> None:

@@ -111,7 +111,7 @@ class InferenceDefaults:
     min_object_area: int = 0  # smaller connected components are removed, in pixels
     # touching objects are cut apart where their neck is narrower than this share of the
     # thinner one's width (pipelines/instances.py); 0: objects are connected components
-    split_neck: float = 0.85
+    split_neck: float = 0.93
     batch_size: int = 1  # images at once on the CPU
     tile_size: int = 512  # window of tiled inference, in pixels
     tile_overlap: int = 64
