@@ -1,7 +1,7 @@
 """Where pipelines put their outputs; the daemon and the report rely on it.
 
 In ``run_dir``, the run's results folder in the owner's batch folder (only what is meant for
-the owner; nothing here is read back but the masks the report shows)::
+the owner; nothing here is read back but the masks the report shows and scores)::
 
     masks/<input path>              one mask per input image, same name and format …
     masks/<input path>.ome.zarr     … or, for an image segmented window by window, its label
@@ -12,6 +12,7 @@ the owner; nothing here is read back but the masks the report shows)::
                                     per image (QUALITY_COLUMNS; report)
     summary.json, report.html       the report
     training/model.json, training/metrics.csv   the registered model and its curves (report)
+    training/validation.csv         its validation images' objects scored (report)
     sweep/trials.csv                the sweep's trials, ranked (report)
     logs/<job name>.log             each ended job's log, its end (copied by the daemon)
 

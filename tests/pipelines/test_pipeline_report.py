@@ -105,6 +105,8 @@ def test_training_report_shows_curves_and_the_registered_model(
     assert "best: " in page and "worst: " in page and "(Dice " in page and "true)" in page
     assert "spheroids version 1" in page
     assert summary["training"]["validation"] == "training/validation.csv"
+    copied = batch_dir / "results" / "training" / "validation.csv"  # for the owner
+    assert copied.read_bytes() == (trained.run.work_dir / "training" / "validation.csv").read_bytes()
     metrics = summary["training"]["model"]["metrics"]
     assert f"<th>validation: F1 at IoU 0.5</th><td>{metrics['val_object_f1']:.4g}</td>" in page
     assert 'id="validation-objects"' in page and page.count("<td>images/img_") == 4
@@ -122,6 +124,7 @@ def test_an_inference_batch_with_masks_beside_its_images_is_scored_against_them(
     notes, not failures. Scored against the very masks it wrote, a batch scores perfectly."""
     batch_dir = tmp_path / "with truth"
     shutil.copytree(inferred.batch_dir, batch_dir)
+    shutil.copytree(work_dir_for(inferred.batch_dir), work_dir_for(batch_dir))
     results = batch_dir / "results"
     (batch_dir / "masks").mkdir()
     for name in ('it\'s a "test".png', "img_0002.png"):  # their own masks, as truth

@@ -89,7 +89,7 @@ def test_the_objects_of_each_validation_image_are_scored_and_registered_pooled(
 ) -> None:
     """validation.csv has a row per validation image (its true objects those of its mask);
     the version's metrics are the rows pooled: objects summed, F1 from the sums."""
-    training = trained.run.run_dir / "training"
+    training = trained.run.work_dir / "training"
     with open(training / "validation.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
     batch_dir = Path(trained.run.spec.batch_dir)
