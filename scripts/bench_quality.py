@@ -23,7 +23,7 @@ IoU and pixel Dice (from the report's summary.json), and on the touching set the
 touching pairs found as two objects (each matched by one of its own; :mod:`pipelines.quality`).
 
     python scripts/bench_quality.py [--out /tmp/watchd-bench] [--train 160] [--test 64]
-        [--size 96] [--epochs 40]
+        [--size 96] [--epochs 25] [--width 8] [--models EARLIER/quality/registry]
 """
 
 from __future__ import annotations
@@ -44,12 +44,13 @@ from microscope import Look
 
 from daemon.contract.jobspec import ModelRef, Pipeline
 from daemon.contract.names import AUGMENT, INFERENCE
+from models.catalog import resolve
 from pipelines.images import decode
 from pipelines.instances import components, label_objects
 from pipelines.quality import pairs_apart, truth_objects
 
 BASE = {"batch_size": 8, "learning_rate": 0.003, "val_fraction": 0.15, "seed": 0, "depth": 3,
-        "width": 16, "patience": 8}  # fmt: skip
+        "width": 8, "patience": 8}  # fmt: skip
 # today's training before this work: random flips, nothing else
 OLD_AUGMENT = {name: (name == "augment_flips") if isinstance(value, bool) else 0.0
                for name, value in vars(AUGMENT).items()}  # fmt: skip
@@ -88,6 +89,19 @@ def train(out: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         print(f"trained {name}: {cards[name]['epochs_run']} epochs in {done.wall_s:.0f} s; "
               f"validation Dice {cards[name]['metrics']['val_dice']:.4f}, objects F1 "
               f"{cards[name]['metrics']['val_object_f1']:.4f}", flush=True)  # fmt: skip
+    return cards
+
+
+def earlier(out: Path, registry: Path) -> dict[str, dict[str, Any]]:
+    """The models an earlier run trained (``--models``: its registry, copied), not trained
+    again: training is seeded, so the same arguments train the same weights."""
+    shutil.copytree(registry, out / "registry")
+    cards = {}
+    for name in MODELS:
+        found = resolve(out / "registry", f"quality-{name}", "latest")
+        cards[name] = {"version": found.version, "sha256": found.sha256}
+        print(f"{name}: version {found.version} of {registry} (sha256 {found.sha256[:12]}), "
+              "not trained again", flush=True)  # fmt: skip
     return cards
 
 
@@ -168,8 +182,10 @@ def main() -> int:
     parser.add_argument("--train", type=int, default=160, help="training images")
     parser.add_argument("--test", type=int, default=64, help="images of each held-out set")
     parser.add_argument("--size", type=int, default=96, help="image side, pixels")
-    parser.add_argument("--epochs", type=int, default=40, help="at most (early stopping)")
+    parser.add_argument("--epochs", type=int, default=25, help="at most (early stopping)")
     parser.add_argument("--width", type=int, default=BASE["width"], help="U-Net's first level")
+    parser.add_argument("--models", type=Path, help="an earlier run's OUT/quality/registry: "
+                        "evaluate its two models instead of training them")  # fmt: skip
     args = parser.parse_args()
     out = args.out / "quality"
     shutil.rmtree(out, ignore_errors=True)
@@ -178,7 +194,7 @@ def main() -> int:
           f"U-Net depth {BASE['depth']} width {args.width}, batch {BASE['batch_size']}, "
           f"up to {args.epochs} epochs (patience {BASE['patience']})", flush=True)  # fmt: skip
     started = time.perf_counter()
-    cards = train(out, args)
+    cards = earlier(out, args.models) if args.models else train(out, args)
     sets = held_out(out, args)
     print(f"held out: {args.test} images {args.size}² per set; shifted = {SHIFT}", flush=True)
     print(on_the_truth(sets), flush=True)
