@@ -49,7 +49,7 @@ METADATA_FILE = "metadata.json"
 ALIASES_FILE = "aliases.json"
 _VERSION_DIR = re.compile(r"v(\d{4,})")
 HISTORY_FILE = "history.jsonl"
-METRICS = ("val_dice", "val_iou")
+METRICS = ("val_dice", "val_iou", "val_object_f1")
 log = logging.getLogger(__name__)
 
 
@@ -335,6 +335,11 @@ def describe_model(registry: Path, name: str) -> dict[str, Any]:
                 "created_at": meta.get("created_at"),
                 "val_dice": metrics.get("val_dice", meta.get("val_dice")),
                 "val_iou": metrics.get("val_iou"),
+                # objects of the validation images (pipelines/validation.py); none from
+                # versions trained before they were scored
+                "val_object_f1": metrics.get("val_object_f1"),
+                "val_matched_iou": metrics.get("val_matched_iou"),
+                "val_count_error": metrics.get("val_count_error"),
                 "sha256": found.sha256,
                 "size": meta.get("size"),
                 "manifest_sha256": meta.get("manifest_sha256"),

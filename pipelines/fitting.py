@@ -34,6 +34,7 @@ from torch.utils.data import Dataset as TorchDataset
 
 from daemon.contract.heldfolder import HeldFolder
 from models.segmenter import UNetModule
+from pipelines.augment import Augmentations
 from pipelines.job import log, process_rank
 from pipelines.layout import CURVE_COLUMNS, METRICS_FILE, WANDB_DIR
 from pipelines.pairs import TrainingData, split
@@ -42,10 +43,14 @@ PROGRESS_SECONDS = 300.0  # within an epoch, a line in the log at most this ofte
 
 
 class PairSet(TorchDataset[tuple[torch.Tensor, torch.Tensor]]):
-    """(image, mask) tensors of shape (1, H, W); random crops to ``patch`` and flips if asked."""
+    """(image, mask) tensors of shape (1, H, W); random crops to ``patch``, then ``augment``."""
 
     def __init__(
-        self, data: TrainingData, indices: list[int], patch: tuple[int, int] | None, augment: bool
+        self,
+        data: TrainingData,
+        indices: list[int],
+        patch: tuple[int, int] | None,
+        augment: Augmentations,
     ) -> None:
         self.images = [torch.from_numpy(data.images[i]) for i in indices]
         self.masks = [torch.from_numpy(data.masks[i].astype(np.float32)) for i in indices]
@@ -62,10 +67,7 @@ class PairSet(TorchDataset[tuple[torch.Tensor, torch.Tensor]]):
             left = int(torch.randint(image.shape[1] - self.patch[1] + 1, ()))
             rows, cols = slice(top, top + self.patch[0]), slice(left, left + self.patch[1])
             image, mask = image[rows, cols], mask[rows, cols]
-        if self.augment:
-            for dim in (0, 1):
-                if torch.rand(()) < 0.5:
-                    image, mask = image.flip(dim), mask.flip(dim)
+        image, mask = self.augment(image, mask)
         return image[None].contiguous(), mask[None].contiguous()
 
 
@@ -125,10 +127,11 @@ class EpochRecorder(Callback):
 def loaders(
     data: TrainingData, params: Mapping[str, Any]
 ) -> tuple[DataLoader[Any], DataLoader[Any]]:
-    """Training (cropped to the smallest image if sizes differ, flipped) and validation loaders.
+    """Training (cropped to the smallest image if sizes differ, varied as the params say:
+    :mod:`pipelines.augment`) and validation loaders.
 
-    ``num_workers=0``: every image is decoded up front, a batch costs a crop and a flip, and
-    worker processes would only compete with the torch threads for the job's cores.
+    ``num_workers=0``: every image is decoded up front, a batch costs a crop and its variations,
+    and worker processes would only compete with the torch threads for the job's cores.
     """
     train_idx, val_idx = split(len(data.images), float(params["val_fraction"]), int(params["seed"]))
     shapes = {image.shape for image in data.images}
@@ -136,10 +139,12 @@ def loaders(
     patch = None if uniform else (min(s[0] for s in shapes), min(s[1] for s in shapes))
     batch_size = int(params["batch_size"])
     train = DataLoader(
-        PairSet(data, train_idx, patch, augment=True), batch_size=batch_size, shuffle=True
+        PairSet(data, train_idx, patch, Augmentations.of(params)),
+        batch_size=batch_size,
+        shuffle=True,
     )
     # Images of different sizes cannot share a batch: validate them one by one, uncropped.
-    val = DataLoader(PairSet(data, val_idx, None, augment=False), batch_size if uniform else 1)
+    val = DataLoader(PairSet(data, val_idx, None, Augmentations()), batch_size if uniform else 1)
     return train, val
 
 

@@ -23,9 +23,13 @@ mask written as an OME-Zarr label image ``masks/<input path>.ome.zarr`` with its
 (:mod:`pipelines.tiles`, :mod:`pipelines.omezarr`).
 
 A pixel is foreground when the sigmoid probability exceeds ``threshold``; connected components
-(8-connected) smaller than ``min_object_area`` pixels are removed and not counted. Per image:
+(8-connected) smaller than ``min_object_area`` pixels are removed and not counted. An image
+segmented whole then has touching objects cut apart where they narrow (``split_neck``,
+:mod:`pipelines.instances`: one call, in :meth:`Segmenter._finish`), one pixel of background
+between them in its mask; one segmented window by window keeps its connected components. Per
+image:
 ``area_px`` is the total foreground area, ``equivalent_diameter_px`` the diameter of a circle
-of that area, ``objects`` the number of components kept, ``mean_intensity`` the mean grey value
+of that area, ``objects`` the number of objects kept, ``mean_intensity`` the mean grey value
 (0–1) under the mask (empty when there is no object), ``confidence`` the mean of |2p − 1| over
 the image (1: every pixel decided with certainty), ``tiled`` whether it went window by window;
 then the provenance: model name, version and sha256, the manifest's sha256, the code version.
@@ -55,7 +59,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from scipy import ndimage
 
 from daemon.contract.checksums import sha256_of_stream
 from daemon.contract.heldfolder import HeldFolder, parts_of
@@ -77,6 +80,7 @@ from pipelines.bounds import stored, where
 from pipelines.channels import ChannelProblem
 from pipelines.device import Placement, choose_device
 from pipelines.images import checksum_problem, held_still, open_item, reading, write_mask
+from pipelines.instances import components, label_objects
 from pipelines.job import (
     InputError,
     give_back_freed_memory,
@@ -113,7 +117,6 @@ from pipelines.tiles import (
     window_cache_rows,
 )
 
-_EIGHT_CONNECTED = np.ones((3, 3), dtype=bool)
 ON_CPU = Placement("cpu", 1, False, "")
 _PROGRESS_EVERY_S = 30.0
 _PROGRESS_SAY_S = 5.0
@@ -125,12 +128,8 @@ def clean_mask(
     probabilities: np.ndarray, threshold: float, min_area: int
 ) -> tuple[np.ndarray, int]:
     """Threshold, then drop components smaller than ``min_area``; return (mask, objects)."""
-    labels, count = ndimage.label(probabilities > threshold, structure=_EIGHT_CONNECTED)
-    if count == 0:
-        return labels > 0, 0
-    keep = np.bincount(labels.ravel()) >= min_area
-    keep[0] = False
-    return keep[labels], int(keep.sum())
+    labels = components(probabilities > threshold, min_area)
+    return labels > 0, int(labels.max())
 
 
 def measure(image: np.ndarray, mask: np.ndarray, objects: int) -> dict[str, Any]:
@@ -284,6 +283,7 @@ class Segmenter:
         self.batch = batch  # the inputs are read through it
         self.params = params = inference_params(spec.params)
         self.threshold, self.min_area = float(params["threshold"]), int(params["min_object_area"])
+        self.split_neck = float(params["split_neck"])
         self.net, self.where = placed(net, spec)
         self.checked = not self.where.cuda  # half precision checked against full, on a GPU
         self.batch_size = self.where.batch_size
@@ -329,7 +329,9 @@ class Segmenter:
         self, item: InputFile, digest: str, pixels: np.ndarray, probabilities: np.ndarray
     ) -> None:
         """In the finisher thread: label, write the mask, measure, record in the ledger."""
-        mask, objects = clean_mask(probabilities, self.threshold, self.min_area)
+        # where the mask becomes objects: touching ones cut apart (pipelines.instances)
+        labels = label_objects(probabilities, self.threshold, self.min_area, self.split_neck)
+        mask, objects = labels > 0, int(labels.max())
         folder, name = self.masks.of(item.path)
         write_mask(folder, mask_name(name), mask)
         confidence = float(np.abs(2 * probabilities - 1).mean())

@@ -1,15 +1,18 @@
 """Where pipelines put their outputs; the daemon and the report rely on it.
 
 In ``run_dir``, the run's results folder in the owner's batch folder (only what is meant for
-the owner; nothing here is read back but the masks the report shows)::
+the owner; nothing here is read back but the masks the report shows and scores)::
 
     masks/<input path>              one mask per input image, same name and format …
     masks/<input path>.ome.zarr     … or, for an image segmented window by window, its label
                                     image in OME-Zarr (pipelines/omezarr.py)
     objects/<input path>.csv        one row per object of such an image (OBJECT_COLUMNS)
     table.csv                       all shards' rows, sorted by path (report)
+    quality.csv                     inference with ground truth: objects against the true ones,
+                                    per image (QUALITY_COLUMNS; report)
     summary.json, report.html       the report
     training/model.json, training/metrics.csv   the registered model and its curves (report)
+    training/validation.csv         its validation images' objects scored (report)
     sweep/trials.csv                the sweep's trials, ranked (report)
     logs/<job name>.log             each ended job's log, its end (copied by the daemon)
 
@@ -24,6 +27,8 @@ the owner can neither read nor write it, :mod:`daemon.contract.spool`)::
     training/metrics.csv            per-epoch curves (CURVE_COLUMNS)
     training/model.json             the registered model: name, version, sha256, metrics
     training/previews/<stem>.png    validation overlays for the report (index.json: which, Dice)
+    training/validation.csv         scores of the kept weights per validation image
+                                    (VALIDATION_COLUMNS)
     training/wandb/                 the Weights & Biases run folder (offline unless configured)
     trials/<job name>/              a sweep trial: metrics.csv, candidate.pt, candidate.json
     sweep/trials.csv, sweep/sweep.json  the sweep's comparison of its trials, and its W&B config
@@ -51,6 +56,8 @@ METRICS_FILE = "metrics.csv"
 MODEL_FILE = "model.json"
 PREVIEWS_DIR = "previews"
 PREVIEW_INDEX = "index.json"
+VALIDATION_FILE = "validation.csv"
+QUALITY_FILE = "quality.csv"
 WANDB_DIR = "wandb"
 TRIALS_DIR = "trials"
 CANDIDATE_WEIGHTS = "candidate.pt"
@@ -84,6 +91,11 @@ TABLE_COLUMNS = (
 OBJECT_COLUMNS = ("id", "area_px", "centroid_y", "centroid_x", "bbox_top", "bbox_left",
                   "bbox_bottom", "bbox_right", "mean_intensity")  # fmt: skip
 CURVE_COLUMNS = ("epoch", "train_loss", "val_loss", "val_dice", "val_iou")
+# an image's objects against its true ones (pipelines/quality.py): count_error is found − true
+OBJECT_SCORE_COLUMNS = ("objects_true", "objects_found", "matched", "f1_50", "mean_matched_iou",
+                        "count_error", "dice")  # fmt: skip
+VALIDATION_COLUMNS = ("image", *OBJECT_SCORE_COLUMNS)
+QUALITY_COLUMNS = ("path", "mask", *OBJECT_SCORE_COLUMNS)
 
 
 def table_name(shard_index: int) -> str:

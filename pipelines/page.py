@@ -13,7 +13,7 @@ from typing import Any
 
 import jinja2
 
-from pipelines.layout import TABLE_COLUMNS
+from pipelines.layout import QUALITY_COLUMNS, TABLE_COLUMNS, VALIDATION_COLUMNS
 
 MAX_ROWS = 500
 TABLE_VIEW = TABLE_COLUMNS[: TABLE_COLUMNS.index("tiled") + 1]  # the measured columns
@@ -68,6 +68,7 @@ def _inference(part: Mapping[str, Any]) -> dict[str, Any]:
     first = rows[:MAX_ROWS]
     return {
         "facts": facts,
+        "truth": _truth(summary.get("ground_truth"), part.get("truth", [])),
         "histogram": part["histogram"],
         "overlays": part["overlays"],
         "slides": part["slides"],
@@ -77,6 +78,39 @@ def _inference(part: Mapping[str, Any]) -> dict[str, Any]:
         "headers": TABLE_VIEW,
         "rows": [[row[c] for c in TABLE_VIEW] for row in first],
     }
+
+
+def percent(share: float | None) -> str | None:
+    return None if share is None else f"{100 * share:.1f} %"
+
+
+def object_facts(scores: Mapping[str, Any]) -> dict[str, Any]:
+    """The object scores of a set of images (:meth:`pipelines.quality.ObjectScore.figures`),
+    as the page names them."""
+    return {
+        "true objects": scores["objects_true"],
+        "objects found": scores["objects_found"],
+        "matched (IoU above 0.5)": scores["matched"],
+        "F1 at IoU 0.5": scores["f1_50"],
+        "mean matched IoU": scores["mean_matched_iou"],
+        "count error (Σ |found − true| ÷ true)": percent(scores["count_error"]),
+    }
+
+
+def worst_first(rows: Sequence[Mapping[str, str]], columns: Sequence[str]) -> list[list[str]]:
+    """Rows of object scores, the lowest F1 (then Dice) first, at most MAX_ROWS."""
+    ranked = sorted(rows, key=lambda r: (float(r["f1_50"]), float(r["dice"])))
+    return [[row[c] for c in columns] for row in ranked[:MAX_ROWS]]
+
+
+def _truth(scores: Mapping[str, Any] | None, rows: Sequence[Mapping[str, str]]) -> Any:
+    """The ground truth's part of the inference section (None for a batch without masks)."""
+    if scores is None:
+        return None
+    facts = {"images scored (with a true mask)": scores["images"], **object_facts(scores),
+             "Dice (pixels of every image scored)": scores["dice"]}  # fmt: skip
+    return {"facts": facts, "notes": scores["not_scored"], "headers": QUALITY_COLUMNS,
+            "rows": worst_first(rows, QUALITY_COLUMNS), "total": len(rows)}  # fmt: skip
 
 
 def _training(part: Mapping[str, Any]) -> dict[str, Any]:
@@ -92,14 +126,28 @@ def _training(part: Mapping[str, Any]) -> dict[str, Any]:
         "validation IoU": metrics.get("val_iou"),
         "epochs run": len(part["curves"]),
     }
+    if "val_object_f1" in metrics:  # versions trained before objects were scored have none
+        objects = {
+            "objects_true": metrics.get("val_objects"),
+            "objects_found": metrics.get("val_objects_found"),
+            "matched": metrics.get("val_objects_matched"),
+            "f1_50": metrics.get("val_object_f1"),
+            "mean_matched_iou": metrics.get("val_matched_iou"),
+            "count_error": metrics.get("val_count_error"),
+        }
+        facts.update({f"validation: {k}": v for k, v in object_facts(objects).items()})
     columns = part["columns"]
     epochs = [[int(row["epoch"]), *(row[c] for c in columns[1:])] for row in part["curves"]]
+    validation = part.get("validation", [])
+    checked = {"headers": VALIDATION_COLUMNS, "total": len(validation),
+               "rows": worst_first(validation, VALIDATION_COLUMNS)}  # fmt: skip
     return {
         "facts": facts,
         "charts": part["charts"],
         "previews": part["previews"],
         "headers": columns,
         "rows": epochs,
+        "validation": checked,
     }
 
 

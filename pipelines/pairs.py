@@ -20,6 +20,7 @@ from daemon.contract.jobspec import InputFile, Problem, Role
 from daemon.contract.safeopen import Folder
 from pipelines.images import read_image, where
 from pipelines.job import InputError
+from pipelines.quality import truth_objects
 
 
 @dataclass(frozen=True)
@@ -34,11 +35,13 @@ class Pair:
 
 @dataclass(frozen=True)
 class TrainingData:
-    """Loaded pairs: images float32 (H, W) in [0, 1], masks boolean of the same shape."""
+    """Loaded pairs: images float32 (H, W) in [0, 1], masks boolean of the same shape, and the
+    masks' objects (ids 1…N, 0 outside: :func:`pipelines.quality.truth_objects`)."""
 
     pairs: tuple[Pair, ...]
     images: tuple[np.ndarray, ...]
     masks: tuple[np.ndarray, ...]
+    objects: tuple[np.ndarray, ...]
 
 
 def _by_stem(items: Sequence[InputFile], role: str) -> tuple[dict[str, InputFile], list[Problem]]:
@@ -82,8 +85,8 @@ def pair_inputs(inputs: Sequence[InputFile]) -> tuple[list[Pair], list[Problem]]
 def _load_pair(
     batch_dir: Folder, pair: Pair, channel: Any = None
 ) -> tuple[np.ndarray | None, np.ndarray | None, list[Problem]]:
-    """Read both files of a pair (the image's plane ``channel``), collecting the problems of
-    each."""
+    """Read both files of a pair (the image's plane ``channel``; the mask as decoded),
+    collecting the problems of each."""
     loaded: list[np.ndarray | None] = []
     problems: list[Problem] = []
     for item, plane in ((pair.image, channel), (pair.mask, None)):
@@ -102,7 +105,7 @@ def _load_pair(
                 "a mask must have the size of its image",
             )
         )
-    return image, None if mask is None else mask > 0, problems
+    return image, mask, problems
 
 
 def load_dataset(
@@ -113,12 +116,14 @@ def load_dataset(
     pairs, problems = pair_inputs(inputs)
     images: list[np.ndarray] = []
     masks: list[np.ndarray] = []
+    objects: list[np.ndarray] = []
     for pair in pairs:
         image, mask, pair_problems = _load_pair(batch_dir, pair, channel)
         problems += pair_problems
         if image is not None and mask is not None:
             images.append(image)
-            masks.append(mask)
+            masks.append(mask > 0)
+            objects.append(compact(truth_objects(mask)))
     if len(pairs) < 2 and not problems:
         problems.append(
             Problem(
@@ -129,7 +134,12 @@ def load_dataset(
         )
     if problems:
         raise InputError(f"{len(problems)} problem(s) with the training inputs", problems)
-    return TrainingData(pairs=tuple(pairs), images=tuple(images), masks=tuple(masks))
+    return TrainingData(tuple(pairs), tuple(images), tuple(masks), tuple(objects))
+
+
+def compact(ids: np.ndarray) -> np.ndarray:
+    """``ids`` in the smallest unsigned type that holds them (most masks: a byte a pixel)."""
+    return ids.astype(np.min_scalar_type(int(ids.max(initial=0))))
 
 
 def split(count: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:

@@ -9,6 +9,8 @@ the held batch folder. In ``run_dir`` (the owner's results folder) it writes:
 - ``table.csv`` (inference): the rows of ``parts/table-*.csv``, sorted by path; every image
   input of the spec must have exactly one row, otherwise the job fails (INTERNAL: a shard's
   output is missing, which is not the data owner's doing);
+- ``quality.csv`` (inference with ground truth, masks beside the images): each image's objects
+  against its true ones (:mod:`pipelines.truth`);
 - ``summary.json``: counts, area statistics, model, manifest hash, per-job timings, and for
   training the registered model and its metrics, for a sweep its trials and the winner;
 - ``report.html``: one file, no network references, pictures inlined as base64 PNG;
@@ -21,7 +23,8 @@ Every file is read through the held work folder, at most MAX_READ_BYTES of it, a
 from one (a preview's) must be one name in its folder.
 Overlays show the most and least confident images and random others; an image segmented window
 by window is shown as its label image's overview with the objects drawn over it (the first
-SLIDES of them). Training previews the best, the worst and a random validation image by Dice.
+SLIDES of them). Training previews the best, the worst and a random validation image by Dice,
+and shows each validation image's objects against the true ones (``training/validation.csv``).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from daemon.contract.jobspec import (
 from daemon.contract.names import inference_params
 from daemon.contract.safeopen import RefusedInput
 from daemon.contract.version import code_version
-from pipelines import figures
+from pipelines import figures, truth
 from pipelines.images import read_bounded
 from pipelines.job import InputError, log, run_folder, run_job, work_folder
 from pipelines.layout import (
@@ -61,6 +64,7 @@ from pipelines.layout import (
     PARTS_DIR,
     PREVIEW_INDEX,
     PREVIEWS_DIR,
+    QUALITY_FILE,
     REPORT_FILE,
     SUMMARY_FILE,
     SWEEP_DIR,
@@ -70,6 +74,7 @@ from pipelines.layout import (
     TRAINING_DIR,
     TRIALS_DIR,
     TRIALS_TABLE,
+    VALIDATION_FILE,
     label_image_name,
     mask_name,
     table_csv,
@@ -300,32 +305,52 @@ def _previews(training: HeldFolder) -> list[tuple[str, str]]:
             raise ValueError(f"the previews' index names {name!r}, not a file of the folder")
         caption = Path(name).stem
         if "pick" in entry:
-            caption = f"{entry['pick']}: {caption} (Dice {entry['dice']:.3f})"
+            caption = f"{entry['pick']}: {caption} (Dice {entry['dice']:.3f}"
+            if "objects_true" in entry:
+                caption += f"; {entry['objects_found']} objects found, {entry['objects_true']} true"
+            caption += ")"
         with training.open_read(f"{PREVIEWS_DIR}/{name}") as handle:
             previews.append((caption, figures.png_uri(handle.read(MAX_READ_BYTES))))
     return previews
 
 
+def _validation_text(training: HeldFolder) -> str | None:
+    """training/validation.csv (None for a training from before it was written)."""
+    try:
+        return _read_text(training, VALIDATION_FILE)
+    except FileNotFoundError:
+        return None
+
+
 def _training(work: HeldFolder, run: HeldFolder) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(summary part, page part) for a training run (and a sweep's winner); the model card and
-    the curves are copied for the owner into ``training/`` of the results folder."""
+    """(summary part, page part) for a training run (and a sweep's winner); the model card, the
+    curves and the validation images' scores are copied for the owner into ``training/`` of the
+    results folder."""
     with work.folder(TRAINING_DIR) as training:
         card, curves_text = _read_text(training, MODEL_FILE), _read_text(training, METRICS_FILE)
+        validation_text = _validation_text(training)
         previews = _previews(training)
     model, curves = json.loads(card), read_curves(curves_text)
     run.write_text(f"{TRAINING_DIR}/{MODEL_FILE}", card)
     run.write_text(f"{TRAINING_DIR}/{METRICS_FILE}", curves_text)
+    validation = []
+    if validation_text is not None:
+        run.write_text(f"{TRAINING_DIR}/{VALIDATION_FILE}", validation_text)
+        validation = list(csv.DictReader(io.StringIO(validation_text, newline="")))
     summary = {
         "model": model,
         "epochs_run": len(curves),
         "curves": f"{TRAINING_DIR}/{METRICS_FILE}",
     }
+    if validation:
+        summary["validation"] = f"{TRAINING_DIR}/{VALIDATION_FILE}"
     page = {
         "model": model,
         "curves": curves,
         "columns": CURVE_COLUMNS,
         "charts": training_charts(curves),
         "previews": previews,
+        "validation": validation,
     }
     return summary, page
 
@@ -370,6 +395,10 @@ def _inference(
     check_complete(spec, rows)
     run.write_text(TABLE_FILE, table_csv(rows))
     summary = inference_summary(rows)
+    scored = truth.score_batch(spec.inputs, rows, batch, run)
+    if scored is not None:
+        run.write_text(QUALITY_FILE, scored.csv())
+        summary["ground_truth"] = scored.summary()
     sizes = [int(row["area_px"]) / int(row["objects"]) for row in rows if int(row["objects"])]
     histogram = figures.histogram("object size (mean per image)", sizes, "area (pixels)")
     page = {
@@ -378,6 +407,7 @@ def _inference(
         "overlays": sample_overlays(spec, rows, batch),
         "slides": slide_overviews(rows, run),
         "histogram": figures.png_uri(histogram),
+        "truth": [] if scored is None else scored.rows,
     }
     return summary, page
 

@@ -14,7 +14,8 @@ for ``best``. This job:
   the next version of the batch's model, with the ``best`` rule of the manifest's params; a
   retried job finds the version an earlier attempt registered instead of registering again;
 - writes ``training/`` as a training job would (model.json, the winner's metrics.csv,
-  previews), so the report shows the registered model like any other training.
+  validation.csv, previews), so the report shows the registered model like any other
+  training.
 
 Weights & Biases: every trial is a W&B run of the batch's group. ``sweep.json`` holds the
 search as a W&B sweep configuration; where ``WANDB_MODE=online`` the job also creates that W&B
@@ -35,8 +36,7 @@ from typing import Any
 from daemon.contract.heldfolder import HeldFolder
 from daemon.contract.jobspec import JobSpec, Pipeline
 from models import registry
-from models.unet import UNet
-from pipelines import train
+from pipelines import train, validation
 from pipelines.job import log, run_job, work_folder
 from pipelines.layout import (
     CANDIDATE_FILE,
@@ -49,9 +49,9 @@ from pipelines.layout import (
     TRIALS_DIR,
     TRIALS_TABLE,
 )
-from pipelines.pairs import load_dataset, split
+from pipelines.pairs import load_dataset
 
-METRIC_COLUMNS = ("val_dice", "val_iou", "val_loss", "epoch")
+METRIC_COLUMNS = ("val_dice", "val_iou", "val_object_f1", "val_loss", "epoch")
 
 
 MAX_CANDIDATE_BYTES = 16 << 20  # a candidate's metadata: metrics, params, provenance
@@ -166,10 +166,9 @@ def _describe_winner(
     training.write_text(MODEL_FILE, json.dumps(description, indent=2) + "\n")
     data = load_dataset(batch, spec.inputs, spec.params.get("channel"))
     params = winner["params"]
-    val_idx = split(len(data.images), float(params["val_fraction"]), int(params["seed"]))[1]
-    net = UNet(**published.architecture)
-    net.load_state_dict(registry.load(published))
-    train.write_previews(net, data, val_idx, training, int(params["seed"]))
+    checked = validation.evaluate(train.rebuild(published), data,
+                                  train.validation_indices(data, params))  # fmt: skip
+    validation.write(data, checked, training, int(params["seed"]))
     return description
 
 

@@ -7,8 +7,10 @@ results folder):
 - ``metrics.csv``: epoch, train_loss, val_loss, val_dice, val_iou; rewritten (atomically)
   after every epoch, so it can be watched while the job runs;
 - ``model.json``: the registered name, version, sha256 and validation metrics;
-- ``previews/<stem>.png`` and ``previews/index.json``: the best, the worst and a random
-  validation image by Dice, with predicted (orange) and true (cyan) outlines, for the report;
+- ``validation.csv`` and ``previews/``: the kept weights on each validation image, as the
+  inference job would segment it: its objects against the true ones and the Dice of their
+  mask; pictures of the best, the worst and a random one (:mod:`pipelines.validation`); the
+  pooled object scores are registered with the version's metrics;
 - ``wandb/``: the Weights & Biases run (see :mod:`pipelines.fitting`).
 
 Every file is written through the held work folder (:func:`pipelines.job.work_folder`); W&B,
@@ -36,6 +38,7 @@ import os
 import platform
 import time
 import warnings
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -49,15 +52,13 @@ from daemon.contract.version import code_version
 from models import registry
 from models.registry import BestRule
 from models.unet import UNet
-from pipelines import figures, fitting
+from pipelines import fitting, validation
 from pipelines.job import log, run_job, work_folder
 from pipelines.layout import (
     CANDIDATE_FILE,
     CANDIDATE_WEIGHTS,
     CURVE_COLUMNS,
     MODEL_FILE,
-    PREVIEW_INDEX,
-    PREVIEWS_DIR,
     TRAINING_DIR,
     TRIALS_DIR,
 )
@@ -139,9 +140,11 @@ def best_rule(params: dict[str, Any]) -> BestRule:
     return BestRule(str(params.get("best_metric", "val_dice")), float(params.get("best_margin", 0)))
 
 
-def _fit(spec: JobSpec, data: TrainingData, out: HeldFolder) -> tuple[UNet, dict[str, Any], bool]:
-    """Fit, writing into the held folder ``out``; (best net, registry metadata, whether this
-    process is rank 0)."""
+def _fit(
+    spec: JobSpec, data: TrainingData, out: HeldFolder
+) -> tuple[UNet, dict[str, Any], list[validation.Checked] | None]:
+    """Fit, writing into the held folder ``out``; (best net, registry metadata, its scores on
+    the validation images: None on ranks > 0, which score nothing)."""
     started = time.monotonic()
     params = dict(spec.params)
     group = f"batch-{spec.batch_id}-r{spec.batch_revision}"
@@ -149,10 +152,19 @@ def _fit(spec: JobSpec, data: TrainingData, out: HeldFolder) -> tuple[UNet, dict
     tasks = spec.resources.tasks
     module, recorder, trainer = fitting.fit(data, params, out, logger, tasks, spec.resources.gpus)
     meta = metadata(spec, module.net, recorder, time.monotonic() - started, trainer.world_size)
-    if logger is not None and trainer.is_global_zero:
+    if not trainer.is_global_zero:
+        return module.net, meta, None
+    checked = validation.evaluate(module.net, data, validation_indices(data, params))
+    meta["metrics"].update(validation.metrics(checked))
+    if logger is not None:
         logger.experiment.summary.update({k: v for k, v in meta["metrics"].items() if v})
         logger.experiment.finish()
-    return module.net, meta, trainer.is_global_zero
+    return module.net, meta, checked
+
+
+def validation_indices(data: TrainingData, params: Mapping[str, Any]) -> list[int]:
+    """The validation images of the fit (its seeded split)."""
+    return split(len(data.images), float(params["val_fraction"]), int(params["seed"]))[1]
 
 
 def rebuild(published: registry.ModelVersion) -> UNet:
@@ -160,45 +172,6 @@ def rebuild(published: registry.ModelVersion) -> UNet:
     net = UNet(**published.architecture)
     net.load_state_dict(registry.load(published))
     return net
-
-
-def _dice(prediction: np.ndarray, truth: np.ndarray) -> float:
-    total = int(prediction.sum()) + int(truth.sum())
-    return 1.0 if total == 0 else 2 * int((prediction & truth).sum()) / total
-
-
-def preview_picks(scores: list[float], seed: int) -> list[tuple[str, int]]:
-    """(label, position) of the best, the worst and one random other score."""
-    order = sorted(range(len(scores)), key=lambda i: (scores[i], i))
-    picks = [("best", order[-1])]
-    if len(order) > 1:
-        picks.append(("worst", order[0]))
-    rest = order[1:-1]
-    if rest:
-        picks.append(("random", rest[int(np.random.default_rng(seed).integers(len(rest)))]))
-    return picks
-
-
-@torch.inference_mode()
-def write_previews(
-    net: UNet, data: TrainingData, indices: list[int], training: HeldFolder, seed: int
-) -> None:
-    """Overlays of prediction and truth for the best, worst and a random validation image,
-    into ``previews/`` of the held training folder."""
-    net.eval()
-    predictions, scores = {}, []
-    for index in indices:
-        logits = net(torch.from_numpy(data.images[index])[None, None])[0, 0]
-        predictions[index] = (torch.sigmoid(logits) > 0.5).numpy()
-        scores.append(_dice(predictions[index], data.masks[index]))
-    entries = []
-    for label, position in preview_picks(scores, seed):
-        index = indices[position]
-        stem = data.pairs[index].stem
-        picture = figures.overlay(data.images[index], predictions[index], data.masks[index])
-        training.write_bytes(f"{PREVIEWS_DIR}/{stem}.png", figures.png_bytes(picture))
-        entries.append({"file": f"{stem}.png", "pick": label, "dice": round(scores[position], 4)})
-    training.write_text(f"{PREVIEWS_DIR}/{PREVIEW_INDEX}", _json({"previews": entries}))
 
 
 def describe(spec: JobSpec, published: registry.ModelVersion) -> dict[str, Any]:
@@ -225,8 +198,8 @@ def _publish_training(
 ) -> dict[str, Any] | None:
     published = registry.find(Path(spec.registry_dir), spec.model.name, origin(spec))
     if published is None:
-        net, meta, rank_zero = _fit(spec, data, training)
-        if not rank_zero:
+        net, meta, checked = _fit(spec, data, training)
+        if checked is None:
             return None
         best = meta["metrics"]
         published = registry.register(
@@ -237,20 +210,19 @@ def _publish_training(
     else:
         log.info("version %d was published by an earlier attempt: not training again",
                  published.version)  # fmt: skip
-        net = rebuild(published)
+        checked = validation.evaluate(rebuild(published), data,
+                                      validation_indices(data, spec.params))  # fmt: skip
     description = describe(spec, published)
     training.write_text(MODEL_FILE, _json(description))
-    params = spec.params
-    val_idx = split(len(data.images), float(params["val_fraction"]), int(params["seed"]))[1]
-    write_previews(net, data, val_idx, training, int(params["seed"]))
+    validation.write(data, checked, training, int(spec.params["seed"]))
     return {"model": description, **published.metadata.get("training", {})}
 
 
 def train_trial(spec: JobSpec, data: TrainingData, work: HeldFolder) -> dict[str, Any] | None:
     """A sweep trial: fit and leave a candidate for the sweep job; None on ranks > 0."""
     with work.folder(f"{TRIALS_DIR}/{spec.job_name}", create=True) as trial:
-        net, meta, rank_zero = _fit(spec, data, trial)
-        if not rank_zero:
+        net, meta, checked = _fit(spec, data, trial)
+        if checked is None:
             return None
         weights = registry.state_bytes(net.state_dict())
         trial.write_bytes(CANDIDATE_WEIGHTS, weights)

@@ -13,7 +13,14 @@ Usage::
 
     python scripts/synth.py OUT --kind training --count 64 --size 128 --seed 0 \
         [--format png|tif|ome-tif|slide|svs|ndpi|ome-zarr] [--bits 8|16] [--truth DIR] \
-        [--tissue 0.1]
+        [--tissue 0.1] [--labels] [--illumination A] [--noise N] [--contrast C] [--touching T]
+
+Another microscope (``--illumination``, ``--noise``, ``--contrast``: uneven light, sensor noise,
+another camera curve) and spheroids in contact (``--touching``: the share of images whose
+spheroids are two that touch) are knobs of :mod:`microscope`, 0 by default: at 0 the images are
+the same, byte for byte, and a knob draws from a stream of its own (image ``i`` is the same
+scene under another look). ``--labels`` writes each spheroid's id (1, 2, …) in the masks instead
+of 255, so that two in contact are two objects of the ground truth.
 
 ``ome-tif`` writes each image as a three-channel OME-TIFF, as a fluorescence microscope does:
 ``DAPI`` and ``RFP`` planes beside the ``GFP`` plane that holds the droplet (segment it with
@@ -52,6 +59,9 @@ import tifffile
 from PIL import Image
 from scipy import ndimage
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from microscope import DEFAULT, Look, shifted
+
 KINDS = ("training", "inference")
 FORMATS = {"png": ".png", "tif": ".tif", "ome-tif": ".ome.tif", "slide": ".tif", "svs": ".svs",
            "ndpi": ".ndpi", "ome-zarr": ".ome.zarr"}  # fmt: skip
@@ -66,11 +76,13 @@ SPHEROID_ODDS = (0.12, 0.73, 0.15)
 
 @dataclass(frozen=True)
 class Sample:
-    """One synthetic image (float32 grey in [0, 1]) and its spheroid mask."""
+    """One synthetic image (float32 grey in [0, 1]), its spheroid mask and the spheroids' ids
+    (``labels``: 0 outside, 1, 2, … each spheroid: two in contact are told apart)."""
 
     image: np.ndarray
     mask: np.ndarray
     spheroids: int
+    labels: np.ndarray
 
 
 def _smooth_noise(rng: np.random.Generator, size: int, sigma: float) -> np.ndarray:
@@ -98,9 +110,9 @@ def _blob(
 def _place_spheroids(
     rng: np.random.Generator, yy: np.ndarray, xx: np.ndarray, droplet: np.ndarray, radius: float
 ) -> np.ndarray:
-    """Union mask of 0–2 spheroids placed inside the droplet without overlapping."""
+    """Ids (uint8, 0 outside) of 0–2 spheroids placed inside the droplet without touching."""
     count = int(rng.choice(SPHEROID_COUNTS, p=SPHEROID_ODDS))
-    mask = np.zeros(yy.shape, dtype=bool)
+    labels = np.zeros(yy.shape, dtype=np.uint8)
     placed: list[tuple[float, float, float]] = []
     for _ in range(count):
         size = rng.uniform(0.15, 0.45) * radius * (0.7 if count == 2 else 1.0)
@@ -110,13 +122,49 @@ def _place_spheroids(
             cy, cx = droplet[0] + offset * np.sin(angle), droplet[1] + offset * np.cos(angle)
             if all(np.hypot(cy - y, cx - x) > 1.3 * (size + r) for y, x, r in placed):
                 placed.append((cy, cx, size))
-                mask |= _blob(rng, yy, xx, (cy, cx), size)
+                blob = _blob(rng, yy, xx, (cy, cx), size)
+                labels[blob & (labels == 0)] = len(placed)
                 break
-    return mask
+    return labels
 
 
-def synth_sample(rng: np.random.Generator, size: int) -> Sample:
-    """Draw one DMA-like image of ``size``×``size`` pixels and its spheroid mask."""
+def touching_pair(
+    rng: np.random.Generator, yy: np.ndarray, xx: np.ndarray, droplet: np.ndarray, radius: float
+) -> np.ndarray:
+    """Ids (uint8) of two spheroids in contact near the droplet's centre: their centres as far
+    apart as their radii's sum or up to 15 % closer, closer still until their outlines meet
+    (wobbly outlines may part); a pixel of both goes to the one it is deeper inside (by
+    distance over radius)."""
+    sizes = rng.uniform(0.2, 0.45, 2) * radius * 0.7
+    angle = rng.uniform(0, 2 * np.pi)
+    direction = np.array([np.sin(angle), np.cos(angle)])
+    shift = rng.uniform(-0.1, 0.1, 2) * radius
+    shapes = rng.integers(2**32, size=2)  # each outline's wobble, the same at every try
+    closeness = rng.uniform(0.85, 1.0)
+    while closeness > 0:
+        gap = closeness * sizes.sum()
+        centres = [droplet + shift + direction * gap * (s / sizes.sum()) * sign
+                   for s, sign in zip(sizes[::-1], (-1, 1), strict=True)]  # fmt: skip
+        blobs = [_blob(np.random.default_rng(shape), yy, xx, (c[0], c[1]), s)
+                 for shape, c, s in zip(shapes, centres, sizes, strict=True)]  # fmt: skip
+        if (ndimage.binary_dilation(blobs[0], np.ones((3, 3))) & blobs[1]).any():
+            break
+        closeness -= 0.03
+    depth = [np.hypot(yy - c[0], xx - c[1]) / s for c, s in zip(centres, sizes, strict=True)]
+    labels = np.zeros(yy.shape, dtype=np.uint8)
+    labels[blobs[0]] = 1
+    labels[blobs[1] & (~blobs[0] | (depth[1] < depth[0]))] = 2
+    return labels
+
+
+def synth_sample(
+    rng: np.random.Generator,
+    size: int,
+    look: Look = DEFAULT,
+    other: np.random.Generator | None = None,
+) -> Sample:
+    """Draw one DMA-like image of ``size``×``size`` pixels and its spheroid mask; ``look``'s
+    knobs (:mod:`microscope`) draw from ``other``, so the default draws stay as they are."""
     yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
     background = rng.uniform(0.22, 0.38)
     image = background + 0.03 * _smooth_noise(rng, size, size / 12)
@@ -126,7 +174,10 @@ def synth_sample(rng: np.random.Generator, size: int) -> Sample:
     distance = np.hypot(yy - droplet[0], xx - droplet[1])
     inside = ndimage.gaussian_filter((distance < radius).astype(np.float32), 1.0)
     image += inside * rng.uniform(0.1, 0.2)
-    mask = _place_spheroids(rng, yy, xx, droplet, radius)
+    labels = _place_spheroids(rng, yy, xx, droplet, radius)
+    if look.touching and other is not None and other.random() < look.touching:
+        labels = touching_pair(other, yy, xx, droplet, radius)
+    mask = labels > 0
     if mask.any():
         texture = 1 + 0.12 * _smooth_noise(rng, size, 1.5)
         contrast = rng.uniform(0.1, 0.3)
@@ -141,12 +192,15 @@ def synth_sample(rng: np.random.Generator, size: int) -> Sample:
     image = ndimage.gaussian_filter(image * vignette, rng.uniform(0.5, 1.0))
     image += rng.normal(0, rng.uniform(0.004, 0.02), image.shape)
     pixels = np.clip(image, 0, 1).astype(np.float32)
-    return Sample(image=pixels, mask=mask, spheroids=int(ndimage.label(mask)[1]))
+    if look.shifts and other is not None:
+        pixels = shifted(other, pixels, look)
+    return Sample(image=pixels, mask=mask, spheroids=int(labels.max()), labels=labels)
 
 
-def sample(seed: int, index: int, size: int = 128) -> Sample:
-    """Image ``index`` of the stream for ``seed``."""
-    return synth_sample(np.random.default_rng([seed, index]), size)
+def sample(seed: int, index: int, size: int = 128, look: Look = DEFAULT) -> Sample:
+    """Image ``index`` of the stream for ``seed``, as ``look`` shows it."""
+    other = None if look == DEFAULT else np.random.default_rng([seed, index, 1])
+    return synth_sample(np.random.default_rng([seed, index]), size, look, other)
 
 
 def to_integer(image: np.ndarray, bits: int) -> np.ndarray:
@@ -437,18 +491,21 @@ def make_batch(
     bits: int = 8,
     truth_dir: Path | None = None,
     tissue: float = 1.0,
+    look: Look = DEFAULT,
+    labels: bool = False,
 ) -> list[Path]:
     """Write ``count`` images (and masks) for a ``kind`` batch; return the files in ``folder``.
 
     Images go to ``folder/images/img_0000.<fmt>``; training masks (uint8 0/255, same name and
-    format) to ``folder/masks/``; inference masks only to ``truth_dir`` when given (those are
-    not in the returned list).
+    format; ``labels``: each spheroid's id, 1, 2, …, so that two in contact stay two) to
+    ``folder/masks/``; inference masks only to ``truth_dir`` when given (those are not in the
+    returned list). ``look``: another microscope's picture (:mod:`microscope`).
     """
     if kind not in KINDS or fmt not in FORMATS or bits not in (8, 16):
         raise ValueError(f"unsupported kind/format/bits: {kind!r}, {fmt!r}, {bits!r}")
     if fmt in SLIDES:
-        if kind != "inference" or bits != 8 or truth_dir is not None:
-            raise ValueError("slides are 8-bit inference images, without ground truth")
+        if kind != "inference" or bits != 8 or truth_dir is not None or look != DEFAULT:
+            raise ValueError("slides are 8-bit inference images, without ground truth or looks")
         paths = [folder / "images" / f"slide_{index:04d}{FORMATS[fmt]}" for index in range(count)]
         for index, path in enumerate(paths):
             write_slide(path, size, seed + index, tissue=tissue)
@@ -458,11 +515,12 @@ def make_batch(
     written: list[Path] = []
     for index in range(count):
         name = f"img_{index:04d}{FORMATS[fmt]}"
-        drawn = sample(seed, index, size)
+        drawn = sample(seed, index, size, look)
         write_image(folder / "images" / name, to_integer(drawn.image, bits), channels=True)
         written.append(folder / "images" / name)
         if mask_dir is not None:
-            write_image(Path(mask_dir) / name, to_integer(drawn.mask.astype(np.float32), 8))
+            truth = drawn.labels if labels else to_integer(drawn.mask.astype(np.float32), 8)
+            write_image(Path(mask_dir) / name, truth)
             if kind == "training":
                 written.append(Path(mask_dir) / name)
     return sorted(written)
@@ -481,11 +539,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tissue", type=float, default=1.0, help="slide: the share of droplets; the rest glass"
     )
+    parser.add_argument("--labels", action="store_true",
+                        help="masks hold each spheroid's id (1, 2, …), not 255")  # fmt: skip
+    knobs = parser.add_argument_group("another microscope (0–1 each; see scripts/microscope.py)")
+    meanings = {"illumination": "uneven light: a gain ramp and a vignette",
+                "noise": "extra sensor noise (its standard deviation)",
+                "contrast": "another camera curve: gamma e^±c, squeezed contrast",
+                "touching": "the share of images with two spheroids in contact"}  # fmt: skip
+    for knob, meaning in meanings.items():
+        knobs.add_argument(f"--{knob}", type=float, default=0.0, help=meaning)
     args = parser.parse_args(argv)
     if not 0 < args.tissue <= 1:
         parser.error("--tissue must be in (0, 1]")
+    try:
+        look = Look(args.illumination, args.noise, args.contrast, args.touching)
+    except ValueError as exc:
+        parser.error(str(exc))
     files = make_batch(args.out, args.kind, args.count, args.size, args.seed, args.format,
-                       args.bits, args.truth, args.tissue)  # fmt: skip
+                       args.bits, args.truth, args.tissue, look, args.labels)  # fmt: skip
     print(f"wrote {len(files)} files to {args.out}")
     return 0
 

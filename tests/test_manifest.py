@@ -148,9 +148,30 @@ def test_parameters_are_bounded_and_unknown_ones_listed() -> None:
     found = problems_of(doc(params={"threshold": 2.0, "treshold": 0.1}))
     assert "manifest.toml, params.threshold: Input should be less than 1 (got 2.0)" in found
     assert (
-        "manifest.toml, params.treshold: unknown key 'treshold' (valid keys: batch_size, channel, glass_tolerance, gpu_batch_size, max_whole_pixels, min_object_area, mixed_precision, threshold, tile_overlap, tile_size)"
+        "manifest.toml, params.treshold: unknown key 'treshold' (valid keys: batch_size, channel, glass_tolerance, gpu_batch_size, max_whole_pixels, min_object_area, mixed_precision, split_neck, threshold, tile_overlap, tile_size)"
         in found
     )
+
+
+def test_augmentations_are_on_by_default_for_training_bounded_and_can_be_turned_off() -> None:
+    files = [{"path": "images/a.png", "size": 1}, {"path": "masks/a.png", "size": 1, "role": "mask"}]
+    training = parse_manifest(doc(kind="training", model={"name": "m"}, files=files)).params
+    assert training["augment_flips"] and training["augment_turns"]
+    assert training["augment_gamma"] == 0.4 and training["augment_noise"] == 0.03
+    off = {"augment_turns": False, "augment_blur": 0, "augment_vignetting": 0.0}
+    assert parse_manifest(doc(kind="training", model={"name": "m"}, files=files,
+                              params=off)).params["augment_blur"] == 0  # fmt: skip
+    found = problems_of(doc(kind="training", model={"name": "m"}, files=files,
+                            params={"augment_blur": 20, "augment_noise": -0.1}))  # fmt: skip
+    assert found == [
+        "manifest.toml, params.augment_blur: Input should be less than or equal to 10 (got 20)",
+        "manifest.toml, params.augment_noise: Input should be greater than or equal to 0 "
+        "(got -0.1)",
+    ]
+    assert problems_of(doc(params={"split_neck": 1})) == [
+        "manifest.toml, params.split_neck: Input should be less than 1 (got 1)"
+    ]
+    assert parse_manifest(doc()).params["split_neck"] == 0.93
 
 
 def test_a_tile_overlap_of_half_a_window_or_more_is_refused() -> None:

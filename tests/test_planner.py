@@ -348,14 +348,18 @@ def test_a_running_job_is_marked_started_once() -> None:
     assert plan(snap(view, seen=seen)) == [MoveJob(1, JobState.RUNNING, "started", batch_id=1)]
 
 
-def test_inputs_of_a_shard_are_the_images_only() -> None:
+def test_a_shard_carries_its_images_and_their_true_masks_and_counts_the_images() -> None:
+    """Ground truth beside an inference batch's images goes with each image's shard (the
+    report, inheriting every shard's inputs, scores against it); an unpaired mask goes nowhere,
+    and masks do not count as images to segment."""
     m = manifest()
-    actions = plan(
-        snap(
-            BatchView(batch(), m, (), Ready((*m.files, InputFile("x/mask.png", 1, role=Role.MASK))))
-        )
-    )
-    assert all(f.role is Role.IMAGE for j in actions[1].jobs for f in j.inputs)
+    truths = (InputFile("m/1.png", 1, role=Role.MASK), InputFile("m/4.png", 1, role=Role.MASK),
+              InputFile("x/mask.png", 1, role=Role.MASK))  # fmt: skip
+    actions = plan(snap(BatchView(batch(), m, (), Ready((*m.files, *truths)))))
+    shards = [[f.path for f in j.inputs] for j in actions[1].jobs]
+    assert shards == [["i/0.png", "i/1.png", "m/1.png"], ["i/2.png", "i/3.png"],
+                      ["i/4.png", "m/4.png"]]  # fmt: skip
+    assert [j.images for j in actions[1].jobs] == [2, 2, 1]
 
 
 def test_an_end_without_a_result_carries_the_executors_word_and_the_log_tail() -> None:

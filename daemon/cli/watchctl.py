@@ -166,7 +166,8 @@ def manifest_command(
     email: Annotated[str | None, typer.Option(help="where to reach you")] = None,
     title: Annotated[str, typer.Option(help="a title for the batch")] = "",
     masks: Annotated[
-        str | None, typer.Option(help="training: folder of ground-truth masks")
+        str | None,
+        typer.Option(help="folder of ground-truth masks (training; inference: scored against)"),
     ] = None,
     param: Annotated[list[str] | None, typer.Option(help="NAME=VALUE, repeatable")] = None,
     checksums: Annotated[bool, typer.Option(help="record sha256 of every file")] = True,
@@ -289,7 +290,8 @@ def models_list_command(
     config: ConfigOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Every model's versions, newest first, with validation metrics and aliases."""
+    """Every model's versions, newest first, with validation metrics (pixels and objects) and
+    aliases."""
     cfg = load_config(find_config(config))
     data = _catalog(cfg, "list", *([name] if name else []))
     if as_json:
@@ -299,16 +301,32 @@ def models_list_command(
         console.print(f"no models in {shown(data['registry'])}")
     for model in data["models"]:
         table = Table(title=model["name"], title_justify="left")
-        for column in ("version", "aliases", "val_dice", "val_iou", "created_at", "sha256"):
-            table.add_column(column)
+        for column in ("version", "aliases", *(label for _, label, _ in _SCORES), "created_at",
+                       "sha256"):  # fmt: skip
+            table.add_column(column, justify="right" if column in _SCORE_LABELS else "left")
         for v in model["versions"]:
-            dice, iou = v.get("val_dice"), v.get("val_iou")
             table.add_row(
                 str(v["version"]), ", ".join(v.get("aliases", [])),
-                "" if dice is None else f"{dice:.4f}", "" if iou is None else f"{iou:.4f}",
+                *(_score(v.get(key), form) for key, _, form in _SCORES),
                 str(v.get("created_at") or v.get("error", "")), str(v.get("sha256", ""))[:12],
             )  # fmt: skip
         console.print(table)
+
+
+# (key in the catalogue's listing, column, format): validation scores of each version; the
+# object scores are those of the objects found in the validation images (docs/models.md)
+_SCORES = (
+    ("val_dice", "val_dice", "{:.4f}"),
+    ("val_iou", "val_iou", "{:.4f}"),
+    ("val_object_f1", "obj_f1@.5", "{:.4f}"),
+    ("val_matched_iou", "obj_iou", "{:.4f}"),
+    ("val_count_error", "count_err", "{:.1%}"),
+)
+_SCORE_LABELS = {label for _, label, _ in _SCORES}
+
+
+def _score(value: Any, form: str) -> str:
+    return "" if value is None else form.format(value)
 
 
 @models_app.command("promote")

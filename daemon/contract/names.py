@@ -1,20 +1,23 @@
 """The names and defaults the daemon and the jobs share beyond the job spec: the rule for model
 names, the registry's top level (a folder per model) and its aliases, the image formats the jobs
-read (by name: checked at intake, before any job runs), and the defaults of the inference
-parameters.
+read (by name: checked at intake, before any job runs), how an image pairs with its mask, and
+the defaults of the inference parameters and of training's augmentations.
 
 One place for each: the manifest's validation (:mod:`daemon.core.manifest_schema`), the model
-catalogue (:mod:`models.catalog`) and the inference job (:mod:`pipelines.infer`) read them here.
+catalogue (:mod:`models.catalog`), the inference job (:mod:`pipelines.infer`) and training
+(:mod:`pipelines.augment`) read them here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
+
+from daemon.contract.jobspec import InputFile, Role
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MODEL_NAME_RULE = "1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"
@@ -57,6 +60,25 @@ def input_format_problem(path: str) -> tuple[str, str] | None:
     return f"{named}; watchd reads PNG and TIFF images", "save the image as .png or .tif"
 
 
+def file_stem(path: str) -> str:
+    """An input's file name without its last suffix: what pairs an image with its mask."""
+    return PurePosixPath(path).stem
+
+
+def truths_of(inputs: Sequence[InputFile]) -> dict[str, InputFile]:
+    """{image path: its mask} of an inference batch's ground truth: a mask pairs with the image
+    of the same file stem, as for training, where no other image or mask has that stem."""
+    stems: dict[tuple[str, Role], list[InputFile]] = {}
+    for item in inputs:
+        stems.setdefault((file_stem(item.path), item.role), []).append(item)
+    found = {}
+    for (stem, role), images in stems.items():
+        masks = stems.get((stem, Role.MASK), [])
+        if role is Role.IMAGE and len(images) == 1 and len(masks) == 1:
+            found[images[0].path] = masks[0]
+    return found
+
+
 def is_store(path: str) -> bool:
     """Whether the input named ``path`` is an OME-Zarr store (a folder), not a file."""
     return PurePosixPath(path).suffix.lower() == STORE_SUFFIX
@@ -87,6 +109,9 @@ class InferenceDefaults:
 
     threshold: float = 0.5  # a pixel is foreground above this sigmoid probability
     min_object_area: int = 0  # smaller connected components are removed, in pixels
+    # touching objects are cut apart where their neck is narrower than this share of the
+    # thinner one's width (pipelines/instances.py); 0: objects are connected components
+    split_neck: float = 0.93
     batch_size: int = 1  # images at once on the CPU
     tile_size: int = 512  # window of tiled inference, in pixels
     tile_overlap: int = 64
@@ -105,3 +130,26 @@ INFERENCE = InferenceDefaults()
 def inference_params(params: Mapping[str, Any]) -> dict[str, Any]:
     """``params`` over the defaults: a spec written by hand may leave any of them out."""
     return {**dataclasses.asdict(INFERENCE), **params}
+
+
+@dataclass(frozen=True)
+class AugmentDefaults:
+    """How training batches vary each training image (pipelines/augment.py), where the manifest
+    does not say; a strength 0 (or false) turns one off. Validation images are never varied."""
+
+    augment_flips: bool = True  # mirrored up-down and left-right, each at even odds
+    augment_turns: bool = True  # turned by a random quarter turn
+    augment_intensity: float = 0.2  # grey × (1 ± up to this), plus up to ±half of it
+    augment_gamma: float = 0.4  # grey ** e^(± up to this)
+    augment_blur: float = 1.0  # Gaussian blur of up to this sigma, in pixels
+    augment_noise: float = 0.03  # Gaussian noise of up to this standard deviation (grey 0-1)
+    augment_vignetting: float = 0.3  # uneven light: darker away from a centre, by up to this
+
+
+AUGMENT = AugmentDefaults()
+
+
+def augment_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The augmentation parameters of ``params``, over the defaults."""
+    defaults = dataclasses.asdict(AUGMENT)
+    return {name: params.get(name, value) for name, value in defaults.items()}

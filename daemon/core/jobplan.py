@@ -13,6 +13,7 @@ from itertools import pairwise
 from typing import Any
 
 from daemon.contract.jobspec import InputFile, JobSpec, Pipeline, Resources, Role, Shard
+from daemon.contract.names import truths_of
 from daemon.contract.spool import work_dir
 from daemon.core.manifest import Manifest
 from daemon.core.manifest_schema import Kind
@@ -90,11 +91,13 @@ def compute_jobs(
     images = [f for f in inputs if f.role is Role.IMAGE]
     slides = [(f, shards.regions(f)) for f in images if shards.regions(f) > 1]
     whole = [f for f in images if shards.regions(f) == 1]
-    # the shards of whole images, then each slide's regions: one stage, one array
+    truths = truths_of(inputs)
+    # the shards of whole images (with their true masks), then each slide's regions: one
+    # stage, one array
     work: list[tuple[tuple[InputFile, ...], dict[str, Any]]] = [
-        (tuple(whole[part]), {}) for part in (shards.slices(len(whole)) if whole or not slides
-                                              else [])
-    ]  # fmt: skip
+        (_with_truths(whole[part], truths), {})
+        for part in (shards.slices(len(whole)) if whole or not slides else [])
+    ]
     for slide, count in slides:
         region = {"count": count, "image": slide.path}
         work += [((slide,), {"region": {**region, "index": k}}) for k in range(count)]
@@ -103,6 +106,14 @@ def compute_jobs(
                params=params)
         for i, (part, params) in enumerate(work)
     )  # fmt: skip
+
+
+def _with_truths(
+    images: Sequence[InputFile], truths: dict[str, InputFile]
+) -> tuple[InputFile, ...]:
+    """A shard's images, then their masks: the job segments the images; the report, which
+    inherits every shard's inputs, scores what it found against the masks."""
+    return (*images, *(truths[f.path] for f in images if f.path in truths))
 
 
 def next_stage_job(

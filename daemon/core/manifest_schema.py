@@ -19,7 +19,7 @@ import pydantic
 from pydantic import AfterValidator, Field
 
 from daemon.contract.jobspec import Role
-from daemon.contract.names import INFERENCE, model_name_problem
+from daemon.contract.names import AUGMENT, INFERENCE, model_name_problem
 from daemon.core.sweep import SweepModel
 from daemon.core.visible import hidden_characters
 
@@ -65,9 +65,17 @@ class TrainingParams(_Strict):
     depth: Annotated[int, Field(ge=2, le=6)] = 3
     width: Annotated[int, Field(ge=4, le=128)] = 16
     patience: Annotated[int, Field(ge=1, le=100)] = 5
-    best_metric: Literal["val_dice", "val_iou"] = "val_dice"
+    best_metric: Literal["val_dice", "val_iou", "val_object_f1"] = "val_dice"
     best_margin: Annotated[float, Field(ge=0, le=0.5)] = 0.0
     channel: Channel = INFERENCE.channel  # the images' plane, as for inference
+    # how each training image is varied (validation images never are); 0 or false: not
+    augment_flips: bool = AUGMENT.augment_flips
+    augment_turns: bool = AUGMENT.augment_turns
+    augment_intensity: Annotated[float, Field(ge=0, le=1)] = AUGMENT.augment_intensity
+    augment_gamma: Annotated[float, Field(ge=0, le=2)] = AUGMENT.augment_gamma
+    augment_blur: Annotated[float, Field(ge=0, le=10)] = AUGMENT.augment_blur
+    augment_noise: Annotated[float, Field(ge=0, le=0.5)] = AUGMENT.augment_noise
+    augment_vignetting: Annotated[float, Field(ge=0, le=0.9)] = AUGMENT.augment_vignetting
 
 
 class InferenceParams(_Strict):
@@ -75,6 +83,7 @@ class InferenceParams(_Strict):
 
     threshold: Annotated[float, Field(gt=0, lt=1)] = INFERENCE.threshold
     min_object_area: Annotated[int, Field(ge=0, le=10**8)] = INFERENCE.min_object_area
+    split_neck: Annotated[float, Field(ge=0, lt=1)] = INFERENCE.split_neck
     batch_size: Annotated[int, Field(ge=1, le=256)] = INFERENCE.batch_size
     tile_size: Annotated[int, Field(ge=64, le=8192)] = INFERENCE.tile_size
     tile_overlap: Annotated[int, Field(ge=0, le=1024)] = INFERENCE.tile_overlap

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daemon.contract.jobspec import ErrorKind, Identity, InputFile, Pipeline, Problem
+from daemon.contract.jobspec import ErrorKind, Identity, InputFile, Pipeline, Problem, Role
 from daemon.core.manifest_schema import Kind
 from daemon.core.states import BatchState, JobState
 
@@ -128,7 +128,8 @@ class NewJob:
         if self.pipeline is not Pipeline.INFER:
             return 0
         region = self.params.get("region")
-        return len(self.inputs) if region is None or region["index"] == 0 else 0
+        images = sum(1 for item in self.inputs if item.role is Role.IMAGE)
+        return images if region is None or region["index"] == 0 else 0
 
 
 @dataclass(frozen=True)

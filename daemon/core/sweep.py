@@ -48,7 +48,7 @@ class SweepModel(pydantic.BaseModel):
     method: Literal["grid", "random"] = "random"
     trials: Annotated[int, Field(ge=1, le=MAX_TRIALS)] | None = None
     seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
-    metric: Literal["val_dice", "val_iou"] = "val_dice"
+    metric: Literal["val_dice", "val_iou", "val_object_f1"] = "val_dice"
     space: dict[str, list[bool | int | float | str] | RangeModel]
 
 

@@ -16,6 +16,7 @@ import tifffile
 from jobrun import work_dir_for
 from labelimages import zarr_levels
 from PIL import Image
+from scipy import ndimage
 
 from daemon.contract.jobspec import (
     PROGRESS_FILE,
@@ -131,6 +132,8 @@ def test_each_shard_writes_its_table_with_the_model_version(inferred: InferredBa
         assert int(row["area_px"]) >= 0 and int(row["objects"]) >= 0
         mask = read_mask(run_dir / "masks" / row["path"])
         assert int(row["area_px"]) == int((mask > 0).sum())
+        # touching objects are cut apart by background: the mask's components are the objects
+        assert int(row["objects"]) == ndimage.label(mask > 0, np.ones((3, 3)))[1]
     summary = inferred.shards[1].result.summary  # type: ignore[union-attr]
     assert (
         summary["model"]["model_version"] == 1 and summary["model"]["requested_version"] == "latest"

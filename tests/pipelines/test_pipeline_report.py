@@ -102,8 +102,57 @@ def test_training_report_shows_curves_and_the_registered_model(
     page = (batch_dir / "results" / "report.html").read_text(encoding="utf-8")
     assert_self_contained(page)
     assert page.count("data:image/png;base64,") == 2 + 3  # two charts, best/worst/random previews
-    assert "best: " in page and "worst: " in page and "(Dice " in page
+    assert "best: " in page and "worst: " in page and "(Dice " in page and "true)" in page
     assert "spheroids version 1" in page
+    assert summary["training"]["validation"] == "training/validation.csv"
+    copied = batch_dir / "results" / "training" / "validation.csv"  # for the owner
+    assert copied.read_bytes() == (trained.run.work_dir / "training" / "validation.csv").read_bytes()
+    metrics = summary["training"]["model"]["metrics"]
+    assert f"<th>validation: F1 at IoU 0.5</th><td>{metrics['val_object_f1']:.4g}</td>" in page
+    assert 'id="validation-objects"' in page and page.count("<td>images/img_") == 4
+
+
+def test_an_inference_batch_with_masks_beside_its_images_is_scored_against_them(
+    inferred: InferredBatch,
+    tmp_path: Path,
+    job_spec: Callable[..., Any],
+    run: Callable[..., JobRun],
+    manifest_inputs: Callable[..., Any],
+) -> None:
+    """Masks paired by file name: each image that has one is scored (quality.csv, the summary,
+    the report's section); a mask of the wrong size and one whose stem two images share are
+    notes, not failures. Scored against the very masks it wrote, a batch scores perfectly."""
+    batch_dir = tmp_path / "with truth"
+    shutil.copytree(inferred.batch_dir, batch_dir)
+    shutil.copytree(work_dir_for(inferred.batch_dir), work_dir_for(batch_dir))
+    results = batch_dir / "results"
+    (batch_dir / "masks").mkdir()
+    for name in ('it\'s a "test".png', "img_0002.png"):  # their own masks, as truth
+        shutil.copy(results / "masks" / "images" / name, batch_dir / "masks" / name)
+    shutil.copy(results / "masks" / "images" / "img_0001.png", batch_dir / "masks")  # 2 images
+    Image.new("L", (10, 10)).save(batch_dir / "masks" / "img_0000.png")  # the TIFF is 72²
+    masks = manifest_inputs(batch_dir, sorted((batch_dir / "masks").iterdir()), checksums=True)
+    job = run(report_spec(batch_dir, "inference", inferred.shards[0], job_spec,
+                          (*inferred.inputs, *masks)))  # fmt: skip
+    assert job.returncode == 0, job.log
+    with open(results / "table.csv", newline="", encoding="utf-8") as handle:
+        objects = {row["path"]: int(row["objects"]) for row in csv.DictReader(handle)}
+    with open(results / "quality.csv", newline="", encoding="utf-8") as handle:
+        scored = list(csv.DictReader(handle))
+    assert [row["path"] for row in scored] == ["images/img_0002.png", 'images/it\'s a "test".png']
+    for row in scored:
+        assert int(row["objects_true"]) == int(row["objects_found"]) == objects[row["path"]]
+        assert (row["f1_50"], row["count_error"], row["dice"]) == ("1.0", "0", "1.0")
+    truth = json.loads((results / "summary.json").read_text())["inference"]["ground_truth"]
+    assert (truth["images"], truth["f1_50"], truth["count_error"], truth["dice"]) == (2, 1, 0, 1)
+    assert truth["not_scored"] == [
+        "masks/img_0001.png: no image, or more than one, has its file name (stem)",
+        "plate 2 ü/images/img_0000.tif: its mask 'masks/img_0000.png' is 10×10 pixels, the "
+        "image 72×72",
+    ]
+    page = (results / "report.html").read_text(encoding="utf-8")
+    assert 'id="ground-truth"' in page and "<th>F1 at IoU 0.5</th><td>1</td>" in page
+    assert "<th>count error (Σ |found − true| ÷ true)</th><td>0.0 %</td>" in page
 
 
 def test_a_missing_shard_table_fails_the_report_as_internal(

@@ -10,8 +10,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+from scipy import ndimage
+
 from daemon.contract.jobspec import SPEC_FILE, ErrorKind, InputFile, ModelRef, Pipeline, Resources
 from models import registry
+from pipelines.images import decode
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -35,7 +39,11 @@ def test_training_registers_a_version_with_metadata_and_aliases(
     assert metadata["training"]["epochs_run"] == 2 and metadata["training"]["wall_time_s"] > 0
     for key in ("created_at", "code_version", "torch_version", "lightning_version", "hardware"):
         assert metadata[key], key
-    assert set(metadata["metrics"]) == {"epoch", "train_loss", "val_loss", "val_dice", "val_iou"}
+    assert set(metadata["metrics"]) == {
+        "epoch", "train_loss", "val_loss", "val_dice", "val_iou", "val_object_f1",
+        "val_matched_iou", "val_count_error", "val_objects", "val_objects_found",
+        "val_objects_matched",
+    }  # fmt: skip
     aliases = json.loads((trained.registry / trained.name / "aliases.json").read_text())
     assert aliases == {"latest": 1, "best": 1}
 
@@ -60,6 +68,7 @@ def test_training_writes_curves_model_card_and_previews_into_its_work_folder(
         "metrics.csv",
         "model.json",
         "previews",
+        "validation.csv",
         "wandb",
     ]
     batch_dir = Path(job.spec.batch_dir)
@@ -73,6 +82,30 @@ def test_training_writes_curves_model_card_and_previews_into_its_work_folder(
         if p.name.startswith(".tmp-") or p.suffix == ".ckpt" or p.name == "lightning_logs"
     ]
     assert stray == []
+
+
+def test_the_objects_of_each_validation_image_are_scored_and_registered_pooled(
+    trained: TrainedModel,
+) -> None:
+    """validation.csv has a row per validation image (its true objects those of its mask);
+    the version's metrics are the rows pooled: objects summed, F1 from the sums."""
+    training = trained.run.work_dir / "training"
+    with open(training / "validation.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    batch_dir = Path(trained.run.spec.batch_dir)
+    assert len(rows) == 4 and all(row["image"].startswith("images/") for row in rows)
+    for row in rows:
+        mask = decode((batch_dir / row["image"].replace("images/", "masks/")).read_bytes())
+        assert int(row["objects_true"]) == int(ndimage.label(mask > 0, np.ones((3, 3)))[1])
+        assert int(row["count_error"]) == int(row["objects_found"]) - int(row["objects_true"])
+    metrics = json.loads((training / "model.json").read_text())["metrics"]
+    true, found, matched = (sum(int(r[k]) for r in rows)
+                            for k in ("objects_true", "objects_found", "matched"))  # fmt: skip
+    assert (metrics["val_objects"], metrics["val_objects_found"]) == (true, found)
+    assert metrics["val_objects_matched"] == matched
+    assert metrics["val_object_f1"] == (round(2 * matched / (true + found), 4) if true + found else 1)
+    miscounted = sum(abs(int(r["count_error"])) for r in rows)
+    assert metrics["val_count_error"] == (round(miscounted / true, 4) if true else None)
 
 
 def test_a_retried_training_job_does_not_publish_twice(

@@ -180,6 +180,14 @@ def test_best_needs_to_beat_the_margin_on_the_chosen_metric(tmp_path: Path) -> N
     ]  # fmt: skip
 
 
+def test_best_can_be_chosen_by_the_validation_objects_f1(tmp_path: Path) -> None:
+    """A version that finds the objects better becomes best even with a lower pixel Dice."""
+    by_objects = registry.BestRule(metric="val_object_f1")
+    publish_with(tmp_path, {"val_dice": 0.97, "val_object_f1": 0.80}, by_objects)
+    publish_with(tmp_path, {"val_dice": 0.95, "val_object_f1": 0.96}, by_objects)
+    assert registry.read_aliases(tmp_path, "spheroids") == {"latest": 2, "best": 2}
+
+
 def test_promote_moves_an_alias_and_refuses_a_damaged_version(tmp_path: Path) -> None:
     from models import catalog
 
@@ -205,8 +213,11 @@ def watchctl(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def test_watchctl_lists_and_promotes_through_the_catalogue(tmp_path: Path) -> None:
     """watchctl (which never imports torch) runs ``python -m models.catalog`` for it."""
     root = tmp_path / "registry"
-    publish(root, 0.9)
-    publish(root, 0.5)
+    publish(root, 0.9)  # from before objects were scored: no object scores
+    scores = {"val_dice": 0.5, "val_iou": 0.4, "val_object_f1": 0.9612, "val_matched_iou": 0.8833,
+              "val_count_error": 0.025}  # fmt: skip
+    meta = {"architecture": {"depth": 1, "width": 2, "in_channels": 1}, "metrics": scores}
+    registry.register(root, "spheroids", small_state(), meta, val_dice=0.5)
     config = tmp_path / "config.toml"
     config.write_text(f'[[roots]]\npath = "{tmp_path / "drop"}"\n[registry]\npath = "{root}"\n')
     listed = watchctl(config, "list", "--json")
@@ -216,8 +227,13 @@ def test_watchctl_lists_and_promotes_through_the_catalogue(tmp_path: Path) -> No
     assert [(v["version"], v["aliases"], v["val_dice"]) for v in model["versions"]] == [
         (2, ["latest"], 0.5), (1, ["best"], 0.9),
     ]  # fmt: skip
+    newest = model["versions"][0]
+    assert (newest["val_object_f1"], newest["val_count_error"]) == (0.9612, 0.025)
+    assert model["versions"][1]["val_object_f1"] is None
     table = watchctl(config, "list")
     assert "spheroids" in table.stdout and "0.9000" in table.stdout
+    assert "obj_f1@.5" in table.stdout and "count_err" in table.stdout
+    assert "0.9612" in table.stdout and "0.8833" in table.stdout and "2.5%" in table.stdout
     promoted = watchctl(config, "promote", "spheroids", "2")
     assert promoted.returncode == 0, promoted.stderr
     assert promoted.stdout.strip() == "spheroids: best → version 2 (best = 2, latest = 2)"

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tifffile
 from PIL import Image
+from scipy import ndimage
 from skimage.filters import threshold_otsu
 
 from pipelines.images import decode
@@ -221,3 +222,51 @@ def test_an_ome_zarr_slide_holds_the_tiffs_levels_and_ome_zarr_py_reads_it(
     finally:
         cleanup_resources()
     assert not list(tmp_path.glob("images/.*"))  # built under a hidden name, renamed whole
+
+
+def test_another_microscope_shows_the_same_scene_and_the_defaults_stay_as_they_were(
+    synth: ModuleType,
+) -> None:
+    """Light, noise and contrast knobs change the picture, not the spheroids; a knob at 0 draws
+    nothing (the image of before, byte for byte)."""
+    for index in range(6):
+        plain = synth.sample(5, index, 64)
+        assert np.array_equal(synth.sample(5, index, 64, synth.Look()).image, plain.image)
+        for look in (synth.Look(illumination=0.4), synth.Look(noise=0.05),
+                     synth.Look(contrast=0.6)):  # fmt: skip
+            shifted = synth.sample(5, index, 64, look)
+            assert np.array_equal(shifted.mask, plain.mask)
+            assert not np.array_equal(shifted.image, plain.image)
+            assert 0 <= shifted.image.min() <= shifted.image.max() <= 1
+    with pytest.raises(ValueError, match="noise must be within 0 and 1"):
+        synth.Look(noise=2)
+
+
+def test_touching_spheroids_are_two_ids_in_contact_and_label_masks_keep_them(
+    synth: ModuleType, tmp_path: Path
+) -> None:
+    eight = np.ones((3, 3), dtype=bool)
+    for index in range(10):
+        drawn = synth.sample(4, index, 96, synth.Look(touching=1.0))
+        assert drawn.spheroids == 2 and set(np.unique(drawn.labels)) == {0, 1, 2}
+        assert np.array_equal(drawn.mask, drawn.labels > 0)
+        assert ndimage.label(drawn.mask, eight)[1] == 1  # in contact: one blob of pixels
+    synth.make_batch(tmp_path, "training", 3, 96, seed=4, look=synth.Look(touching=1.0),
+                     labels=True)  # fmt: skip
+    with Image.open(tmp_path / "masks" / "img_0001.png") as opened:
+        assert set(np.unique(np.asarray(opened))) == {0, 1, 2}
+
+
+def test_the_command_line_takes_the_knobs_and_refuses_a_strength_out_of_range(
+    tmp_path: Path,
+) -> None:
+    script = str(ROOT / "scripts" / "synth.py")
+    made = subprocess.run([sys.executable, script, str(tmp_path / "a"), "--count", "2", "--size",
+                           "48", "--touching", "1", "--noise", "0.05", "--labels"],
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    with Image.open(tmp_path / "a" / "masks" / "img_0000.png") as opened:
+        assert np.asarray(opened).max() == 2
+    refused = subprocess.run([sys.executable, script, str(tmp_path / "b"), "--contrast", "3"],
+                             capture_output=True, text=True, check=False)  # fmt: skip
+    assert refused.returncode == 2 and "contrast must be within 0 and 1, not 3.0" in refused.stderr
