@@ -16,6 +16,20 @@ sys.path.insert(0, str(REPO / "scripts"))  # the synthetic data generator
 
 AWKWARD = "drop röot 'q' \"dq\""  # spaces, quotes and non-ASCII in every drop root
 
+# Tests that share one machine-wide thing run one after another on one pytest-xdist worker
+# (scripts/test runs ``-n 2 --dist loadgroup``): the one-node Slurm cluster, whose two CPUs a
+# second worker's jobs would queue behind, and the sshfs test share, whose attribute cache the
+# share tests time their scenarios against.
+SHARED_BY_FOLDER = {"slurm": "slurm-cluster"}
+SHARED_BY_FILE = {"test_share.py": "test-share"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        group = SHARED_BY_FILE.get(item.path.name) or SHARED_BY_FOLDER.get(item.path.parent.name)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
 
 def child_pids() -> set[int]:
     """Processes whose parent is this test process (jobs start in their own session but stay
