@@ -16,15 +16,16 @@ a random token stands for a file only the service may read. The findings:
 5. lease: the drop root's ``.watchd-lease.json`` replaced by one naming another host, renewed
    in the far future; then a second start.
 
-Printed: for each finding, the batch's end (or the daemon's) and whether the token appears in
-any output, the status file or a database row. Findings 4 (a spec swapped in the window before
-its job reads it) and 7 (a planted sweep winner) need a race or a sweep: the tests
-(docs/bad-input.md) hold them.
+Printed: for each finding, the batch's end (or the daemon's) and whether the token appears,
+plain or base64, in any output, the status file or a database row. Findings 4 (a spec swapped
+in the window before its job reads it) and 7 (a planted sweep winner) need a race or a sweep:
+the tests (docs/bad-input.md) hold them.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import secrets
@@ -128,13 +129,27 @@ def plant(run: Path, secret: Path, finding: int) -> None:
     (previews / "index.json").write_text(json.dumps({"previews": [{"file": str(secret)}]}))
 
 
+def forms(token: str) -> list[bytes]:
+    """The token as bytes, and as it reads inside base64 at each of the three alignments (the
+    red team's report embedded the secret as a base64 "PNG"): the groups of four characters
+    that hold only the token's bytes."""
+    found = [token.encode()]
+    for pad in range(3):
+        encoded = base64.b64encode(b"\0" * pad + token.encode())
+        found.append(encoded[4 if pad else 0 : -4])
+    return found
+
+
 def leaked(token: str, base: Path, database: Path) -> list[str]:
-    """Where the token shows: files under the drop root and the spool, database rows."""
-    found = []
+    """Where the token shows, plain or base64: files under the drop root and the spool,
+    database rows."""
+    found, shapes = [], forms(token)
     for tree in (base / "drop", base / "spool"):
         for path in tree.rglob("*") if tree.exists() else ():
-            if path.is_file() and not path.is_symlink() and token.encode() in path.read_bytes():
-                found.append(str(path.relative_to(base)))
+            if path.is_file() and not path.is_symlink():
+                data = path.read_bytes()
+                if any(shape in data for shape in shapes):
+                    found.append(str(path.relative_to(base)))
     for (table,) in rows(database, "SELECT name FROM sqlite_master WHERE type = 'table'"):
         for row in rows(database, f"SELECT * FROM {table}"):
             if token in json.dumps(row, default=str):
