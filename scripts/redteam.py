@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
 import os
 import secrets
@@ -207,7 +208,26 @@ def findings(repo: Path, base: Path, registry: Path) -> list[str]:
     if again is not None:
         said.append(f"  started again: exit {again.returncode}: "
                     f"{(again.stderr.strip().splitlines() or [''])[-1][:160]}")
+    left = outliving(base)
+    said.append(f"jobs still running after the daemon stopped: {len(left) or 'none'}"
+                + "".join(f"\n  {line} (killed now)" for line in left))  # fmt: skip
     return said
+
+
+def outliving(base: Path) -> list[str]:
+    """Processes still at work on this run's folders (a job blocked for ever outlives its
+    daemon), killed; their command lines."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if entry.name.isdigit() and str(base) in line:
+            found.append(line.strip()[:160])
+            with contextlib.suppress(OSError):
+                os.kill(int(entry.name), signal.SIGKILL)
+    return found
 
 
 def main() -> int:
