@@ -169,3 +169,11 @@ def test_rounds_never_overfill_never_push_an_owner_below_its_share_and_settle(
     assert len(running) <= slots
     third = share_out(waiting, running, subject, {}, free=slots - len(running))
     assert third.preempt == () and third.submit == ()
+
+
+def test_on_one_slot_owners_take_turns_the_one_served_longest_ago_first() -> None:
+    pending = [job(1, 1), job(2, 1), job(9, 2)]
+    served = {"user:ann": 50.0, "user:bob": 10.0}
+    assert ids(share_out(pending, [], subject, {}, free=1, served=served).submit) == [9]
+    assert ids(share_out(pending, [], subject, {}, free=1, served={"user:bob": 60.0}).submit) == [1]
+    assert ids(share_out(pending, [], subject, {}, free=3, served=served).submit) == [9, 1, 2]

@@ -3,8 +3,10 @@ Pure.
 
 Jobs are handed out by subject (each owner, or each group: ``[accounts] fair_by``) in turns,
 by weighted fair queueing: the next free slot goes to the subject with the fewest running jobs
-for its weight (ties: the one whose oldest pending batch is oldest); within a subject, oldest
-batch first. A subject never has more than its cap (``max_running``) live at once.
+for its weight; between equals, to the one served least recently (its last job handed out
+longest ago: on one slot, owners take turns), then the one whose oldest pending batch is oldest;
+within a subject, oldest batch first. A subject never has more than its cap (``max_running``)
+live at once.
 
 With a fixed number of slots (the local executor's ``max_parallel``; Slurm's ``max_jobs``) a
 subject's share is its weight's part of the slots, given out by water-filling (a subject that
@@ -63,9 +65,11 @@ def share_out(
     free: int | None,
     *,
     preempt: bool = True,
+    served: Mapping[str, float] | None = None,
 ) -> Turns:
     """Hand ``pending`` out within ``free`` slots (None: no limit but the caps), in turns, and
-    name the live jobs to stop so that a subject below its share gets a slot."""
+    name the live jobs to stop so that a subject below its share gets a slot. ``served``: when
+    each subject last had a job handed out (none: never)."""
     queues: dict[str, list[Job]] = {}
     for job in sorted(pending, key=lambda j: (j.batch_id, j.id)):  # oldest batch first
         queues.setdefault(subject_of(job), []).append(job)
@@ -75,7 +79,7 @@ def share_out(
     subjects = sorted({*queues, *running})
     stake = {s: stakes.get(s, Stake()) for s in subjects}
     waiting = {s: len(q) for s, q in queues.items()}
-    chosen = _in_turns(queues, running, stake, free)
+    chosen = _in_turns(queues, running, stake, free, dict(served or {}))
     after = dict(running)
     for job in chosen:
         after[subject_of(job)] = after.get(subject_of(job), 0) + 1
@@ -94,11 +98,13 @@ def share_out(
 
 
 def _key(subject: str, running: Mapping[str, int], stake: Mapping[str, Stake],
-         queues: Mapping[str, list[Job]]) -> tuple[float, int, int]:  # fmt: skip
-    """A subject's place in the turns: fewest running for its weight first, then the one whose
-    oldest pending job is oldest."""
+         queues: Mapping[str, list[Job]], served: Mapping[str, float],
+         ) -> tuple[float, float, int, int]:  # fmt: skip
+    """A subject's place in the turns: fewest running for its weight first, then the one served
+    least recently, then the one whose oldest pending job is oldest."""
     head = queues[subject][0]
-    return ((running.get(subject, 0) + 1) / stake[subject].weight, head.batch_id, head.id)
+    load = (running.get(subject, 0) + 1) / stake[subject].weight
+    return (load, served.get(subject, -math.inf), head.batch_id, head.id)
 
 
 def _open(subject: str, running: Mapping[str, int], stake: Mapping[str, Stake]) -> bool:
@@ -111,6 +117,7 @@ def _in_turns(
     running: Mapping[str, int],
     stake: Mapping[str, Stake],
     free: int | None,
+    served: dict[str, float],
 ) -> list[Job]:
     """The jobs that go out, in the order they are given their slots."""
     left = {s: list(q) for s, q in queues.items()}
@@ -120,9 +127,10 @@ def _in_turns(
         ready = [s for s, q in left.items() if q and _open(s, taken, stake)]
         if not ready:
             break
-        subject = min(ready, key=lambda s: _key(s, taken, stake, left))
+        subject = min(ready, key=lambda s: _key(s, taken, stake, left, served))
         chosen.append(left[subject].pop(0))
         taken[subject] = taken.get(subject, 0) + 1
+        served[subject] = math.inf  # served now: after everyone served before
     return chosen
 
 

@@ -538,12 +538,17 @@ def fair_turns(snapshot: Snapshot, pending: Sequence[Job], held_back: int = 0) -
     for batch in batches.values():
         terms = accounts.terms(batch.owned_by)
         stakes[accounts.subject(batch.owned_by)] = fairshare.Stake(terms.weight, terms.max_running)
+    served: dict[str, float] = {}
+    for job in (j for v in snapshot.batches for j in v.jobs if j.submitted_at is not None):
+        subject = subject_of(job)
+        served[subject] = max(served.get(subject, 0.0), float(job.submitted_at or 0.0))
     free = snapshot.free_slots
     if free is not None:
         free = max(0, free - held_back)
     return fairshare.share_out(
-        pending, live, subject_of, stakes, free, preempt=accounts.preempt and not held_back
-    )
+        pending, live, subject_of, stakes, free,
+        preempt=accounts.preempt and not held_back, served=served,
+    )  # fmt: skip
 
 
 def _submissions(pending: Sequence[Job], snapshot: Snapshot, held_back: int) -> list[Action]:
