@@ -84,7 +84,7 @@ def test_a_batch_over_the_quota_is_told_whose_quota_how_much_is_used_and_when_it
 def test_a_batch_larger_than_the_whole_quota_is_told_only_an_operator_can_help() -> None:
     held = account(Quota(Period.DAY, images=10), Used(), subject="group:imaging")
     assert refusal(held, 11) == (
-        "over the daily quota of group imaging: 0 of 10 images used this day (this batch needs "
+        "over the daily quota of group imaging: 0 of 10 images used today (this batch needs "
         "11, more than the whole quota); it does not free by itself: an operator must raise it "
         "(watchctl quota)"
     )

@@ -61,17 +61,17 @@ def _whose(subject: str) -> str:
 def refusal(account: Account, images: int) -> str:
     """Why a batch of ``images`` images may not start under ``account`` ('' when it may)."""
     quota, used = account.quota, account.used
-    per = quota.per.value
+    per = "today" if quota.per is Period.DAY else f"this {quota.per.value}"
     said = ""
     if quota.images is not None and used.images + images > quota.images:
         need = f"this batch needs {images:,}"
         if images > quota.images:
             need += ", more than the whole quota"
-        said = f"{used.images:,} of {quota.images:,} images used this {per} ({need})"
+        said = f"{used.images:,} of {quota.images:,} images used {per} ({need})"
     elif quota.cpu_hours is not None and used.cpu_hours >= quota.cpu_hours:
-        said = f"{used.cpu_hours:.1f} of {quota.cpu_hours:g} CPU-hours used this {per}"
+        said = f"{used.cpu_hours:.1f} of {quota.cpu_hours:g} CPU-hours used {per}"
     elif quota.gpu_hours is not None and used.gpu_hours >= quota.gpu_hours:
-        said = f"{used.gpu_hours:.1f} of {quota.gpu_hours:g} GPU-hours used this {per}"
+        said = f"{used.gpu_hours:.1f} of {quota.gpu_hours:g} GPU-hours used {per}"
     if not said:
         return ""
     frees = (
