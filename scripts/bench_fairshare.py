@@ -39,9 +39,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import owners
 import synth
-from bench_batch import ARCHITECTURE, MODEL, BatchDaemon
+from bench_batch import ARCHITECTURE, MODEL, BatchDaemon, wait_done
 from slurm_scenario import start_cluster
 
+from daemon.core.manifest import CANCEL_NAME, STATUS_NAME
 from models import registry
 from models.unet import UNet
 
@@ -92,17 +93,6 @@ def drop(staged: Path, root: Path, name: str, person: owners.Person) -> float:
     return landed
 
 
-def wait_done(daemon: BatchDaemon, name: str, timeout: float) -> float:
-    deadline = time.monotonic() + timeout
-    while (done := daemon.state_at(name, "done")) is None:
-        if daemon.state_at(name, "failed") is not None:
-            raise SystemExit(f"{name} failed; see {daemon.state}/daemon.log")
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{name} not done in {timeout:.0f} s")
-        time.sleep(0.2)
-    return done
-
-
 def scenario(
     daemon: BatchDaemon, plan: list[tuple[str, Path, owners.Person, float]], timeout: float
 ) -> dict[str, float]:
@@ -121,6 +111,59 @@ def yielded(daemon: BatchDaemon, folder: str) -> int:
         folder,
     )
     return int(rows[0][0]) if rows else 0  # type: ignore[call-overload]
+
+
+def held(daemon: BatchDaemon, folder: str, timeout: float) -> str:
+    """The hold the daemon put on ``folder``'s batch (its quota line), once it is there."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = daemon.query("SELECT hold FROM batches WHERE folder = ? AND hold != ''", folder)
+        if rows:
+            return str(rows[0][0])
+        time.sleep(0.2)
+    raise SystemExit(f"{folder} not held by a quota in {timeout:.0f} s")
+
+
+def status_saying(folder: Path, words: str, timeout: float = 120.0) -> str:
+    """The batch's status file once it says ``words`` (it follows the state within a tick)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = folder / STATUS_NAME
+        text = path.read_text() if path.exists() else ""
+        if words in text:
+            return text
+        time.sleep(0.2)
+    raise SystemExit(f"{folder.name}/{STATUS_NAME} does not say {words!r} in {timeout:.0f} s")
+
+
+def over_quota(daemon: BatchDaemon, staged: Path, person: owners.Person, images: int) -> str:
+    """Owner B's quota set (by an operator, watchctl quota) to what B has used today, and one
+    more of B's batches dropped: the status file as B reads it while the quota holds it, then
+    as B reads it after cancelling it themselves (a watchd-cancel file of theirs)."""
+    config = str(daemon.state / "config.toml")
+    subject = f"user:{person.user}"
+    said = subprocess.run([WATCHCTL, "quota", subject, "--images", str(images),
+                           "--per", "day", "--config", config],
+                          capture_output=True, text=True)  # fmt: skip
+    while not daemon.query("SELECT 1 FROM quotas WHERE subject = ?", subject):
+        time.sleep(0.2)  # the daemon applies the intent at its next tick
+    name = "b-over-quota"
+    drop(staged, daemon.mount, name, person)
+    held(daemon, name, 120.0)
+    folder = daemon.mount / name
+    status = status_saying(folder, "Held:")
+    quota = subprocess.run([WATCHCTL, "quota", "--config", config], capture_output=True,
+                           text=True)  # fmt: skip
+    (folder / CANCEL_NAME).touch()
+    os.chown(folder / CANCEL_NAME, person.uid, person.gid)
+    cancelled = status_saying(folder, "CANCELLED")
+    return (
+        f"$ watchctl quota user:{person.user} --images {images} --per day\n{said.stdout}"
+        f"{said.stderr}\n$ watchctl quota\n{quota.stdout}{quota.stderr}\n"
+        f"--- {name}/{STATUS_NAME}, held by the quota ---\n{status}\n"
+        f"--- {name}/{STATUS_NAME}, after {person.user} made {CANCEL_NAME} ---\n"
+        f"{cancelled}"
+    )
 
 
 def slurm_accounts(daemon: BatchDaemon, env: dict[str, str]) -> list[str]:
@@ -205,6 +248,7 @@ def main() -> int:
                       f"together A {with_a[-1]:.1f} s, B {with_b[-1]:.1f} s; A's shards "
                       f"yielded {yields[-1]}; load {os.getloadavg()[0]:.1f}")  # fmt: skip
             accounts_seen = slurm_accounts(daemon, env) if slurm_conf else []
+            refusal = over_quota(daemon, b_staged, bob, args.images_b * 2 * args.rounds)
         finally:
             daemon.stop()
         table(alone_a, alone_b, with_a, with_b, yields)
@@ -213,6 +257,7 @@ def main() -> int:
             shown = subprocess.run([WATCHCTL, "usage", "--by", by, "--config", config],
                                    capture_output=True, text=True)  # fmt: skip
             print(f"$ watchctl usage --by {by}\n{shown.stdout}{shown.stderr}")
+        print(f"a quota refusal, as owner B reads it:\n{refusal}")
         if accounts_seen:
             print("accounts Slurm recorded on the submitted jobs (squeue -o '%i|%a|%q|%j'):")
             print("\n".join(accounts_seen))
