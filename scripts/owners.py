@@ -4,6 +4,7 @@ expert's copy onto the share leaves them (every entry theirs, chown without foll
 
     with owners.made("wdq", 2) as (ann, bob):
         owners.hand_over(folder, ann)
+        owners.drop(staged, drop_root, "plate 1", bob)
 """
 
 from __future__ import annotations
@@ -63,6 +64,17 @@ def hand_over(folder: Path, person: Person) -> None:
     """Make ``folder`` and everything in it ``person``'s (links themselves, never followed)."""
     for path in [folder, *folder.rglob("*")]:
         os.chown(path, person.uid, person.gid, follow_symlinks=False)
+
+
+def drop(staged: Path, root: Path, name: str, person: Person) -> Path:
+    """Copy a staged batch folder in as ``person``'s (the manifest renamed in last): the
+    folder."""
+    folder = root / name
+    shutil.copytree(staged, folder, ignore=shutil.ignore_patterns("manifest.toml"))
+    shutil.copy(staged / "manifest.toml", folder / ".manifest.part")
+    hand_over(folder, person)
+    os.rename(folder / ".manifest.part", folder / "manifest.toml")
+    return folder
 
 
 def as_person(person: Person, *command: str) -> subprocess.CompletedProcess[str]:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import owners
 import pytest
-from owners import Person
+from owners import Person, drop
 from replay import Replay
 from test_cli import cli
 
@@ -38,16 +37,6 @@ pytestmark = pytest.mark.skipif(
 def people() -> Iterator[list[Person]]:
     with owners.made("wdo", 3) as made:
         yield made
-
-
-def drop(staged: Path, root: Path, name: str, person: Person) -> Path:
-    """Copy a staged batch in as ``person``'s folder (the manifest renamed in last)."""
-    folder = root / name
-    shutil.copytree(staged, folder, ignore=shutil.ignore_patterns("manifest.toml"))
-    shutil.copy(staged / "manifest.toml", folder / ".manifest.part")
-    owners.hand_over(folder, person)
-    os.rename(folder / ".manifest.part", folder / "manifest.toml")
-    return folder
 
 
 def batch_of(service: Service, folder: str) -> Batch | None:

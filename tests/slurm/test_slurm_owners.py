@@ -5,15 +5,13 @@ batch does not wait for the first one's backlog."""
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import owners
 import pytest
 from conftest import slurm
-from owners import Person
+from owners import drop
 from replay import Replay
 
 from daemon.core.states import BatchState, JobState
@@ -25,14 +23,6 @@ pytestmark = [
     pytest.mark.slurm,
     pytest.mark.skipif(not owners.available(), reason="making owners (useradd) needs root"),
 ]
-
-
-def drop(staged: Path, root: Path, name: str, person: Person) -> None:
-    folder = root / name
-    shutil.copytree(staged, folder, ignore=shutil.ignore_patterns("manifest.toml"))
-    shutil.copy(staged / "manifest.toml", folder / ".manifest.part")
-    owners.hand_over(folder, person)
-    os.rename(folder / ".manifest.part", folder / "manifest.toml")
 
 
 def test_each_owners_jobs_carry_their_account_and_share_the_slots_in_turns(
