@@ -63,6 +63,7 @@ from daemon.contract.jobspec import (
     Problem,
 )
 from daemon.contract.spool import make_private, private_problem
+from daemon.contract.usage import USAGE_KEY, Meter
 from daemon.contract.version import code_version
 from models.registry import ModelError
 
@@ -210,11 +211,13 @@ def _failure(kind: ErrorKind, message: str, problems: Sequence[Problem] = ()) ->
     return JobError(kind=kind, message=message, problems=tuple(problems), traceback=text)
 
 
-def _attempt(pipeline: Pipeline, work: Work, job_dir: Path) -> tuple[int, Any]:
-    """Run the work; return (exit status, summary dict or JobError)."""
+def _attempt(pipeline: Pipeline, work: Work, job_dir: Path, given: list[int]) -> tuple[int, Any]:
+    """Run the work; return (exit status, summary dict or JobError). ``given`` gets the GPUs
+    the job holds (all its tasks'), once its spec is read."""
     spec = None
     try:
         spec = read_spec(job_dir)
+        given.append(spec.resources.gpus * spec.resources.tasks)
         if spec.pipeline is not pipeline:
             raise ValueError(
                 f"spec is for pipeline {spec.pipeline.value!r}, not {pipeline.value!r}"
@@ -282,9 +285,10 @@ def run_job(pipeline: Pipeline, work: Work, argv: Sequence[str] | None = None) -
         return EXIT_INTERNAL
     configure_logging()
     job_dir = Path(args[0]).resolve()
-    started = time.monotonic()
+    started, meter = time.monotonic(), Meter()
+    gpus: list[int] = []
     try:
-        status, outcome = _attempt(pipeline, work, job_dir)
+        status, outcome = _attempt(pipeline, work, job_dir, gpus)
     except UntrustedSpec as exc:
         log.error("%s", exc)  # no result where the spec is not trusted: none is trusted either
         return EXIT_REFUSED
@@ -293,13 +297,16 @@ def run_job(pipeline: Pipeline, work: Work, argv: Sequence[str] | None = None) -
         return status
     elapsed = round(time.monotonic() - started, 3)
     finished = datetime.now(UTC).isoformat(timespec="seconds")
+    used = {USAGE_KEY: meter.read(sum(gpus)).to_dict()}  # charged to the batch's owner
     if status == EXIT_OK:
         summary = {**(outcome or {}), "elapsed_s": elapsed, "host": platform.node(),
-                   "peak_rss_mb": round(_peak_rss_mb(), 1)}  # fmt: skip
+                   "peak_rss_mb": round(_peak_rss_mb(), 1), **used}  # fmt: skip
         summary["code_version"] = code_version()
         result = JobResult(ok=True, pipeline=pipeline.value, finished_at=finished, summary=summary)
     else:
-        result = JobResult(ok=False, pipeline=pipeline.value, finished_at=finished, error=outcome)
+        result = JobResult(
+            ok=False, pipeline=pipeline.value, finished_at=finished, summary=used, error=outcome
+        )
     try:
         write_result(job_dir, result)
     except OSError as exc:  # UnsafeEntry too: the run folder was swapped for a link meanwhile

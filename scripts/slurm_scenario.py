@@ -98,7 +98,7 @@ def slurm_config(
         if name == "slurm":
             document["executor"]["slurm"] = {**slurm, **values}
         else:
-            document[name] = {**document[name], **values}
+            document[name] = {**document.get(name, {}), **values}
     path = base / "config.toml"
     path.write_text(tomli_w.dumps(document))
     return load_config(path)

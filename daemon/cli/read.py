@@ -16,7 +16,7 @@ import click
 import typer
 from rich.table import Table
 
-from daemon.cli import joblog, overview
+from daemon.cli import accounting, joblog, overview
 from daemon.cli.base import (
     ConfigOption,
     JsonOption,
@@ -56,10 +56,12 @@ def status_command(config: ConfigOption = None, as_json: JsonOption = False) -> 
     active = [(b, store.jobs([b.id])) for b in store.active_batches()]
     failures = [(b, store.jobs([b.id])) for b in _open_failures(store, 5)]
     data = overview.status(live, store.counts(), active, failures, roots)
+    data["queue"] = accounting.queue(cfg, active)
     if as_json:
         print(overview.to_json(data))
         return
     _print_status(data)
+    accounting.print_queue(data["queue"])
 
 
 def _open_failures(store: Store, most: int) -> list[Batch]:

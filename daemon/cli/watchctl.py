@@ -5,7 +5,7 @@ Expected errors print one line, ``Error: …``, and exit 1 (``watchctl doctor``'
 exit 3); no traceback. ``watchctl`` reads the database directly, so it works while the daemon is
 down; what it changes (retry, cancel, requeue, pause, resume) it records as an intent that the
 daemon applies through its state machine. The reading commands (status, batches, show, jobs,
-logs) are in :mod:`daemon.cli.read`.
+logs) are in :mod:`daemon.cli.read`; usage and quota in :mod:`daemon.cli.accounting`.
 
 The configuration is found at ``--config``, else ``$WATCHD_CONFIG``, else ``./config.toml``,
 else ``/etc/watchd/config.toml``.
@@ -25,7 +25,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from daemon.cli import manifest_writer, overview
+from daemon.cli import accounting, manifest_writer, overview
 from daemon.cli import read as cli_read
 from daemon.cli.base import (
     EXIT_CODES,
@@ -61,6 +61,8 @@ watchctl_app.command("batches")(cli_read.batches_command)
 watchctl_app.command("show")(cli_read.show_command)
 watchctl_app.command("jobs")(cli_read.jobs_command)
 watchctl_app.command("logs")(cli_read.logs_command)
+watchctl_app.command("usage")(accounting.usage_command)
+watchctl_app.command("quota")(accounting.quota_command)
 
 
 # -- watchctl: intents ----------------------------------------------------------------------

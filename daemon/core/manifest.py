@@ -36,6 +36,7 @@ from daemon.core.validation import problems
 
 MANIFEST_NAME = "manifest.toml"
 STATUS_NAME = "watchd-status.txt"
+CANCEL_NAME = "watchd-cancel"  # a file of this name, made by the folder's owner, cancels its batch
 RESULTS_DIR = "results"
 MAX_MANIFEST_BYTES = 16 << 20  # the default of the daemon's intake.max_manifest_bytes
 

@@ -19,8 +19,13 @@ from daemon.contract.jobspec import (
     owner_log,
     summarised,
 )
+from daemon.contract.usage import JobUsage
+from daemon.core import fairshare
 from daemon.core.jobplan import Sharding, compute_jobs, next_stage_job
 from daemon.core.manifest import Manifest
+from daemon.core.owners import Accounts, Quota
+from daemon.core.quotas import Account as QuotaAccount
+from daemon.core.quotas import parse_quota, refusal
 from daemon.core.readiness import NotReady, Ready, Verdict
 from daemon.core.records import Batch, Intent, IntentAction, Job, NewJob
 from daemon.core.states import BatchState, JobState, Phase
@@ -67,6 +72,9 @@ class Snapshot:
     submitting: bool = True  # False while shutting down
     paused_roots: frozenset[str] = frozenset()  # paused by an operator: no job goes out
     held_elsewhere: frozenset[str] = frozenset()  # roots another daemon holds: nor there
+    # the site's table of owners: turns, caps, quotas
+    accounts: Accounts = field(default_factory=Accounts)
+    quotas: Mapping[str, QuotaAccount] = field(default_factory=dict)  # by subject, this period
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,7 @@ class MoveJob:
     detail: str = ""
     fresh: bool = False  # an operator's retry: the attempt count starts again
     batch_id: int | None = None  # the job's batch: the actor commits a batch's moves together
+    usage: JobUsage | None = None  # what an ended attempt measured: charged to its owner
 
 
 @dataclass(frozen=True)
@@ -126,7 +135,36 @@ class PauseRoot:
     requested_by: str
 
 
-Action = MoveBatch | MoveJob | PlanJobs | Submit | Cancel | ResolveIntent | PauseRoot
+@dataclass(frozen=True)
+class Preempt:
+    """Stop these live jobs at the executor and make them pending again (their attempt is not
+    counted against the retry budget): their owner is over its share and another waits."""
+
+    job_ids: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class HoldBatch:
+    """Record why a queued batch does not start (its owner's quota); '' releases it."""
+
+    batch_id: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class SetQuota:
+    """Record an operator's quota of a subject (None: lift it, the config's applies again)."""
+
+    subject: str
+    quota: Quota | None
+    requested_by: str
+
+
+Action = (
+    MoveBatch | MoveJob | PlanJobs | Submit | Cancel | ResolveIntent | PauseRoot | Preempt
+    | HoldBatch | SetQuota
+)  # fmt: skip
 
 
 def opens_work(actions: Iterable[Action]) -> bool:
@@ -135,7 +173,8 @@ def opens_work(actions: Iterable[Action]) -> bool:
     again without waiting for its tick; a job seen running asks for nothing. (Each of these
     happens once per job or stage, so plans asked for this way end.)"""
     return any(
-        isinstance(a, PlanJobs) or (isinstance(a, MoveJob) and a.target is not JobState.RUNNING)
+        isinstance(a, (PlanJobs, Preempt))
+        or (isinstance(a, MoveJob) and a.target is not JobState.RUNNING)
         for a in actions
     )
 
@@ -148,6 +187,9 @@ def plan(snapshot: Snapshot) -> list[Action]:
     handled: set[int] = set()
     paused = snapshot.paused_roots
     for intent in snapshot.intents:
+        if intent.subject is not None:  # an operator's quota
+            actions += _apply_quota_intent(intent)
+            continue
         if intent.batch_id is None:  # an intent on a drop root
             root_actions, paused = _apply_root_intent(intent, paused)
             actions += root_actions
@@ -168,7 +210,10 @@ def plan(snapshot: Snapshot) -> list[Action]:
     if snapshot.submitting:
         stopped = paused | snapshot.held_elsewhere
         free = [j for j in pending if views[j.batch_id].batch.root not in stopped]
-        actions += _submissions(free, snapshot.free_slots)
+        # a batch or stage planned now has no pending job yet: its slot waits one round for
+        # it, so that it takes its turn with the others instead of losing it to them
+        planned = sum(isinstance(a, PlanJobs) for a in actions)
+        actions += _submissions(free, snapshot, planned)
     return actions
 
 
@@ -216,6 +261,20 @@ def _apply_intent(intent: Intent, view: BatchView | None) -> list[Action]:
             _resolved(intent, f"{intent.action.value}: waiting for inputs again"),
         ]
     return [_resolved(intent, f"ignored: {intent.action.value} is asked of a drop root")]
+
+
+def _apply_quota_intent(intent: Intent) -> list[Action]:
+    """Set or lift an operator's quota of a subject (``user:NAME`` or ``group:NAME``)."""
+    subject, who = str(intent.subject), intent.requested_by or "an operator"
+    kind = subject.partition(":")[0]
+    if intent.action is not IntentAction.QUOTA or kind not in ("user", "group"):
+        return [_resolved(intent, f"ignored: {intent.action.value} of {subject}")]
+    try:
+        quota = parse_quota(intent.value)
+    except ValueError as exc:
+        return [_resolved(intent, f"ignored: {exc}")]
+    outcome = f"quota of {subject}: {quota.describe()}" if quota else f"quota of {subject} lifted"
+    return [SetQuota(subject, quota, who), _resolved(intent, outcome)]
 
 
 def _apply_root_intent(
@@ -268,7 +327,27 @@ def _plan_batch(view: BatchView, snapshot: Snapshot) -> tuple[list[Action], list
     # report waits for the shards again).
     open_stage = min((j.stage for j in jobs if j.state is not JobState.SUCCEEDED), default=0)
     pending = [j for j in jobs if j.state is JobState.PENDING and j.stage == open_stage]
-    return actions, pending
+    held = _quota_hold(view, jobs, snapshot)
+    if held != batch.hold:
+        actions.append(HoldBatch(batch.id, held))
+    return actions, [] if held else pending
+
+
+def _quota_hold(view: BatchView, jobs: Sequence[Job], snapshot: Snapshot) -> str:
+    """Why a queued batch may not start under its owner's or its group's quota ('' when it
+    may). Only before its first job went out: a batch under way goes on to its end."""
+    batch = view.batch
+    if batch.state is not BatchState.QUEUED or any(j.attempts for j in jobs):
+        return ""
+    owner = batch.owned_by
+    if owner is None:
+        return ""
+    images = sum(j.images for j in jobs)
+    for subject in (f"user:{owner.user}", f"group:{owner.group}"):
+        account = snapshot.quotas.get(subject)  # the quotas in force, as the service found them
+        if account is not None and (said := refusal(account, images)):
+            return said
+    return ""
 
 
 def _revive(view: BatchView) -> list[Action]:
@@ -332,14 +411,29 @@ def _judge(job: Job, seen: JobSeen | None, policy: Policy) -> list[MoveJob]:
             else []
         )
     result = seen.result
+    usage = JobUsage.from_summary(result.summary) if result is not None else None
     if result is not None and result.ok:
         return [
-            MoveJob(job.id, JobState.SUCCEEDED, "finished", seen.exit_code, batch_id=job.batch_id)
+            MoveJob(
+                job.id,
+                JobState.SUCCEEDED,
+                "finished",
+                seen.exit_code,
+                batch_id=job.batch_id,
+                usage=usage,
+            )
         ]
     kind, reason, detail = _failure_of(seen)
     moves = [
         MoveJob(
-            job.id, JobState.FAILED, reason, seen.exit_code, kind, detail, batch_id=job.batch_id
+            job.id,
+            JobState.FAILED,
+            reason,
+            seen.exit_code,
+            kind,
+            detail,
+            batch_id=job.batch_id,
+            usage=usage,
         )
     ]
     if _retryable(kind) and job.tries < policy.max_attempts:
@@ -430,8 +524,45 @@ class _Failure:
         return MoveBatch(batch_id, BatchState.FAILED, self.reason, self.problems, self.detail)
 
 
-def _submissions(pending: Sequence[Job], free_slots: int | None) -> list[Action]:
-    """Hand pending jobs to the executor, oldest batch first, within the free slots. The
-    batch moves to RUNNING on a later tick, once the executor took one of its jobs."""
-    chosen = list(pending) if free_slots is None else list(pending)[: max(0, free_slots)]
-    return [Submit(tuple(j.id for j in chosen))] if chosen else []
+def fair_turns(snapshot: Snapshot, pending: Sequence[Job], held_back: int = 0) -> fairshare.Turns:
+    """The fair order of this snapshot (see :mod:`daemon.core.fairshare`): who goes out, who
+    yields, who waits and why; ``held_back`` slots are kept for jobs planned this round."""
+    batches = {v.batch.id: v.batch for v in snapshot.batches}
+    accounts = snapshot.accounts
+    live = [j for v in snapshot.batches for j in v.jobs if j.state.live]
+
+    def subject_of(job: Job) -> str:
+        return accounts.subject(batches[job.batch_id].owned_by)
+
+    stakes = {}
+    for batch in batches.values():
+        terms = accounts.terms(batch.owned_by)
+        stakes[accounts.subject(batch.owned_by)] = fairshare.Stake(terms.weight, terms.max_running)
+    served: dict[str, float] = {}
+    for job in (j for v in snapshot.batches for j in v.jobs if j.submitted_at is not None):
+        subject = subject_of(job)
+        served[subject] = max(served.get(subject, 0.0), float(job.submitted_at or 0.0))
+    free = snapshot.free_slots
+    if free is not None:
+        free = max(0, free - held_back)
+    return fairshare.share_out(
+        pending, live, subject_of, stakes, free,
+        preempt=accounts.preempt and not held_back, served=served,
+    )  # fmt: skip
+
+
+def _submissions(pending: Sequence[Job], snapshot: Snapshot, held_back: int) -> list[Action]:
+    """Hand pending jobs to the executor in the fair order, within the free slots, and stop
+    what must yield. The batch moves to RUNNING on a later tick, once the executor took one of
+    its jobs."""
+    turns = fair_turns(snapshot, pending, held_back)
+    actions: list[Action] = []
+    if turns.preempt:
+        owed = [s.subject for s in turns.standings
+                if s.pending and s.share is not None and s.running < s.share]  # fmt: skip
+        to = f" to {', '.join(owed)}" if owed else ""
+        reason = f"yielded its slot{to} (fair share); it resumes where it stopped"
+        actions.append(Preempt(tuple(j.id for j in turns.preempt), reason))
+    if turns.submit:
+        actions.append(Submit(tuple(j.id for j in turns.submit)))
+    return actions

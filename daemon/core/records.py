@@ -11,6 +11,7 @@ from typing import Any
 
 from daemon.contract.jobspec import ErrorKind, Identity, InputFile, Pipeline, Problem, Role
 from daemon.core.manifest_schema import Kind
+from daemon.core.owners import Owner
 from daemon.core.states import BatchState, JobState
 
 
@@ -38,6 +39,20 @@ class Batch:
     folder_device: int | None = None  # the folder's identity when the batch was taken in
     folder_inode: int | None = None
     root_inode: int | None = None  # the drop root's inode then (a share mounted again: another)
+    # The folder's owner as the share reported it at intake (None: taken in before it was
+    # recorded); the names as this host resolved them then.
+    owner_uid: int | None = None
+    owner_gid: int | None = None
+    owner_user: str = ""
+    owner_group: str = ""
+    hold: str = ""  # why a queued batch does not start (its owner's quota); '' when it may
+
+    @property
+    def owned_by(self) -> Owner | None:
+        """The folder's owner, who is charged for the batch (None: not recorded)."""
+        if self.owner_uid is None or self.owner_gid is None:
+            return None
+        return Owner(self.owner_uid, self.owner_gid, self.owner_user, self.owner_group)
 
     @property
     def path(self) -> Path:
@@ -66,6 +81,10 @@ class NewBatch:
     folder_device: int | None = None
     folder_inode: int | None = None
     root_inode: int | None = None
+    owner_uid: int | None = None
+    owner_gid: int | None = None
+    owner_user: str = ""
+    owner_group: str = ""
 
 
 @dataclass(frozen=True)
@@ -155,6 +174,11 @@ class IntentAction(enum.Enum):
     REQUEUE = "requeue"  # run every job again, a done batch's too
     PAUSE = "pause"  # take in no new batch from the root
     RESUME = "resume"
+    QUOTA = "quota"  # set (or lift) an owner's or a group's quota: of a subject
+
+    @property
+    def on_subject(self) -> bool:
+        return self is IntentAction.QUOTA
 
     @property
     def on_root(self) -> bool:
@@ -163,8 +187,9 @@ class IntentAction(enum.Enum):
 
 @dataclass(frozen=True)
 class Intent:
-    """An operator's request, applied by the daemon: on a batch (retry, cancel, requeue) or on
-    a drop root (pause, resume); exactly one of ``batch_id`` and ``root`` is set."""
+    """An operator's request, applied by the daemon: on a batch (retry, cancel, requeue), on
+    a drop root (pause, resume) or on a subject (``user:alice``, ``group:lab``: a quota, its
+    ``value`` the quota as JSON); exactly one of ``batch_id``, ``root`` and ``subject`` is set."""
 
     id: int
     at: float
@@ -174,6 +199,8 @@ class Intent:
     applied_at: float | None
     outcome: str
     root: str | None = None
+    subject: str | None = None
+    value: str = ""
 
 
 @dataclass(frozen=True)
@@ -206,3 +233,4 @@ class JobChange:
     error_kind: ErrorKind | None = None
     new_attempt: bool = False
     reset_attempts: bool = False
+    forgive_attempt: bool = False  # the attempt yielded its slot: not counted against the budget

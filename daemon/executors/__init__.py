@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 from daemon.contract.heldfolder import HeldFolder
 from daemon.contract.jobspec import Pipeline, Resources
 from daemon.core.manifest import ResourceRequest
+from daemon.core.owners import Charge
 from daemon.core.states import Phase
 
 if TYPE_CHECKING:
@@ -39,6 +40,8 @@ class Submission:
     group: str = ""
     attempt: int = 0  # with the job directory, names this submission for good
     resources: ResourceRequest = field(default_factory=ResourceRequest)  # [resources]
+    charge: Charge = field(default_factory=Charge)  # the batch owner's account, QOS, partition
+    throttle: int = 0  # the owner's share of an array's throttle (0: the site's)
 
     def held_job_dir(self) -> HeldFolder:
         """The job's folder (in the spool, the service's own), held."""

@@ -89,6 +89,7 @@ def submit_fields(request: JobRequest) -> dict[str, Any]:
         "array": request.array,
         "partitions": request.partition or None,
         "account": request.account or None,
+        "qos": request.qos or None,
         "constraints": request.constraint or None,
     }
     return fields | {k: v for k, v in optional.items() if v is not None}

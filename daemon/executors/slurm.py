@@ -96,9 +96,10 @@ class SlurmExecutor:
         self._refusals: dict[int, Refusals] = {}  # by job id: Slurm said no, not yet for good
 
     def slots(self) -> int | None:
-        """No limit (Slurm queues; arrays are throttled with %K), but none while the gate is
-        shut: the daemon then prepares no submissions it could not hand over."""
-        return None if self.gate.open else 0
+        """``max_jobs`` (0: no limit: Slurm queues; arrays are throttled with %K), but none
+        while the gate is shut: the daemon then prepares no submissions it could not hand
+        over."""
+        return (self.site.max_jobs or None) if self.gate.open else 0
 
     def width(self) -> int | None:
         return self.site.array_throttle or None

@@ -38,6 +38,7 @@ class JobRequest:
     array: str | None = None  # e.g. "0-859%50"
     partition: str = ""
     account: str = ""
+    qos: str = ""
     constraint: str = ""
     environment: Mapping[str, str] = field(default_factory=dict)
 

@@ -48,6 +48,7 @@ def sbatch_args(request: JobRequest) -> list[str]:
     for option, value in (
         ("partition", request.partition),
         ("account", request.account),
+        ("qos", request.qos),
         ("constraint", request.constraint),
     ):
         if value:

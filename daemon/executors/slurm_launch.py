@@ -32,6 +32,7 @@ from pathlib import Path
 
 from daemon.contract.errors import SubmissionError
 from daemon.contract.jobspec import Pipeline, Resources
+from daemon.core.owners import Charge
 from daemon.executors import Submission
 from daemon.executors.resources import Allocation, allocation
 from daemon.executors.slurm_api import JobRequest
@@ -76,6 +77,11 @@ class Launch:
     allocation: Allocation
 
     @property
+    def charge(self) -> Charge:
+        """The account, QOS and partition of the batch owner the launch's jobs belong to."""
+        return self.submissions[0].charge
+
+    @property
     def key(self) -> str:
         lines = "\n".join(f"{s.job_dir}\t{s.attempt}" for s in self.submissions)
         return hashlib.sha256(lines.encode()).hexdigest()[:16]
@@ -99,17 +105,18 @@ class Launch:
 def plan(submissions: Sequence[Submission], site: SlurmExecutorSection) -> list[Launch]:
     """Group submissions into launches: those of one group, folder, program and allocation go
     together as one array (in chunks of ``max_array_tasks``); the rest alone."""
-    groups: dict[tuple[str, Path, str, Allocation], list[Submission]] = {}
+    groups: dict[tuple[str, Path, str, Allocation, Charge, int], list[Submission]] = {}
     for sub in submissions:
         if why := unnameable(sub):
             raise SubmissionError(why)
         given = Resources(cpus=sub.cpus, gpus=sub.gpus, tasks=sub.tasks)
         alloc = allocation(sub.resources, given, site)
-        key = (sub.group or sub.name, sub.job_dir.parent, sub.module, alloc)
+        key = (sub.group or sub.name, sub.job_dir.parent, sub.module, alloc, sub.charge,
+               sub.throttle)  # fmt: skip
         groups.setdefault(key, []).append(sub)
     launches = []
     size = site.max_array_tasks
-    for (group, jobs_dir, module, alloc), subs in groups.items():
+    for (group, jobs_dir, module, alloc, *_), subs in groups.items():
         for start in range(0, len(subs), size):
             chunk = tuple(subs[start : start + size])
             name = group if len(chunk) > 1 else chunk[0].name
@@ -168,12 +175,14 @@ def job_script(launch: Launch, python: str) -> str:
 def request(
     launch: Launch, site: SlurmExecutorSection, script: Path, environment: Mapping[str, str]
 ) -> JobRequest:
-    """The Slurm request of a launch: options from the site's config and the allocation."""
+    """The Slurm request of a launch: options from the site's config, the allocation, and the
+    batch owner's account, QOS, partition and share of the array throttle."""
     array = None
     if launch.is_array:
         last = len(launch.submissions) - 1
-        throttle = f"%{site.array_throttle}" if site.array_throttle else ""
-        array = f"0-{last}{throttle}"
+        limit = throttle(site.array_throttle, launch.submissions[0].throttle)
+        array = f"0-{last}{f'%{limit}' if limit else ''}"
+    charge = launch.charge
     return JobRequest(
         name=launch.name,
         comment=launch.comment,
@@ -186,11 +195,19 @@ def request(
         ntasks=launch.allocation.tasks,
         gpus=launch.allocation.gpus,
         array=array,
-        partition=site.partition,
-        account=site.account,
+        partition=charge.partition or site.partition,
+        account=charge.account or site.account,
+        qos=charge.qos,
         constraint=site.constraint,
         environment=environment,
     )
+
+
+def throttle(site: int, owner: int) -> int:
+    """An array's %K: the owner's share of the throttle where it has one below the site's."""
+    if owner and (not site or owner < site):
+        return owner
+    return site
 
 
 def key_of_comment(comment: str) -> str | None:

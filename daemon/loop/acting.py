@@ -18,14 +18,18 @@ import structlog
 from daemon.contract.errors import ManifestError
 from daemon.contract.heldfolder import unwritable_problem
 from daemon.contract.jobspec import ErrorKind
+from daemon.core.owners import Accounts
 from daemon.core.planner import (
     Action,
     Cancel,
+    HoldBatch,
     MoveBatch,
     MoveJob,
     PauseRoot,
     PlanJobs,
+    Preempt,
     ResolveIntent,
+    SetQuota,
     Submit,
 )
 from daemon.core.records import Batch, Job, JobChange
@@ -34,6 +38,7 @@ from daemon.loop.dispatch import FINISHED_HANDLE, Dispatcher
 from daemon.loop.metrics import Metrics
 from daemon.loop.waitroom import WaitRoom
 from daemon.store import Store
+from daemon.store.usage import Charged
 
 log = structlog.get_logger("watchd")
 
@@ -49,12 +54,19 @@ class Effects:
 
 class Actor:
     def __init__(
-        self, store: Store, dispatch: Dispatcher, waitroom: WaitRoom, metrics: Metrics
+        self,
+        store: Store,
+        dispatch: Dispatcher,
+        waitroom: WaitRoom,
+        metrics: Metrics,
+        accounts: Accounts | None = None,
     ) -> None:
+        """``accounts``: the site's table of owners (the account an ended job is charged to)."""
         self.store = store
         self.dispatch = dispatch
         self.waitroom = waitroom
         self.metrics = metrics
+        self.accounts = accounts or Accounts()
         self._effects = Effects()
         self._unreachable: set[int] = set()  # batches whose folder the share cannot reach now
 
@@ -94,7 +106,11 @@ class Actor:
                 error_kind=action.error_kind,
                 reset_attempts=action.fresh,
             )
-            self._move_job(action.job_id, action.target, action.reason, now, change, action.detail)
+            job = self._move_job(
+                action.job_id, action.target, action.reason, now, change, action.detail
+            )
+            if action.target in (JobState.SUCCEEDED, JobState.FAILED):
+                self._charge(job, action, now)
         elif isinstance(action, PlanJobs):
             jobs = self.store.create_jobs(action.batch_id, action.jobs, now)
             log.info("jobs planned", batch_id=action.batch_id, jobs=len(jobs))
@@ -103,6 +119,17 @@ class Actor:
             self._submit(action.job_ids, now)
         elif isinstance(action, Cancel):
             self._cancel(action, now)
+        elif isinstance(action, Preempt):
+            self._preempt(action, now)
+        elif isinstance(action, HoldBatch):
+            self.store.set_hold(action.batch_id, action.reason, now)
+            log.info("batch held" if action.reason else "batch released",
+                     batch_id=action.batch_id, reason=action.reason)  # fmt: skip
+            self.touched(action.batch_id)
+        elif isinstance(action, SetQuota):
+            self.store.set_quota(action.subject, action.quota, action.requested_by, now)
+            log.info("quota set", subject=action.subject, by=action.requested_by,
+                     quota=action.quota.describe() if action.quota else "lifted")  # fmt: skip
         elif isinstance(action, PauseRoot):
             self.store.set_root_paused(action.root, action.paused, action.requested_by, now)
             log.info("drop root " + ("paused" if action.paused else "resumed"), root=action.root,
@@ -131,6 +158,29 @@ class Actor:
         if job.state.terminal:
             self.metrics.job_ended(job)
         return job
+
+    def _charge(self, job: Job, action: MoveJob, now: float) -> None:
+        """Record what an ended attempt used, charged to its batch's owner, group and account
+        (as the site's table says now), and count it in the group's metrics."""
+        batch = self.store.batch(job.batch_id)
+        owner = batch.owned_by
+        account = self.accounts.terms(owner).charge.account
+        charged = Charged(owner.user if owner else "", owner.group if owner else "", account)
+        self.store.record_usage(job, charged, action.usage, now)
+        self.metrics.charged(charged.group, job, action.usage)
+
+    def _preempt(self, action: Preempt, now: float) -> None:
+        """Stop jobs whose owner is over its share: each is cancelled at the executor (a cancel
+        kept in the same transaction) and made pending again, its attempt not counted."""
+        for job in (self.store.job(i) for i in action.job_ids):
+            if not job.state.live:
+                continue
+            with self.store.atomic():
+                self.dispatch.keep_cancel(job, now)
+                self._move_job(job.id, JobState.CANCELLED, action.reason, now)
+                change = JobChange(forgive_attempt=True)
+                self._move_job(job.id, JobState.PENDING, "waits for its turn again", now, change)
+        self.dispatch.deliver_cancels()
 
     def _move_batch(self, action: MoveBatch, now: float) -> None:
         batch = self.store.transition_batch(
@@ -223,7 +273,7 @@ SHARE_DOWN = frozenset({
 def _failed_batch(action: Action, store: Store) -> int | None:
     """The batch to fail for an action that raised (a submission's or cancel's: its first
     job's)."""
-    if isinstance(action, (Submit, Cancel)) and action.job_ids:
+    if isinstance(action, (Submit, Cancel, Preempt)) and action.job_ids:
         return store.job(action.job_ids[0]).batch_id
     return _batch_of(action)
 
@@ -234,7 +284,8 @@ def _transactions(actions: Iterable[Action]) -> list[list[Action]]:
     groups: list[list[Action]] = []
     key: int | None = None
     for action in actions:
-        batch_id = None if isinstance(action, (Submit, Cancel)) else _batch_of(action)
+        talks = isinstance(action, (Submit, Cancel, Preempt))
+        batch_id = None if talks else _batch_of(action)
         if batch_id is not None and groups and batch_id == key:
             groups[-1].append(action)
         else:
@@ -245,6 +296,6 @@ def _transactions(actions: Iterable[Action]) -> list[list[Action]]:
 
 def _batch_of(action: Action) -> int | None:
     """The batch an action is about, as the planner said (None: a drop root's, or several)."""
-    if isinstance(action, (MoveBatch, PlanJobs, MoveJob, ResolveIntent)):
+    if isinstance(action, (MoveBatch, PlanJobs, MoveJob, ResolveIntent, HoldBatch)):
         return action.batch_id
     return None

@@ -42,6 +42,7 @@ from daemon.contract.jobspec import (
 )
 from daemon.core.jobplan import job_spec
 from daemon.core.manifest import Manifest
+from daemon.core.owners import Accounts, Terms
 from daemon.core.planner import JobSeen
 from daemon.core.records import Batch, Job
 from daemon.core.states import Phase
@@ -75,10 +76,12 @@ class Dispatcher:
         registry_dir: str,
         spool: str,
         clock: Callable[[], float] = time.monotonic,
+        accounts: Accounts | None = None,
     ) -> None:
         """A job that ended without a result is given the executor's ``result_grace`` for its
         result to show before it counts as lost. ``spool``: the service's spool, where the job
-        folders are."""
+        folders are. ``accounts``: the site's table of owners (what each job is charged to)."""
+        self.accounts = accounts or Accounts()
         self.store = store
         self.executor = executor
         self.registry_dir = registry_dir
@@ -183,7 +186,8 @@ class Dispatcher:
             if finished:
                 done.append((job, FINISHED_HANDLE))
                 continue
-            ready.append((job, _submission(spec, manifest)))
+            terms = self.accounts.terms(batch.owned_by)
+            ready.append((job, _submission(spec, manifest, terms)))
         taken, refused = self._hand_over(ready) if ready else ([], [])
         return Outcome(tuple(done + taken), tuple(refused), tuple(unwritable))
 
@@ -239,12 +243,13 @@ class Dispatcher:
         log.info("cancels delivered", jobs=len(kept))
 
 
-def _submission(spec: JobSpec, manifest: Manifest) -> Submission:
+def _submission(spec: JobSpec, manifest: Manifest, terms: Terms) -> Submission:
     group = f"b{spec.batch_id:06d}-{spec.pipeline.value}"
     return Submission(
         spec.job_id, spec.job_name, spec.pipeline.module, spec.job_dir,
         spec.resources.cpus, spec.resources.gpus, spec.resources.tasks, group=group,
-        attempt=spec.attempt, resources=manifest.resources,
+        attempt=spec.attempt, resources=manifest.resources, charge=terms.charge,
+        throttle=terms.array_throttle,
     )  # fmt: skip
 
 

@@ -18,10 +18,12 @@ from daemon.loop.intake import Intake
 from daemon.loop.mailer import Mailer
 from daemon.loop.metrics import Metrics
 from daemon.loop.notify import Notifier
+from daemon.loop.selfservice import SelfService
 from daemon.loop.service import Clock, Parts, Service
 from daemon.loop.waitroom import Schedule, WaitRoom
 from daemon.site.claims import Claims
 from daemon.site.config import Config
+from daemon.site.owners import admission
 from daemon.store import Store
 from daemon.watcher import Wake, Watcher, WatchEvent
 
@@ -50,7 +52,9 @@ def build_service(
         max(intake.max_check_seconds, intake.check_seconds),
     )
     waitroom = WaitRoom(timing, schedule, store.manifest_text, lambda batch: events.put(Wake()))
-    dispatch = Dispatcher(store, executor, str(config.registry.path), str(config.daemon.spool_dir))
+    accounts = config.accounts.table()
+    dispatch = Dispatcher(store, executor, str(config.registry.path), str(config.daemon.spool_dir),
+                          accounts=accounts)  # fmt: skip
     metrics = Metrics()
     planner = config.planner
     shards = Sharding(planner.shard_size, planner.max_shard_size, executor.width(),
@@ -70,10 +74,11 @@ def build_service(
                 settle_seconds=intake.settle_seconds,
                 retry_seconds=intake.retry_unreadable_seconds,
                 limits=lambda manifest: resources.problems(manifest.resources, executor.bounds()),
+                admits=admission(accounts),
             ),
             waitroom=waitroom,
             dispatch=dispatch,
-            actor=Actor(store, dispatch, waitroom, metrics),
+            actor=Actor(store, dispatch, waitroom, metrics, accounts),
             endings=Endings(store, metrics, mailer, timing, config.mail.sender),
             metrics=metrics,
             policy=Policy(shards, planner.max_attempts, executor.name),
@@ -81,5 +86,7 @@ def build_service(
             notifier=notifier or Notifier(None),
             clock=clock,
             stop=stop or threading.Event(),
+            accounts=accounts,
+            selfservice=SelfService(store, intake.cancel_check_seconds),
         )
     )

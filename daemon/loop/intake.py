@@ -32,8 +32,10 @@ from daemon.core.manifest import (
     manifest_sha256,
     parse_manifest,
 )
+from daemon.core.owners import Owner
 from daemon.core.records import Batch, IntentAction, NewBatch
 from daemon.core.states import BatchState
+from daemon.site.owners import owner_of
 from daemon.store import Store
 from daemon.watcher import FolderSeen, stat_signature
 
@@ -44,13 +46,14 @@ RUN_NAME_TRIES = 3  # a random part that exists already: drawn again (32 bits: n
 
 @dataclass(frozen=True)
 class Seen:
-    """A batch folder as intake found it: its identity (None for a folder not read) and its
-    manifest's stat signature."""
+    """A batch folder as intake found it: its identity and owner (None for a folder not read)
+    and its manifest's stat signature."""
 
     root: Path
     folder: str
     identity: Identity | None
     signature: str
+    owner: Owner | None = None
 
 
 @dataclass(frozen=True)
@@ -81,13 +84,15 @@ class Intake:
         settle_seconds: float,
         limits: Callable[[Manifest], Sequence[Problem]] | None = None,
         retry_seconds: float = 30.0,
+        admits: Callable[[Owner], Problem | None] | None = None,
     ) -> None:
         """``limits``: the site's rules beyond the manifest format (e.g. the cluster's bounds
         on resources); a manifest that breaks one is refused like an invalid one.
         ``retry_seconds``: how often a folder or manifest the service may not read is looked
-        at again."""
+        at again. ``admits``: why the site refuses a folder's owner (None: it does not)."""
         self.store = store
         self.limits = limits
+        self.admits = admits
         self.max_bytes = max_manifest_bytes
         self.settle = settle_seconds
         self.retry = retry_seconds
@@ -127,7 +132,7 @@ class Intake:
             self._record_refusal(root, folder, signature, refusal, now)
             return None
         try:
-            identity, data = _read(root, folder, self.max_bytes)
+            identity, owner, data = _read(root, folder, self.max_bytes)
         except PermissionError as exc:
             return self._unreadable(
                 root, folder, f"{signature}:unreadable", _unreadable(exc, self.retry), now
@@ -135,7 +140,7 @@ class Intake:
         except OSError as exc:  # the share failing: try again at the next look
             log.warning("manifest unreadable", root=str(root), folder=folder, error=str(exc))
             return None
-        return self._take(Seen(root, folder, identity, signature), data, st.st_mtime, now)
+        return self._take(Seen(root, folder, identity, signature, owner), data, st.st_mtime, now)
 
     def _take(self, seen: Seen, data: bytes, mtime: float, now: float) -> LookAgain | None:
         sha = manifest_sha256(data)
@@ -145,17 +150,22 @@ class Intake:
             log.info("manifest unchanged", batch_id=latest.id, folder=seen.folder)
             self._taken = latest  # the folder may be a fresh copy: its status file is due again
             return None
+        stranger = self.admits(seen.owner) if self.admits and seen.owner else None
         try:
             manifest: Manifest | None = parse_manifest(data, max_bytes=self.max_bytes)
             problems: tuple[Problem, ...] = ()
             if self.limits is not None and manifest is not None:
                 problems = tuple(self.limits(manifest))
                 manifest = None if problems else manifest
+            if stranger is not None and manifest is not None:
+                manifest, problems = None, (stranger,)
         except ManifestError as exc:
             if now - mtime < self.settle:
                 return LookAgain(seen.root, seen.folder, mtime + self.settle)
             manifest, problems = None, exc.problems
-        self._record(seen, data, sha, manifest, problems, now)
+        refused_owner = stranger is not None and problems == (stranger,)
+        why = "owner refused: not in the site's [accounts]" if refused_owner else "manifest refused"
+        self._record(seen, data, sha, manifest, problems, now, why)
         return None
 
     def _record(
@@ -184,6 +194,10 @@ class Intake:
             folder_device=seen.identity.device if seen.identity else None,
             folder_inode=seen.identity.inode if seen.identity else None,
             root_inode=seen.identity.root if seen.identity else None,
+            owner_uid=seen.owner.uid if seen.owner else None,
+            owner_gid=seen.owner.gid if seen.owner else None,
+            owner_user=seen.owner.user if seen.owner else "",
+            owner_group=seen.owner.group if seen.owner else "",
         )
         with self.store.atomic():
             if manifest is not None:
@@ -286,13 +300,14 @@ def _folder_unreadable(exc: OSError, retry: float) -> Problem:
     )
 
 
-def _read(root: Path, folder: str, max_bytes: int) -> tuple[Identity, bytes]:
-    """The batch folder's identity and at most ``max_bytes + 1`` bytes of its manifest (enough
-    for the parser to say it is too big), both from the one folder held for it: a manifest or
-    folder swapped for a link or a FIFO after the first look is never read (nor waited on).
+def _read(root: Path, folder: str, max_bytes: int) -> tuple[Identity, Owner, bytes]:
+    """The batch folder's identity and owner (as the share reports it) and at most
+    ``max_bytes + 1`` bytes of its manifest (enough for the parser to say it is too big), all
+    from the one folder held for it: a manifest or folder swapped for a link or a FIFO after
+    the first look is never read (nor waited on).
     """
     with HeldFolder.batch(root, folder) as held, held.open_read(MANIFEST_NAME) as handle:
-        return held.identity(), handle.read(max_bytes + 1)
+        return held.identity(), owner_of(os.fstat(held.fd)), handle.read(max_bytes + 1)
 
 
 def _replaced(previous: Batch, seen: Seen) -> bool:

@@ -22,6 +22,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from daemon.contract.jobspec import ErrorKind
+from daemon.contract.usage import JobUsage
 from daemon.core.records import Job
 from daemon.core.states import BatchState, JobState
 from daemon.site.config import MetricsSection
@@ -83,6 +84,27 @@ class Metrics:
         self.mails = Counter(
             "watchd_mails", "E-mails to batch owners by outcome.", ["outcome"], registry=r
         )
+        # What each group's jobs used (the batch folder's group, as the share reports it).
+        self.group_jobs = Counter(
+            "watchd_group_jobs", "Ended job attempts by group and outcome.",
+            ["group", "outcome"], registry=r,
+        )  # fmt: skip
+        self.group_images = Counter(
+            "watchd_group_images", "Images of succeeded inference jobs by group.", ["group"],
+            registry=r,
+        )  # fmt: skip
+        self.group_cpu = Counter(
+            "watchd_group_cpu_seconds", "CPU time the jobs measured, by group.", ["group"],
+            registry=r,
+        )  # fmt: skip
+        self.group_gpu = Counter(
+            "watchd_group_gpu_seconds", "GPU time the jobs held, by group.", ["group"],
+            registry=r,
+        )  # fmt: skip
+        self.group_bytes = Counter(
+            "watchd_group_bytes", "Bytes the jobs read (in) and wrote (out), by group.",
+            ["group", "direction"], registry=r,
+        )  # fmt: skip
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -150,6 +172,19 @@ class Metrics:
         if job.submitted_at is not None and job.finished_at is not None:
             seconds = max(0.0, job.finished_at - job.submitted_at)
             self.job_seconds.labels(job.pipeline.value, job.state.value).observe(seconds)
+
+    def charged(self, group: str, job: Job, usage: JobUsage | None) -> None:
+        """An ended attempt was charged to ``group`` ('' for batches taken in before owners
+        were recorded: counted as "unknown")."""
+        group = group or "unknown"
+        self.group_jobs.labels(group, job.state.value).inc()
+        if job.state is JobState.SUCCEEDED and job.images:
+            self.group_images.labels(group).inc(job.images)
+        if usage is not None:
+            self.group_cpu.labels(group).inc(usage.cpu_s)
+            self.group_gpu.labels(group).inc(usage.gpu_s)
+            self.group_bytes.labels(group, "in").inc(usage.bytes_in)
+            self.group_bytes.labels(group, "out").inc(usage.bytes_out)
 
     def batch_ended(
         self, state: BatchState, from_state: BatchState | None, jobs: Sequence[Job]

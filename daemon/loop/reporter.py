@@ -19,7 +19,7 @@ import structlog
 from daemon.contract.errors import ManifestError
 from daemon.contract.heldfolder import HeldFolder
 from daemon.contract.jobspec import Problem
-from daemon.core.manifest import MANIFEST_NAME, STATUS_NAME, parse_manifest
+from daemon.core.manifest import CANCEL_NAME, MANIFEST_NAME, STATUS_NAME, parse_manifest
 from daemon.core.manifest_schema import Kind
 from daemon.core.readiness import Timing
 from daemon.core.records import Batch, Event, Job, RootRecord, images_progress
@@ -68,6 +68,9 @@ def render(status: StatusInput, now: float) -> str:
         lines.append(f"Paused:    {_paused(status.pause)}")
     if b.owner:
         lines.append(f"Owner:     {b.owner}" + (f" <{b.contact}>" if b.contact else ""))
+    if b.owned_by is not None:
+        owners = f"user {b.owner_user}, group {b.owner_group}"
+        lines.append(f"Charged:   {owners} (the owners of this folder on the share)")
     if status.jobs:
         lines.append(f"Progress:  {_progress(status.jobs)}")
     if b.state not in (BatchState.WAITING, BatchState.FAILED) or status.jobs:
@@ -108,8 +111,21 @@ def _body(status: StatusInput) -> list[str]:
             f"Next step: {_after_failure(status)}",
         ]
     if b.state is BatchState.CANCELLED:
-        return [f"Why: {b.reason}"]
+        return [f"Why: {b.reason}", *_after_cancel(b)]
+    if b.state is BatchState.QUEUED and b.hold:
+        return [f"Held: {b.hold}"]
     return [f"Latest: {b.reason}"]
+
+
+def _after_cancel(b: Batch) -> list[str]:
+    """What the owner does to run a batch again that they cancelled themselves."""
+    if CANCEL_NAME not in b.reason:
+        return []
+    return [
+        f"Next step: to run it again, remove {CANCEL_NAME} from this folder, then save "
+        f"{MANIFEST_NAME} again (a changed manifest starts a new revision) or ask an operator "
+        f"to run `watchctl retry {b.id}`."
+    ]
 
 
 def _after_failure(status: StatusInput) -> str:

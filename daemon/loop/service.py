@@ -19,13 +19,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
 
 from daemon.contract.jobspec import Problem
 from daemon.core import readiness
+from daemon.core.owners import Accounts
 from daemon.core.planner import BatchView, Policy, Snapshot, opens_work, plan
 from daemon.core.readiness import NotReady
 from daemon.core.records import Batch, Job
@@ -39,6 +40,7 @@ from daemon.loop.intake import Intake, LookAgain
 from daemon.loop.metrics import Metrics
 from daemon.loop.notify import Notifier
 from daemon.loop.pulse import Pulse, roots_info
+from daemon.loop.selfservice import SelfService
 from daemon.loop.waitroom import WaitRoom
 from daemon.site.claims import Claims
 from daemon.site.config import Config
@@ -73,6 +75,9 @@ class Parts:
     notifier: Notifier
     clock: Clock
     stop: threading.Event  # asks for shutdown, shared with the executor's retries
+    # the site's table of owners: turns, caps, quotas
+    accounts: Accounts = field(default_factory=Accounts)
+    selfservice: SelfService | None = None  # owners cancelling their own batches
 
 
 class Service:
@@ -83,6 +88,7 @@ class Service:
         self.waitroom, self.dispatch, self.actor = parts.waitroom, parts.dispatch, parts.actor
         self.endings, self.metrics, self.policy = parts.endings, parts.metrics, parts.policy
         self.timing, self.notifier, self.clock = parts.timing, parts.notifier, parts.clock
+        self.accounts, self.selfservice = parts.accounts, parts.selfservice
         self.pulse = Pulse(
             self.store, self.notifier, self.metrics, config.daemon.heartbeat_seconds,
             lambda: {
@@ -215,7 +221,9 @@ class Service:
     # -- one tick ----------------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
-        self._drain(now)
+        touched = self._drain(now)
+        if self.selfservice is not None:
+            self.selfservice.look(self.store.active_batches(), touched, now)
         if now >= self._next_rescan:
             self.catch_up(now)
         self.dispatch.deliver_cancels()  # before any submission: a retried job may wait on one
@@ -232,7 +240,8 @@ class Service:
         self.pulse.beat(now)
         self.pulse.ping(now)
 
-    def _drain(self, now: float) -> None:
+    def _drain(self, now: float) -> set[tuple[str, str]]:
+        """Take in what the watcher reported and what was deferred; the folders touched."""
         touched: dict[tuple[Path, str], None] = {}
         while True:
             try:
@@ -250,6 +259,7 @@ class Service:
         for root, folder in touched:
             self.waitroom.touched(str(root), folder)
             self._look(root, folder, now)
+        return {(str(root), folder) for root, folder in touched}
 
     def _suspended(self) -> frozenset[str]:
         """The drop roots that take in and submit nothing now: those an operator paused and
@@ -383,6 +393,8 @@ class Service:
             now=now, policy=self.policy, batches=views, seen=seen, intents=intents,
             free_slots=free, submitting=self._submitting, paused_roots=self.paused,
             held_elsewhere=frozenset(str(root) for root in self.claims.refused),
+            accounts=self.accounts,
+            quotas=self.store.quotas_of(batches.values(), self.accounts, now),
         )  # fmt: skip
 
     def _view(self, batch: Batch, jobs: Iterable[Job], now: float) -> BatchView:

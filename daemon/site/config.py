@@ -19,6 +19,7 @@ import pydantic
 from pydantic import AfterValidator, BeforeValidator, Field
 
 from daemon.contract.errors import ConfigError
+from daemon.core.owners import Accounts, FairBy, Period, Quota, Rule
 from daemon.core.validation import problems
 from daemon.site.access import denied
 
@@ -88,6 +89,9 @@ class IntakeSection(_Section):
     # A batch folder or manifest the service may not read is looked at again this often, so
     # that one fixed (its ACLs set) is taken in at once, not at the next catch-up scan.
     retry_unreadable_seconds: Annotated[float, Field(ge=1, le=3600)] = 30.0
+    # A batch folder under way is looked at this often for its owner's watchd-cancel file (and
+    # at once when the watcher reports a change in it).
+    cancel_check_seconds: Annotated[float, Field(ge=0.1, le=3600)] = 10.0
 
 
 class PlannerSection(_Section):
@@ -175,6 +179,9 @@ class SlurmExecutorSection(_Section):
     tasks: Annotated[int, Field(ge=1, le=1024)] = 1  # tasks of a training job (srun, DDP)
     max_tasks: Annotated[int, Field(ge=1, le=1024)] = 1
     array_throttle: Annotated[int, Field(ge=0, le=100_000)] = 50  # %K; 0: no throttle
+    # Jobs the service keeps in Slurm at once (0: no limit, Slurm queues them all): a number
+    # gives the daemon's fair order (and its yielding) that many slots to share out.
+    max_jobs: Annotated[int, Field(ge=0, le=1_000_000)] = 0
     max_array_tasks: Annotated[int, Field(ge=1, le=1_000_000)] = 1000  # below MaxArraySize
     poll_seconds: Seconds = 10.0  # at most one status query this often
     result_grace_seconds: Annotated[float, Field(ge=0, le=3600)] = 30.0  # see below
@@ -204,6 +211,66 @@ class SlurmExecutorSection(_Section):
             if value > bound:
                 raise ValueError(f"{name} = {value} is above {bound_name} = {bound}")
         return self
+
+
+def _slurm_name(value: str | None) -> str | None:
+    if value and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}", value):
+        raise ValueError("must be a Slurm name: letters, digits, '_', '.', '+', '-'")
+    return value
+
+
+SlurmName = Annotated[str | None, AfterValidator(_slurm_name)]
+
+
+class QuotaSection(_Section):
+    """What an owner or group may use per calendar period (UTC); unset: no limit on it."""
+
+    per: Literal["day", "month"] = "month"
+    images: Annotated[int, Field(ge=0)] | None = None
+    cpu_hours: Annotated[float, Field(ge=0)] | None = None
+    gpu_hours: Annotated[float, Field(ge=0)] | None = None
+
+    def quota(self) -> Quota:
+        return Quota(Period(self.per), self.images, self.cpu_hours, self.gpu_hours)
+
+
+class AccountRule(_Section):
+    """One row of the site's table of owners: unset values come from the group's row, then
+    the default."""
+
+    account: SlurmName = None  # sbatch --account
+    qos: SlurmName = None  # sbatch --qos
+    partition: SlurmName = None  # sbatch --partition (else executor.slurm.partition)
+    weight: Annotated[float, Field(gt=0, le=1000)] | None = None  # share of the slots
+    max_running: Annotated[int, Field(ge=0, le=1_000_000)] | None = None  # 0: no cap
+    array_throttle: Annotated[int, Field(ge=0, le=100_000)] | None = None  # 0: the site's
+    quota: QuotaSection | None = None
+
+    def rule(self) -> Rule:
+        return Rule(self.account, self.qos, self.partition, self.weight, self.max_running,
+                    self.array_throttle, self.quota.quota() if self.quota else None)  # fmt: skip
+
+
+class AccountsSection(_Section):
+    """Who is charged for a batch and how owners share the slots (daemon.core.owners): a batch's
+    owner is its folder's user and group on the share, never the manifest's [owner]."""
+
+    fair_by: Literal["owner", "group"] = "owner"  # whose turn it is
+    unknown: Literal["default", "refuse"] = "default"  # an owner in neither table
+    preempt: bool = True  # an owner over its share yields an inference job to one below it
+    default: AccountRule = AccountRule()
+    users: dict[str, AccountRule] = {}
+    groups: dict[str, AccountRule] = {}
+
+    def table(self) -> Accounts:
+        return Accounts(
+            default=self.default.rule(),
+            users={name: rule.rule() for name, rule in self.users.items()},
+            groups={name: rule.rule() for name, rule in self.groups.items()},
+            refuse_unknown=self.unknown == "refuse",
+            fair_by=FairBy(self.fair_by),
+            preempt=self.preempt,
+        )
 
 
 class ExecutorSection(_Section):
@@ -266,6 +333,7 @@ class Config(_Section):
     jobs: JobsSection = JobsSection()
     metrics: MetricsSection = MetricsSection()
     mail: MailSection = MailSection()
+    accounts: AccountsSection = AccountsSection()
     source: Path = Field(default=Path("config.toml"), exclude=True)
 
 

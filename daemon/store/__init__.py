@@ -7,8 +7,9 @@ Migrations are versioned and recorded in the same transaction that applies them.
 
 :class:`Store` is one handle put together from one part per thing stored: batches
 (:mod:`.batches`), jobs (:mod:`.jobs`), the audit log and operators' intents (:mod:`.events`),
-and what the daemon keeps about its own running: drop roots, undelivered cancels, the heartbeat
-(:mod:`.operations`). They share the connection, the write transaction and the audit append
+what the daemon keeps about its own running: drop roots, undelivered cancels, the heartbeat
+(:mod:`.operations`), and accounting: usage per ended attempt, operators' quotas, holds
+(:mod:`.usage`). They share the connection, the write transaction and the audit append
 (:mod:`.base`) and the row decoders (:mod:`.rows`); the schema is :mod:`daemon.store.migrations`.
 """
 
@@ -27,11 +28,12 @@ from daemon.store.jobs import JobStore
 from daemon.store.migrations import MIGRATIONS
 from daemon.store.operations import OperationStore
 from daemon.store.rows import _casefold
+from daemon.store.usage import UsageStore
 
 __all__ = ["Store"]
 
 
-class Store(BatchStore, JobStore, EventStore, OperationStore):
+class Store(BatchStore, JobStore, EventStore, OperationStore, UsageStore):
     """A handle on the watchd database; one per thread."""
 
     def __init__(self, path: Path) -> None:

@@ -79,6 +79,16 @@ class EventStore(StoreBase):
             intent_id = self._insert("intents", row)
         return self.intent(intent_id)
 
+    def add_subject_intent(
+        self, action: IntentAction, subject: str, value: str, now: float, requested_by: str
+    ) -> Intent:
+        """An intent on a subject (``user:NAME``, ``group:NAME``): a quota, as JSON."""
+        row = {"at": now, "action": action.value, "subject": subject, "value": value,
+               "requested_by": requested_by}  # fmt: skip
+        with self.atomic():
+            intent_id = self._insert("intents", row)
+        return self.intent(intent_id)
+
     def intent(self, intent_id: int) -> Intent:
         rows = list(self.db.query("SELECT * FROM intents WHERE id = ?", [intent_id]))
         if not rows:

@@ -143,6 +143,8 @@ class JobStore(StoreBase):
                 update["handle"] = change.handle
             if change.reset_attempts:
                 update["attempts_base"] = current.attempts
+            elif change.forgive_attempt:
+                update["attempts_base"] = min(current.attempts, current.attempts_base + 1)
             if change.new_attempt:
                 update["attempts"] = current.attempts + 1
                 update["submitted_at"] = now

@@ -167,4 +167,69 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         ALTER TABLE jobs ADD COLUMN images_done INTEGER NOT NULL DEFAULT 0
         """,
     ),
+    # Many owners, one facility. A batch's owner is its folder's user and group as the share
+    # reported them at intake (NULL: taken in before). ``hold`` says why a queued batch does not
+    # start (its owner's quota). ``usage`` has one row per ended job attempt: what the job
+    # measured, charged to its batch's owner, group and account then. ``quotas`` are what
+    # operators set with ``watchctl quota`` (the daemon writes them, applying an intent); an
+    # intent may now name a subject (``user:alice``, ``group:lab``) instead of a batch or a root,
+    # so the table is rebuilt with exactly one of the three set, its rows kept.
+    (
+        8,
+        """
+        ALTER TABLE batches ADD COLUMN owner_uid INTEGER;
+        ALTER TABLE batches ADD COLUMN owner_gid INTEGER;
+        ALTER TABLE batches ADD COLUMN owner_user TEXT NOT NULL DEFAULT '';
+        ALTER TABLE batches ADD COLUMN owner_group TEXT NOT NULL DEFAULT '';
+        ALTER TABLE batches ADD COLUMN hold TEXT NOT NULL DEFAULT '';
+        CREATE TABLE usage (
+            id INTEGER PRIMARY KEY,
+            at REAL NOT NULL,
+            job_id INTEGER NOT NULL,
+            batch_id INTEGER NOT NULL,
+            attempt INTEGER NOT NULL,
+            pipeline TEXT NOT NULL,
+            state TEXT NOT NULL,
+            owner_user TEXT NOT NULL,
+            owner_group TEXT NOT NULL,
+            account TEXT NOT NULL,
+            handle TEXT NOT NULL DEFAULT '',
+            wall_s REAL NOT NULL DEFAULT 0,
+            cpu_s REAL NOT NULL DEFAULT 0,
+            gpu_s REAL NOT NULL DEFAULT 0,
+            images INTEGER NOT NULL DEFAULT 0,
+            bytes_in INTEGER NOT NULL DEFAULT 0,
+            bytes_out INTEGER NOT NULL DEFAULT 0,
+            UNIQUE (job_id, attempt)
+        );
+        CREATE INDEX usage_at ON usage(at);
+        CREATE TABLE quotas (
+            subject TEXT PRIMARY KEY,
+            per TEXT NOT NULL,
+            images INTEGER,
+            cpu_hours REAL,
+            gpu_hours REAL,
+            set_by TEXT NOT NULL DEFAULT '',
+            set_at REAL NOT NULL
+        );
+        CREATE TABLE intents_new (
+            id INTEGER PRIMARY KEY,
+            at REAL NOT NULL,
+            action TEXT NOT NULL,
+            batch_id INTEGER,
+            root TEXT,
+            subject TEXT,
+            value TEXT NOT NULL DEFAULT '',
+            requested_by TEXT NOT NULL DEFAULT '',
+            applied_at REAL,
+            outcome TEXT NOT NULL DEFAULT '',
+            CHECK ((batch_id IS NOT NULL) + (root IS NOT NULL) + (subject IS NOT NULL) = 1)
+        );
+        INSERT INTO intents_new (id, at, action, batch_id, root, requested_by, applied_at, outcome)
+            SELECT id, at, action, batch_id, root, requested_by, applied_at, outcome FROM intents;
+        DROP TABLE intents;
+        ALTER TABLE intents_new RENAME TO intents;
+        CREATE INDEX intents_pending ON intents(id) WHERE applied_at IS NULL
+        """,
+    ),
 )
