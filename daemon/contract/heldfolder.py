@@ -173,11 +173,15 @@ class HeldFolder:
         return HeldFolder(fd, self.path.joinpath(*walked))
 
     # -- reading ---------------------------------------------------------------------------
-    def open_read(self, relative: str | PurePosixPath) -> BinaryIO:
-        """Open a regular file below this folder for reading (FileNotFoundError if missing)."""
+    def open_read(self, relative: str | PurePosixPath, *, sole: bool = False) -> BinaryIO:
+        """Open a regular file below this folder for reading (FileNotFoundError if missing).
+        ``sole``: only if it has no other hard link, for a file the service wrote where its
+        owner may write: one with another link was put there, and may be a file elsewhere
+        (where the kernel does not keep users from linking what they may not read: an NFS
+        server's, fs.protected_hardlinks = 0)."""
         *above, name = parts_of(relative)
         with self._parent(above) as parent, self._located():
-            fd = _open_file(name, _READ_FLAGS, parent.fd, str(relative), links_ok=True)
+            fd = _open_file(name, _READ_FLAGS, parent.fd, str(relative), links_ok=not sole)
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
 
