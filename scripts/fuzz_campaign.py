@@ -80,9 +80,9 @@ FAMILIES: dict[str, dict[str, Any]] = {  # what a family draws: plants under res
     "screen": {**BASIC, "screen": True},
     "manifests": {**BASIC, "manifests": hostile.MANIFESTS},
     "results": {**BASIC, "results": True, "inside": "names"},
-    "canary": {**BASIC, "inside": "canary", "canary": True},
-    "races": {**BASIC, "inside": "races", "races": True},
-    "leases": {**BASIC, "leases": True},
+    "canary": {**BASIC, "inside": "canary", "canary": True, "runnable": True},
+    "races": {**BASIC, "inside": "races", "races": True, "runnable": True},
+    "leases": {**BASIC, "leases": True, "runnable": True},
     "all": {"results": True, "manifests": hostile.MANIFESTS, "screen": True, "inside": "names",
             "canary": True, "races": True, "leases": True},
 }  # fmt: skip
@@ -108,6 +108,11 @@ class Outcome:
     seconds: float = 0.0
     slowest_tick: float = 0.0
     counts: Counter[str] = field(default_factory=Counter)  # what the intruder tried, how it ended
+    batches: Counter[str] = field(default_factory=Counter)  # how they ended; how many ran jobs
+
+    def said(self) -> str:
+        ended = ", ".join(f"{state} {n}" for state, n in sorted(self.batches.items()))
+        return f"{self.folders} folders ({ended})"
 
 
 def scenarios(family: str, scale: hostile.Scale) -> st.SearchStrategy[tuple[hostile.Hostile, ...]]:
@@ -163,6 +168,7 @@ def _run(
     outcome.violations += [v for w in outside for v in w.violations("outside (daemon, jobs)")]
     outcome.violations += models.violations("registry")
     outcome.violations += invariants.endings(config, case) + invariants.logged_exceptions(log)
+    outcome.batches = invariants.batches_ended(config)
     said: list[bytes] = []
     outcome.violations += invariants.watchctl_outputs(config, limits.watchctl, BIN, said)
     outcome.violations += [v for w in outside for v in w.violations("outside (watchctl)")]
@@ -376,14 +382,16 @@ def campaign(args: argparse.Namespace, base: Path, limits: Limits, people: fuzz_
         outcomes.append(outcome)
         verdict = "ok" if not outcome.violations else "VIOLATED: " + "; ".join(outcome.violations)
         verdict += f"\n  case: {case!r}" if outcome.violations else ""
-        print(f"case {len(outcomes):4d}: {outcome.folders} folders, {outcome.seconds:5.1f} s, "
+        print(f"case {len(outcomes):4d}: {outcome.said()}, {outcome.seconds:5.1f} s, "
               f"slowest tick {outcome.slowest_tick:5.2f} s: {verdict}", flush=True)  # fmt: skip
         assert not (args.shrink and outcome.violations), outcome.violations
 
     hypothesis_seed(args.seed)(one)()
     violated = sum(1 for o in outcomes if o.violations)
     counts = sum((o.counts for o in outcomes), Counter())
+    batches = sum((o.batches for o in outcomes), Counter())
     print(f"\ncases: {len(outcomes)}, folders: {sum(o.folders for o in outcomes)}, "
+          f"batches: {', '.join(f'{s} {n}' for s, n in sorted(batches.items()))}, "
           f"cases with violations: {violated}, "
           f"violations: {sum(len(o.violations) for o in outcomes) + len(control)}")  # fmt: skip
     for line in tried(counts):

@@ -82,6 +82,11 @@ ODD = [
     unicodedata.normalize("NFD", "café NFD"), "漢字", "-dash", "a;b&c|d",
 ]  # fmt: skip
 SCREEN = ["[/]", "[bold]markup", "\x1b[31mred\x1b[0m", "\x1b]0;title\x07"]  # for the terminal
+# What a name that a batch can run with has none of (the manifest's schema refuses them in an
+# owner and a title: daemon/core/manifest_schema.py's PlainLine): the families of issue 25 draw
+# such names, so that most batches run jobs.
+HIDDEN = ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp", "Zs")
+RUNNABLE = [n for n in ODD if n.isprintable()]
 
 
 @dataclass(frozen=True)
@@ -206,11 +211,14 @@ def fits(name: str, limit: int = 255) -> bool:
 
 
 def names(suffix: str = "", limit: int = 255, odd: list[str] = ODD) -> st.SearchStrategy[str]:
-    """A file or folder name: odd (quotes, CR, LF, NFD, ...), random, or long (to 255 bytes)."""
+    """A file or folder name: odd (quotes, CR, LF, NFD, ...), random, or long (to 255 bytes);
+    without control or formatting characters where none of ``odd`` has one."""
     room = limit - len(suffix)
+    hidden = () if any(not n.isprintable() for n in odd) else HIDDEN
     random = st.text(
-        st.characters(codec="utf-8", exclude_characters="/\0"), min_size=1, max_size=30
-    )
+        st.characters(codec="utf-8", exclude_characters="/\0", exclude_categories=hidden),
+        min_size=1, max_size=30,
+    )  # fmt: skip
     long = st.integers(min_value=room - 60, max_value=room).map(lambda n: "L" * n)
     return (
         st.one_of(st.sampled_from(odd), random, long)
@@ -220,14 +228,20 @@ def names(suffix: str = "", limit: int = 255, odd: list[str] = ODD) -> st.Search
 
 
 def plants(
-    under_results: bool, odd: list[str], kinds: tuple[str, ...] = KINDS
+    under_results: bool, odd: list[str], kinds: tuple[str, ...] = KINDS, listed: float = 0.5
 ) -> st.SearchStrategy[Plant]:
+    """A plant; named as an input (which refuses the batch) with probability ``listed``."""
     where = st.lists(names(".png", 120, odd), min_size=1, max_size=3).map("/".join)
     if under_results:
         where = where.map(lambda p: f"results/{p}")
     elif "canary" in kinds:  # the status file the daemon writes, named every way too
         where = st.one_of(where, st.just(STATUS))
-    return st.builds(Plant, where, st.sampled_from(kinds), st.booleans())
+    named = (
+        st.booleans()
+        if listed == 1 / 2
+        else st.integers(1, round(1 / listed)).map(lambda n: n == 1)
+    )
+    return st.builds(Plant, where, st.sampled_from(kinds), named)
 
 
 # What an ``inside`` family puts in the run folder: at which names, of which kinds.
@@ -241,17 +255,20 @@ INSIDE = {
 def hostile(
     scale: Scale, *, results: bool, manifests: tuple[str, ...] = ("good",), screen: bool = False,
     inside: str = "", canary: bool = False, races: bool = False, leases: bool = False,
+    runnable: bool = False,
 ) -> st.SearchStrategy[Hostile]:  # fmt: skip
     """One hostile folder; ``results``: also plant links and FIFOs under results/ (at the run's
     predicted names and at random ones) and swap outputs while the batch runs; ``screen``:
     names, owner and title may carry terminal escapes and rich markup; ``inside``: put things
     in the run folder once it is there (a key of INSIDE); ``canary``: inputs may be links to
     the canary; ``races``: race the jobs' files in the spool, and sometimes make the folder a
-    sweep (its trials' candidates raced too); ``leases``: forge leases."""
-    odd = ODD + SCREEN if screen else ODD
+    sweep (its trials' candidates raced too); ``leases``: forge leases; ``runnable``: names,
+    owner and title without control or formatting characters (most batches run jobs)."""
+    odd = RUNNABLE if runnable else ODD + SCREEN if screen else ODD
     level_plants = st.builds(Plant, st.sampled_from(LEVELS), st.sampled_from(KINDS))
     swaps = SWAPS if results else SWAPS[:2]
     kinds = (*KINDS, "canary") if canary else KINDS
+    listed = 1 / 8 if runnable else 1 / 2
     return st.builds(
         Hostile,
         name=names(limit=200, odd=odd),
@@ -261,9 +278,9 @@ def hostile(
             lambda found: tuple(f"images/{n}" for n in found)
         ),
         plants=st.lists(
-            st.one_of(plants(False, odd, kinds), plants(True, odd, kinds))
+            st.one_of(plants(False, odd, kinds, listed), plants(True, odd, kinds, listed))
             if results or canary
-            else plants(False, odd),
+            else plants(False, odd, listed=listed),
             max_size=scale.plants,
         ).map(tuple),
         results=st.lists(level_plants, min_size=1, max_size=3).map(tuple)

@@ -45,6 +45,7 @@ from daemon.store import Store
 T = TypeVar("T")
 WATCHCTL_AT_ONCE = 4
 DATABASE_FILES = {"watchd.sqlite", "watchd.sqlite-wal", "watchd.sqlite-shm", "watchd.lock"}
+DONE = "all jobs succeeded"
 LOST_ROOT = ("drop root taken by another watchd", "drop root held by another watchd")
 CHUNK = 1 << 20
 
@@ -80,6 +81,16 @@ def endings(config: Config, case: Sequence[hostile.Hostile]) -> list[str]:
         elif not batch.reason:
             violations.append(f"{h.name!r}: ended {batch.state.value} without a reason")
     return violations
+
+
+def batches_ended(config: Config) -> Counter[str]:
+    """How the case's batches ended (by state, with the reason where not done), and how many of
+    them ran a job."""
+    batches = reading(config, lambda store: store.batches()) or []
+    jobs = reading(config, lambda store: store.jobs()) or []
+    ran = {job.batch_id for job in jobs}
+    ended = [b.state.value + ("" if b.reason == DONE else f" ({b.reason[:40]})") for b in batches]
+    return Counter(ended + ["ran jobs" for b in batches if b.id in ran])
 
 
 def log_events(log: Path) -> Iterator[dict[str, Any] | str]:
