@@ -27,6 +27,7 @@ import pytest
 import sentinel
 from hostile import Hostile, Inside, Lease, Plant
 from hypothesis import HealthCheck, Phase, example, given, settings
+from test_share import Share, share  # noqa: F401 (the test share, a fixture)
 
 SCALE = hostile.Scale(folders=2, images=2, plants=3, depth=6, width=20, huge_bytes=1 << 20)
 LIMITS = fuzz_campaign.Limits(deadline=45.0, watchctl=15.0)
@@ -211,3 +212,40 @@ def test_fifos_and_links_at_every_name_a_job_or_the_report_reads_hang_nothing(
                 inside=(Inside("masks", "fifo"), Inside("logs", "fifo"))),
     )  # fmt: skip
     no_violations(case, trained_registry, people)
+
+
+def test_the_families_on_the_share_as_real_users(
+    trained_registry: Path,
+    share: Share,  # noqa: F811
+) -> None:
+    """The drop root and the spool on the test share (sshfs: the daemon polls; what the
+    expert writes on the server's side, as from another host, sends no event), the service
+    root without the capabilities that override file permissions (the share's files are all
+    root's), the expert a real user: a canary folder, a racing folder and one that forges
+    leases, at once. Every invariant holds there too."""
+    try:
+        people = fuzz_site.people(share=True)
+    except RuntimeError as exc:
+        pytest.skip(f"real users: {exc}")
+    kinds = tuple(
+        Inside(n, ("canary", "forged")[i % 2], 0.0, True) for i, n in enumerate(NOT_MASKS)
+    )
+    races = tuple(Inside(n, "forged", 0.0, True) for n in hostile.RACE_NAMES)
+    leases = tuple(Lease(0.5, kind, "spool") for kind in ("future", "folder", "nan"))
+    case = (
+        Hostile("canary", "Ann", "", ("images/a.png",), inside=kinds),
+        Hostile("races", "Bo", "", ("images/a.png",), races=hostile.SPOOL_TARGETS, inside=races),
+        Hostile("leases", "Cy", "", ("images/a.png",),
+                leases=(*leases, Lease(0.5, "future", "drop"))),
+    )  # fmt: skip
+    base = Path(tempfile.mkdtemp(prefix="fuzz share "))
+    try:
+        limits = fuzz_campaign.Limits(deadline=150.0, watchctl=15.0)
+        outcome = fuzz_campaign.run_case(case, base, trained_registry, SCALE, limits, people,
+                                         share=True)  # fmt: skip
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    assert outcome.violations == [], "\n".join(outcome.violations)
+    for target in hostile.SPOOL_TARGETS:
+        assert set(ended(outcome, target)) == {"EACCES"}, target
+    assert outcome.counts["daemon restarted over forged leases"] == 1
