@@ -200,9 +200,16 @@ class HeldFolder:
         return True
 
     def entries(self) -> list[os.DirEntry[str]]:
-        """This folder's entries (entry types need no further stat for most filesystems)."""
+        """This folder's entries, each knowing what it is (``is_file``, ``is_dir`` and
+        ``is_symlink`` without following a link) also once this folder is closed. Most
+        filesystems say an entry's type in the listing; sshfs does not when it answers from
+        its cache, nor do some NFS servers, and an entry then looks through this folder's
+        descriptor: an lstat made here, while it is open, and kept by the entry."""
         with os.scandir(self.fd) as listing:
-            return list(listing)
+            entries = list(listing)
+        for entry in entries:
+            entry.is_symlink()  # no system call where the listing gave the type
+        return entries
 
     def proc_path(self) -> str:
         """A path to this very folder for a library that takes only paths (W&B): through
