@@ -81,10 +81,12 @@ def _found_or_made(lookup: Callable[[], int], command: list[str]) -> int:
 class Identity:
     """Who a command runs as: ``account`` (through setpriv, with its groups and no
     capabilities); root without the capabilities that override file permissions
-    (``without_dac``); or, with neither, this process's user unchanged."""
+    (``without_dac``), in root's group and ``groups``; or, with neither, this process's user
+    unchanged."""
 
     account: Account | None = None
     without_dac: bool = False
+    groups: tuple[int, ...] = ()  # root without DAC: its supplementary groups besides root's
 
     @property
     def uid(self) -> int:
@@ -109,7 +111,7 @@ class Identity:
         if not self.changes:
             return list(argv)
         if self.account is None:  # root without DAC: the ways are root's, it reaches them
-            who, mounts = [WITHOUT_DAC], []
+            who, mounts = [WITHOUT_DAC, f"--groups={','.join(map(str, (0, *self.groups)))}"], []
         else:
             who = [f"--reuid={self.account.uid}", f"--regid={self.account.gid}", "--init-groups",
                    "--inh-caps=-all"]  # fmt: skip

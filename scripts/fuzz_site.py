@@ -17,8 +17,10 @@ an unprivileged member of the experts' group (scripts/accounts.py makes them):
 On the test share (scripts/netshare: sshfs, whose SFTP server runs as root, so that everything
 made through the mount is root's) the drop root and the spool lie on the share, the rest on
 local disk; the service is root without the capabilities that override file permissions (a
-user of its own could not write back into the folders it made there), the expert a real user
-who writes on the server's side, as an instrument PC writes to the share from another host.
+user of its own could not write back into the folders it made there), in the experts' group as
+docs/install.md puts it (the share shows the expert's files without their ACLs), the expert a
+real user who writes on the server's side, as an instrument PC writes to the share from another
+host.
 
 Without real users everything runs as this process's user, as before.
 """
@@ -79,7 +81,9 @@ def people(share: bool) -> People:
         raise RuntimeError(why)
     expert = accounts.user(EXPERT, EXPERTS)
     if share:
-        service = accounts.Identity(without_dac=True)
+        # in the experts' group, as docs/install.md puts the service: the share shows the
+        # expert's files with their owner and mode but without their ACLs
+        service = accounts.Identity(without_dac=True, groups=(expert.gid,))
     else:
         service = accounts.Identity(accounts.user(SERVICE, SERVICE))
     return People(service, accounts.Identity(expert), expert.gid)
