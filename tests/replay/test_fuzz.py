@@ -113,11 +113,12 @@ def people() -> fuzz_site.People:
         pytest.skip(f"real users: {exc}")
 
 
-def ended(outcome: fuzz_campaign.Outcome, target: str) -> dict[str, int]:
-    """How the intruder's attempts on ``target`` ended: outcome → count."""
+def ended(outcome: fuzz_campaign.Outcome, target: str, *, but: str = "") -> dict[str, int]:
+    """How the intruder's attempts on ``target`` ended (those made ``but`` way left out):
+    outcome → count."""
     found: dict[str, int] = {}
     for key, n in outcome.counts.items():
-        if key.startswith(f"{target}\t"):
+        if key.startswith(f"{target}\t") and key.split("\t")[1] != but:
             how = key.split("\t")[2]
             found[how] = found.get(how, 0) + n
     return found
@@ -246,6 +247,7 @@ def test_the_families_on_the_share_as_real_users(
     finally:
         shutil.rmtree(base, ignore_errors=True)
     assert outcome.violations == [], "\n".join(outcome.violations)
-    for target in hostile.SPOOL_TARGETS:
-        assert set(ended(outcome, target)) == {"EACCES"}, target
+    for target in hostile.SPOOL_TARGETS:  # the lease forged at the drop root is the expert's
+        assert set(ended(outcome, target, but="drop")) == {"EACCES"}, target
+    assert outcome.counts["lease\tdrop\tdone"] == 1
     assert outcome.counts["daemon restarted over forged leases"] == 1
