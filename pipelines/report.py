@@ -54,7 +54,7 @@ from daemon.contract.names import inference_params
 from daemon.contract.safeopen import RefusedInput
 from daemon.contract.version import code_version
 from pipelines import figures, truth
-from pipelines.images import read_bounded
+from pipelines.images import UnreadableImage, read_bounded
 from pipelines.job import InputError, log, run_folder, run_job, work_folder
 from pipelines.layout import (
     CURVE_COLUMNS,
@@ -76,7 +76,6 @@ from pipelines.layout import (
     TRIALS_TABLE,
     VALIDATION_FILE,
     label_image_name,
-    mask_name,
     table_csv,
 )
 from pipelines.omezarr import overview_and_labels
@@ -218,29 +217,29 @@ def overlay_picks(rows: list[dict[str, str]], seed: int = 0) -> list[tuple[str, 
 
 
 def sample_overlays(
-    spec: JobSpec, rows: list[dict[str, str]], batch: HeldFolder
+    spec: JobSpec, rows: list[dict[str, str]], batch: HeldFolder, run: HeldFolder
 ) -> list[tuple[str, str]]:
-    """(caption, data URI) for the images :func:`overlay_picks` chose, read (with their masks)
-    through the held batch folder, each bounded by what its header declares (the owner may
-    have replaced either: :func:`pipelines.images.read_bounded`)."""
-    masks = Path(spec.run_dir).relative_to(spec.batch_dir) / MASKS_DIR
+    """(caption, data URI) for the images :func:`overlay_picks` chose, read through the held
+    batch folder, bounded by what its header declares (the owner may have replaced it:
+    :func:`pipelines.images.read_bounded`), with their masks as :func:`pipelines.truth.written_mask`
+    reads them: through the held run folder, bounded, and never one with another hard link."""
     params = inference_params(spec.params)
     most = int(params["max_whole_pixels"])
     pictures = []
     for label, row in overlay_picks(rows):
         try:
             image = read_bounded(batch, InputFile(row["path"]), most, params["channel"])
-            mask = read_bounded(batch, InputFile(f"{masks}/{mask_name(row['path'])}"), most)
-        except (OSError, RefusedInput, InputError) as exc:
+            mask = truth.written_mask(run, row)
+        except (OSError, RefusedInput, InputError, UnreadableImage) as exc:
             log.warning("no overlay for %s: %s", row["path"], exc)
             continue
-        if image is None or mask is None:
+        if image is None:
             continue
         caption = (
             f"{label}: {row['path']}: {row['objects']} object(s), {row['area_px']} px, "
             f"confidence {float(row['confidence']):.3f}"
         )
-        overlay = figures.overlay(image[0], mask[0] > 0.5)
+        overlay = figures.overlay(image[0], mask > 0.5)
         pictures.append((caption, figures.data_uri(overlay)))
     return pictures
 
@@ -404,7 +403,7 @@ def _inference(
     page = {
         "summary": summary,
         "rows": rows,
-        "overlays": sample_overlays(spec, rows, batch),
+        "overlays": sample_overlays(spec, rows, batch, run),
         "slides": slide_overviews(rows, run),
         "histogram": figures.png_uri(histogram),
         "truth": [] if scored is None else scored.rows,

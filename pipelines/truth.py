@@ -108,17 +108,25 @@ def _masks(
     if truth.shape != (height, width):
         raise _NotScored(f"its mask {mask.path!r} is {truth.shape[1]}×{truth.shape[0]} pixels, "
                          f"the image {width}×{height}")  # fmt: skip
-    written = f"{MASKS_DIR}/{mask_name(row['path'])}"
-    limit = height * width + _MASK_SLACK
     try:
-        with run.open_read(written) as handle:
-            data = handle.read(limit + 1)
-        if len(data) > limit:
-            raise _NotScored(f"{written} is larger than a mask of its image can be")
-        found = decode(data) > 0.5
+        found = written_mask(run, row) > 0.5
     except (OSError, UnreadableImage) as exc:
+        written = f"{MASKS_DIR}/{mask_name(row['path'])}"
         raise _NotScored(f"{written} cannot be read ({exc})") from exc
     return truth_objects(truth), components(found, 0)
+
+
+def written_mask(run: HeldFolder, row: dict[str, str]) -> np.ndarray:
+    """The mask the inference job wrote for ``row``'s image, through the held run folder, read
+    no further than such a mask can be long, and only if it has no other hard link: one with
+    another link was put there, and may be a file its owner may not read (an NFS server links
+    what anyone names; fs.protected_hardlinks = 0). OSError or UnreadableImage otherwise."""
+    limit = int(row["height"]) * int(row["width"]) + _MASK_SLACK
+    with run.open_read(f"{MASKS_DIR}/{mask_name(row['path'])}", sole=True) as handle:
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise UnreadableImage("larger than a mask of its image can be", "")
+    return decode(data)
 
 
 def _add(scored: Scored, path: str, mask: str, true_ids: np.ndarray, found: np.ndarray) -> None:

@@ -64,7 +64,7 @@ class Run:
 
 def write_config(base: Path, root: Path, registry: Path, **sections: dict[str, Any]) -> Config:
     """The campaign's configuration; ``sections``: keys that replace its own, by section (the
-    fuzz campaign's faster heartbeat, shorter timeouts)."""
+    fuzz campaign's faster heartbeat, shorter timeouts, spool; ``roots``: the drop root's)."""
     document: dict[str, Any] = {
         "daemon": {"state_dir": str(base / "state"), "tick_seconds": 0.1,
                    "heartbeat_seconds": 1.0, "rescan_seconds": 2.0,
@@ -77,7 +77,10 @@ def write_config(base: Path, root: Path, registry: Path, **sections: dict[str, A
         "jobs": {"wandb_mode": "disabled"},
     }  # fmt: skip
     for name, values in sections.items():
-        document[name] = {**document[name], **values}
+        if name == "roots":
+            document["roots"] = [{**document["roots"][0], **values}]
+        else:
+            document[name] = {**document[name], **values}
     base.mkdir(parents=True, exist_ok=True)
     path = base / "config.toml"
     path.write_text(tomli_w.dumps(document))

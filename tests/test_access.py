@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import accounts
 import pytest
 import synth
 
@@ -96,26 +97,12 @@ def as_user(
     command = ["runuser", "-u", user, "--", "env", "-i", "PATH=/usr/bin:/bin", "LANG=C.UTF-8",
                *(f"{k}={v}" for k, v in env.items()), WATCHCTL, *args]  # fmt: skip
     with tempfile.TemporaryDirectory() as stash:
-        script = " && ".join([*_opening(Path(sys.executable).resolve(), stash), 'exec "$@"'])
+        way = accounts.opening([Path(sys.executable).resolve()], Path(stash))
+        script = " && ".join([*way, 'exec "$@"'])
         return subprocess.run(
             ["unshare", "-m", "sh", "-c", script, "sh", *command],
             capture_output=True, text=True, timeout=60, cwd=cwd,
         )  # fmt: skip
-
-
-def _opening(path: Path, stash: str) -> list[str]:
-    """Mount commands that let everyone reach ``path``: the first folder on the way that others
-    may not enter is covered by an empty 0755 tmpfs, the one entry on the way bound back."""
-    for barrier in reversed(path.parents):
-        if not barrier.stat().st_mode & 0o001:
-            entry = path.relative_to(barrier).parts[0]
-            return [
-                f"mount --bind {barrier} {stash}",
-                f"mount -t tmpfs -o mode=0755 tmpfs {barrier}",
-                f"mkdir {barrier / entry}",
-                f"mount --bind {stash}/{entry} {barrier / entry}",
-            ]
-    return []
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)

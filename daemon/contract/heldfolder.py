@@ -173,11 +173,15 @@ class HeldFolder:
         return HeldFolder(fd, self.path.joinpath(*walked))
 
     # -- reading ---------------------------------------------------------------------------
-    def open_read(self, relative: str | PurePosixPath) -> BinaryIO:
-        """Open a regular file below this folder for reading (FileNotFoundError if missing)."""
+    def open_read(self, relative: str | PurePosixPath, *, sole: bool = False) -> BinaryIO:
+        """Open a regular file below this folder for reading (FileNotFoundError if missing).
+        ``sole``: only if it has no other hard link, for a file the service wrote where its
+        owner may write: one with another link was put there, and may be a file elsewhere
+        (where the kernel does not keep users from linking what they may not read: an NFS
+        server's, fs.protected_hardlinks = 0)."""
         *above, name = parts_of(relative)
         with self._parent(above) as parent, self._located():
-            fd = _open_file(name, _READ_FLAGS, parent.fd, str(relative), links_ok=True)
+            fd = _open_file(name, _READ_FLAGS, parent.fd, str(relative), links_ok=not sole)
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
 
@@ -196,9 +200,16 @@ class HeldFolder:
         return True
 
     def entries(self) -> list[os.DirEntry[str]]:
-        """This folder's entries (entry types need no further stat for most filesystems)."""
+        """This folder's entries, each knowing what it is (``is_file``, ``is_dir`` and
+        ``is_symlink`` without following a link) also once this folder is closed. Most
+        filesystems say an entry's type in the listing; sshfs does not when it answers from
+        its cache, nor do some NFS servers, and an entry then looks through this folder's
+        descriptor: an lstat made here, while it is open, and kept by the entry."""
         with os.scandir(self.fd) as listing:
-            return list(listing)
+            entries = list(listing)
+        for entry in entries:
+            entry.is_symlink()  # no system call where the listing gave the type
+        return entries
 
     def proc_path(self) -> str:
         """A path to this very folder for a library that takes only paths (W&B): through

@@ -49,6 +49,23 @@ def _plant(entry: Path, kind: str, target: Path) -> None:
         os.mkfifo(entry)
 
 
+def _secret(tmp_path: Path) -> tuple[str, Path]:
+    """A file only its owner may read, its content a random canary: (the canary, the file)."""
+    canary = f"CANARY-{os.urandom(8).hex()}"
+    secret = tmp_path / "service-only" / "secret.txt"
+    secret.parent.mkdir()
+    secret.write_text(canary + "\n")
+    secret.chmod(0o600)
+    return canary, secret
+
+
+def _report_spec(job_spec: Callable[..., Any], spec: Any) -> Any:
+    """The spec of the report job of the inference shard ``spec``'s batch."""
+    return job_spec(Path(spec.batch_dir), Pipeline.REPORT, spec.inputs,
+                    registry=Path(spec.registry_dir), model=spec.model, params=spec.params,
+                    job_name="report")  # fmt: skip
+
+
 @pytest.fixture
 def shard(
     inferred: InferredBatch,
@@ -134,9 +151,7 @@ def test_links_and_fifos_planted_at_the_names_of_a_jobs_files_are_replaced_by_it
     job = run(spec)
     assert job.returncode == 0 and job.result is not None, job.log
     assert job.result.summary["segmented"] == len(spec.inputs)
-    report = job_spec(Path(spec.batch_dir), Pipeline.REPORT, spec.inputs,
-                      registry=Path(spec.registry_dir), model=spec.model, params=spec.params,
-                      job_name="report")  # fmt: skip
+    report = _report_spec(job_spec, spec)
     reported = run(report)
     assert reported.returncode == 0, reported.log
     for name in planted:
@@ -177,11 +192,7 @@ def test_the_red_teams_plants_under_results_reach_no_output(
     secret, another that is a FIFO; a forged spec for the report job. The report reads what the
     jobs left in the spool, never these: it ends DONE at once, and the secret appears in no
     output and no log."""
-    canary = f"CANARY-{os.urandom(8).hex()}"
-    secret = tmp_path / "service-only" / "secret.txt"
-    secret.parent.mkdir()
-    secret.write_text(canary + "\n")
-    secret.chmod(0o600)
+    canary, secret = _secret(tmp_path)
     spec = shard()
     job = run(spec)
     assert job.returncode == 0, job.log
@@ -200,9 +211,7 @@ def test_the_red_teams_plants_under_results_reach_no_output(
     (results / "jobs" / "report" / "spec.json").write_text(
         json.dumps({"batch_dir": "/", "run_dir": str(secret.parent)})
     )
-    report = job_spec(Path(spec.batch_dir), Pipeline.REPORT, spec.inputs,
-                      registry=Path(spec.registry_dir), model=spec.model, params=spec.params,
-                      job_name="report")  # fmt: skip
+    report = _report_spec(job_spec, spec)
     reported = run(report)
     assert reported.returncode == 0 and reported.result is not None, reported.log
     assert reported.result.summary["sections"] == ["inference"]
@@ -214,3 +223,36 @@ def test_the_red_teams_plants_under_results_reach_no_output(
     for path in outputs:
         assert canary.encode() not in path.read_bytes(), path
     assert list(secret.parent.iterdir()) == [secret]
+
+
+def test_a_mask_swapped_for_a_hard_link_is_never_read_by_the_report(
+    shard: Callable[..., Any],
+    tmp_path: Path,
+    job_spec: Callable[..., Any],
+    run: Callable[..., JobRun],
+) -> None:
+    """Found by the fuzz campaign (canary family): a mask swapped, after the job wrote it, for
+    a hard link to a file the owner may not read (where the kernel lets them make one: an NFS
+    server, fs.protected_hardlinks = 0) was read by the report, and the log copied for the
+    owner said its first eight bytes (``is not a PNG or TIFF image (it starts with …)``). Now
+    a mask with another link is not read: no overlay for it, its file unread (its atime as it
+    was), nothing of it anywhere."""
+    canary, secret = _secret(tmp_path)
+    spec = shard()
+    assert run(spec).returncode == 0
+    masks = sorted((Path(spec.run_dir) / "masks" / "images").iterdir())
+    masks[0].unlink()
+    os.link(secret, masks[0])
+    os.utime(secret, ns=(946_684_800 * 10**9, secret.stat().st_mtime_ns))
+    before = secret.stat().st_atime_ns
+    report = _report_spec(job_spec, spec)
+    reported = run(report)
+    assert reported.returncode == 0, reported.log
+    assert secret.stat().st_atime_ns == before, "the secret was read"
+    assert f"no overlay for images/{masks[0].name}" in reported.log
+    assert "has other hard links" in reported.log
+    outputs = [p for p in Path(spec.run_dir).rglob("*") if p.is_file() and p != masks[0]]
+    outputs += [p for p in Path(report.work_dir).rglob("*") if p.is_file()]
+    for path in outputs:
+        assert canary[:8].encode() not in path.read_bytes(), path
+    assert canary[:8] not in reported.log

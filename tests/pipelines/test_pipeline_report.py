@@ -7,6 +7,7 @@ import csv
 import html
 import io
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -112,6 +113,15 @@ def test_training_report_shows_curves_and_the_registered_model(
     assert 'id="validation-objects"' in page and page.count("<td>images/img_") == 4
 
 
+def with_masks_folder(inferred: InferredBatch, tmp_path: Path) -> Path:
+    """A copy of the inferred batch (its work folder too), with an empty masks/ for truths."""
+    batch_dir = tmp_path / "with truth"
+    shutil.copytree(inferred.batch_dir, batch_dir)
+    shutil.copytree(work_dir_for(inferred.batch_dir), work_dir_for(batch_dir))
+    (batch_dir / "masks").mkdir()
+    return batch_dir
+
+
 def test_an_inference_batch_with_masks_beside_its_images_is_scored_against_them(
     inferred: InferredBatch,
     tmp_path: Path,
@@ -122,11 +132,8 @@ def test_an_inference_batch_with_masks_beside_its_images_is_scored_against_them(
     """Masks paired by file name: each image that has one is scored (quality.csv, the summary,
     the report's section); a mask of the wrong size and one whose stem two images share are
     notes, not failures. Scored against the very masks it wrote, a batch scores perfectly."""
-    batch_dir = tmp_path / "with truth"
-    shutil.copytree(inferred.batch_dir, batch_dir)
-    shutil.copytree(work_dir_for(inferred.batch_dir), work_dir_for(batch_dir))
+    batch_dir = with_masks_folder(inferred, tmp_path)
     results = batch_dir / "results"
-    (batch_dir / "masks").mkdir()
     for name in ('it\'s a "test".png', "img_0002.png"):  # their own masks, as truth
         shutil.copy(results / "masks" / "images" / name, batch_dir / "masks" / name)
     shutil.copy(results / "masks" / "images" / "img_0001.png", batch_dir / "masks")  # 2 images
@@ -153,6 +160,42 @@ def test_an_inference_batch_with_masks_beside_its_images_is_scored_against_them(
     page = (results / "report.html").read_text(encoding="utf-8")
     assert 'id="ground-truth"' in page and "<th>F1 at IoU 0.5</th><td>1</td>" in page
     assert "<th>count error (Σ |found − true| ÷ true)</th><td>0.0 %</td>" in page
+
+
+def test_a_written_mask_swapped_for_a_hard_link_is_not_scored_and_never_read(
+    inferred: InferredBatch,
+    tmp_path: Path,
+    job_spec: Callable[..., Any],
+    run: Callable[..., JobRun],
+    manifest_inputs: Callable[..., Any],
+) -> None:
+    """The masks an inference job wrote lie in the owner's run folder: one swapped for a hard
+    link to a file the owner may not read (where the kernel lets them make one: an NFS server,
+    fs.protected_hardlinks = 0) is neither scored against its truth nor drawn as an overlay.
+    Its file is not read (its atime as it was); the score says why, naming no byte of it."""
+    batch_dir = with_masks_folder(inferred, tmp_path)
+    written = batch_dir / "results" / "masks" / "images" / "img_0002.png"
+    shutil.copy(written, batch_dir / "masks")
+    canary = f"CANARY-{os.urandom(8).hex()}"
+    secret = tmp_path / "service-only" / "secret.txt"
+    secret.parent.mkdir()
+    secret.write_text(canary + "\n")
+    secret.chmod(0o600)
+    written.unlink()
+    os.link(secret, written)
+    os.utime(secret, ns=(946_684_800 * 10**9, secret.stat().st_mtime_ns))
+    before = secret.stat().st_atime_ns
+    masks = manifest_inputs(batch_dir, sorted((batch_dir / "masks").iterdir()), checksums=True)
+    job = run(report_spec(batch_dir, "inference", inferred.shards[0], job_spec,
+                          (*inferred.inputs, *masks)))  # fmt: skip
+    assert job.returncode == 0, job.log
+    assert secret.stat().st_atime_ns == before, "the secret was read"
+    truth = json.loads((batch_dir / "results" / "summary.json").read_text())
+    [why] = truth["inference"]["ground_truth"]["not_scored"]
+    assert why.startswith("images/img_0002.png: masks/images/img_0002.png cannot be read")
+    assert "has other hard links" in why
+    for path in [p for p in batch_dir.rglob("*") if p.is_file() and p != written]:
+        assert canary[:8].encode() not in path.read_bytes(), path
 
 
 def test_a_missing_shard_table_fails_the_report_as_internal(

@@ -26,6 +26,7 @@ from test_cli import cli
 from test_crash import wait_for
 from test_permissions import as_unprivileged_service, owned_by_expert, states_of
 
+from daemon.contract.heldfolder import HeldFolder
 from daemon.core.manifest import MANIFEST_NAME, STATUS_NAME
 from daemon.core.records import Batch
 from daemon.core.states import BatchState, JobState
@@ -212,3 +213,29 @@ def test_a_folder_the_service_cannot_read_on_the_share_is_reported_then_taken_in
     finally:
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(timeout=60)
+
+
+def test_a_held_folders_entries_on_the_share_say_what_they_are_once_it_is_closed(
+    share: Share,
+) -> None:
+    """sshfs lists no entry types when it answers from its cache (as some NFS servers do
+    not at all): an entry learns what it is by an lstat through the folder's descriptor. The report listed its shard tables, closed the
+    folder, then asked each entry whether it was a file, and failed with EBADF on every
+    batch whose spool lay on the share (found by the fuzz campaign, run there)."""
+    folder = share.mount / f"entries-{uuid.uuid4().hex}"
+    try:
+        (folder / "parts").mkdir(parents=True)
+        (folder / "table-0000.csv").write_text("path\n")
+        (folder / "dangling").symlink_to("nowhere")
+        with HeldFolder.open(folder) as held:
+            held.entries()  # the next listing, within the mount's cache time, has no types
+            entries = held.entries()
+        kinds = {
+            e.name: (e.is_file(follow_symlinks=False), e.is_dir(follow_symlinks=False),
+                     e.is_symlink())
+            for e in entries
+        }  # fmt: skip
+        assert kinds == {"parts": (False, True, False), "table-0000.csv": (True, False, False),
+                         "dangling": (False, False, True)}  # fmt: skip
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
