@@ -116,8 +116,9 @@ class InferenceDefaults:
     tile_size: int = 512  # window of tiled inference, in pixels
     tile_overlap: int = 64
     max_whole_pixels: int = 2048 * 2048  # larger images are segmented tile by tile
-    gpu_batch_size: int = 16  # images at once on a GPU (pipelines/device.py)
-    mixed_precision: bool = True  # on a GPU, where the masks equal full precision's
+    # images at once on a GPU; 0: as many as make 8 Mpx, within half the GPU's free memory
+    gpu_batch_size: int = 0  # (pipelines/inference/placement.py)
+    mixed_precision: bool = True  # on a GPU, fp16 or bf16 where the first batch agrees
     channel: int | str | None = None  # a multi-channel TIFF's plane: its name or number
     # a slide's windows over glass only (its smallest level's grey within this of the glass's)
     # are not run through the net (pipelines/tissue.py); 0: every window runs
