@@ -57,6 +57,7 @@ class Daemon:
             "roots": [{"path": str(self.mount), "observer": "auto", "poll_seconds": 2.0}],
             "intake": {**TIMING, "watch_ended_seconds": 0.0, **intake},
             "executor": {"local": {"max_parallel": 1}},
+            "registry": {"path": str(placeholder_model(self.state / "registry", "none"))},
             "jobs": {"wandb_mode": "disabled"},
         }  # fmt: skip
         path = self.state / "config.toml"
@@ -157,6 +158,13 @@ class Beats(threading.Thread):
 
     def largest_gap(self) -> float:
         return max((b - a for a, b in zip(self.beats, self.beats[1:], strict=False)), default=0.0)
+
+
+def placeholder_model(registry: Path, name: str) -> Path:
+    """A registry in which intake finds the model ``name`` (a version folder, no weights: the
+    benchmarks that name it measure intake, never its jobs' results); the registry's path."""
+    (registry / name / "v0001").mkdir(parents=True, exist_ok=True)
+    return registry
 
 
 def manifest(files: list[str], size: int) -> str:
