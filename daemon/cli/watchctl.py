@@ -349,4 +349,8 @@ def models_promote_command(
 
 
 def watchctl_main() -> None:
-    entry(watchctl_app)
+    entry(watchctl_app, "watchctl")
+
+
+if __name__ == "__main__":  # python -m daemon.cli.watchctl: as the console script
+    watchctl_main()
