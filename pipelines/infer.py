@@ -127,8 +127,8 @@ def _infer(spec: JobSpec, batch: HeldFolder, run: HeldFolder, work: HeldFolder) 
         device = DeviceStage(net, where, float(params["threshold"]), rules)
         progress = Progress(len(todo), _progress_file(spec, work, len(items)), len(resumed))
         committer = Committer(run, ledger, progress.tick, rules.fsync_each, provenance)
+        slides = Slides(batch, masks, work, device, params, provenance, committer.add, cpus)
         try:
-            slides = Slides(batch, masks, work, device, params, provenance, committer.add)
             region = job_region(spec.params)
             tiled = slides.tiled if region is None else lambda item: slides.region(item, *region)
             wanted = where.batch_size or _FIRST_GPU_BATCH
@@ -137,6 +137,7 @@ def _infer(spec: JobSpec, batch: HeldFolder, run: HeldFolder, work: HeldFolder) 
                               chunk_images(wanted, cpus)).run()  # fmt: skip
         finally:
             workers.close()
+            slides.close()
             committer.close()
         rows = committer.rows
     finally:

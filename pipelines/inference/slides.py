@@ -5,7 +5,10 @@ same device stage as whole images (its windows in batches sized like theirs).
 An image of more than ``max_whole_pixels`` pixels must be a TIFF or a store: its mask is written
 as an OME-Zarr label image ``masks/<input path>.ome.zarr`` with its object table
 ``objects/<input path>.csv``, in memory bounded by the window size and the image's width
-(:mod:`pipelines.tiles`, :mod:`pipelines.omezarr`).
+(:mod:`pipelines.tiles`, :mod:`pipelines.omezarr`). On threads as many as the job has CPUs, a
+TIFF's tiles for the next row of windows are read and decoded while the net runs on this
+row's, and each chunk row of provisional ids is compressed and written while the next bands
+are labelled: the results are those of one thread, bit for bit.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from daemon.contract.checksums import sha256_of_stream
@@ -65,12 +69,14 @@ class Slides:
 
     def __init__(
         self, batch: HeldFolder, masks: MaskFolders, work: HeldFolder, device: DeviceStage,
-        params: dict[str, Any], provenance: dict[str, Any], done: Done,
+        params: dict[str, Any], provenance: dict[str, Any], done: Done, threads: int = 1,
     ) -> None:  # fmt: skip
         """``work``: the run's work folder in the spool (a slide's regions go there);
         ``done``: takes an image segmented, its table row made (into the ledger once its label
-        image is durable)."""
+        image is durable); ``threads``: read ahead and write behind on so many."""
         self.batch, self.masks, self.work, self.device = batch, masks, work, device
+        self.threads = max(1, threads)
+        self.pool: ThreadPoolExecutor | None = None  # made for the first large image
         self.params, self.provenance, self.done = params, provenance, done
         self.threshold = float(params["threshold"])
         self.min_area = int(params["min_object_area"])
@@ -79,6 +85,17 @@ class Slides:
 
     def _batch(self) -> int:
         return self.device.batch_size((self.window, self.window))
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+    def _read_ahead(self, reader: Regions) -> Regions:
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tiles")
+        reader.pool = self.pool
+        return reader
 
     def tiled(self, item: InputFile) -> list[Problem]:
         """Segment one large TIFF, or an OME-Zarr store, window by window; its problems
@@ -144,7 +161,7 @@ class Slides:
         if is_store(item.path):
             most = int(params["max_whole_pixels"])  # a chunk's pixels, as a TIFF tile's
             with open_store(self.batch, item, *options, most) as (store, state):
-                yield store, {**state, "digest": state["state"]}
+                yield self._read_ahead(store), {**state, "digest": state["state"]}
             return
         with open_item(self.batch, item) as handle, held_still(handle, item):
             with reading(item):
@@ -157,7 +174,7 @@ class Slides:
             seen = os.fstat(handle.fileno())
             reader = RegionReader(handle, *options, item.path)
             try:
-                yield reader, {"size": seen.st_size, "mtime_ns": seen.st_mtime_ns,
+                yield self._read_ahead(reader), {"size": seen.st_size, "mtime_ns": seen.st_mtime_ns,
                                "digest": digest}  # fmt: skip
             finally:
                 reader.close()
