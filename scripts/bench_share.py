@@ -68,7 +68,9 @@ class Daemon:
         self.state.mkdir(parents=True, exist_ok=True)
         code = f"import sys; sys.argv = ['watchd', 'run', '--config', {str(self.config())!r}];"
         code += " from daemon.watchd import watchd_main; watchd_main()"
-        env = {**os.environ, **self.env, "PYTHONPATH": str(self.code)}
+        # the code first; then what the caller's path holds (wheels unpacked on a GPU node)
+        path = os.pathsep.join(filter(None, [str(self.code), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, **self.env, "PYTHONPATH": path}
         with open(self.state / "daemon.log", "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-c", code], cwd=self.code, env=env, stdout=log, stderr=log
