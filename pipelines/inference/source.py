@@ -24,7 +24,10 @@ from pipelines.images import check_suffix, read_bounded
 from pipelines.inference.slabs import Slab, layout
 from pipelines.job import InputError
 
-CHUNK_BYTES = 64 * 2**20  # a chunk stops growing past this (an image more is read whole)
+# A chunk stops growing past this (the image that crosses it is read whole): a worker's slabs
+# then hold at most 4 × (16 MiB or one image), e.g. 80 MiB for images of 2048² (20 MiB each,
+# pixels and mask), 5 MiB a slab for chunks of 16 images of 256².
+CHUNK_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True)
