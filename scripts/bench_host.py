@@ -12,6 +12,11 @@ over the job's whole run (start-up included) and over its images alone (the job'
 ``seconds_per_image``), the median of the rounds; then the ratios the issue names, and whether
 the two codes' masks and tables agree (every mask compared pixel for pixel).
 
+Both codes run with ``split_neck = 0``: the old code had no object step (touching objects cut
+apart, :mod:`pipelines.instances`), so at 0 both do the same work and their masks compare.
+``--object-step`` adds the new code at the default ``split_neck``, 1 CPU and 2, as rows of
+their own (what the step costs on top; not in the ratios).
+
     .venv/bin/python scripts/bench_host.py --old ../wt-base [--images 6000] [--rounds 3]
     .venv/bin/python scripts/bench_host.py --old ../wt-base --work /mnt/share/bench  # a share
 """
@@ -52,13 +57,15 @@ from daemon.contract.jobspec import (
     Pipeline,
     Resources,
 )
+from daemon.contract.names import INFERENCE
 from models import registry
 from models.unet import UNet
 from pipelines.images import decode
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "standin"
-PARAMS = {"threshold": THRESHOLD, "min_object_area": 16}
+PARAMS = {"threshold": THRESHOLD, "min_object_area": 16, "split_neck": 0.0}
+CUT = "new, objects cut"  # the new code with the object step at its default split_neck
 
 
 @dataclass(frozen=True)
@@ -150,6 +157,8 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--work", type=Path, default=None, help="where the batch lies")
+    parser.add_argument("--object-step", action="store_true",
+                        help="also the new code with touching objects cut apart")  # fmt: skip
     args = parser.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
@@ -169,16 +178,20 @@ def main() -> int:
     print(f"{args.images:,} PNG images {args.size}² made in {time.perf_counter() - made:.0f} s "
           f"in {work}; {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")  # fmt: skip
     runs: list[Run] = []
+    codes = [("old", args.old.resolve(), PARAMS), ("new", REPO, PARAMS)]
+    if args.object_step:
+        codes.append((CUT, REPO, {**PARAMS, "split_neck": INFERENCE.split_neck}))
     for round_ in range(args.rounds):
         for cpus in (1, 2):
-            for name, code in (("old", args.old.resolve()), ("new", REPO)):
+            for name, code, params in codes:
+                slug = "cut" if name == CUT else name
                 spec = JobSpec(
-                    job_id=1, job_name=f"infer-{name}-{cpus}", pipeline=Pipeline.INFER,
+                    job_id=1, job_name=f"infer-{slug}-{cpus}", pipeline=Pipeline.INFER,
                     attempt=1, batch_id=1, batch_revision=1, batch_kind="inference",
                     batch_dir=str(batch_dir), run_dir=str(batch_dir / "results"),
                     work_dir=str(work_dir_for(batch_dir)), manifest_sha256="0" * 64,
                     inputs=inputs, model=ModelRef(MODEL),
-                    registry_dir=str(work / "registry"), params=PARAMS,
+                    registry_dir=str(work / "registry"), params=params,
                     resources=Resources(cpus=cpus), title="host benchmark",
                 )  # fmt: skip
                 wall, result = run_job(code, batch_dir, spec, cpus, cores[:cpus])
@@ -190,7 +203,7 @@ def main() -> int:
                       f"{run.whole_rate:.0f} images/s whole job, {run.images_s:.0f} over its "
                       f"images, {run.cpu_ms_per_image:.2f} CPU-ms per image, "
                       f"load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
-                if round_ == 0 and cpus == 2:
+                if round_ == 0 and cpus == 2 and name != CUT:
                     keep(batch_dir, work / f"kept-{name}")
     print()
     print(
@@ -199,7 +212,7 @@ def main() -> int:
     )
     print("| --- | --- | --- | --- | --- | --- |")
     rate: dict[tuple[str, int], tuple[float, float]] = {}
-    for name in ("old", "new"):
+    for name, _, _ in codes:
         for cpus in (1, 2):
             mine = [r for r in runs if (r.code, r.cpus) == (name, cpus)]
             whole = statistics.median(r.whole_rate for r in mine)
