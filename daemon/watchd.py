@@ -46,4 +46,8 @@ def check_config_command(config: ConfigOption = None) -> None:
 
 
 def watchd_main() -> None:
-    entry(watchd_app)
+    entry(watchd_app, "watchd")
+
+
+if __name__ == "__main__":  # python -m daemon.watchd: as the console script
+    watchd_main()

@@ -1,11 +1,17 @@
 """Notice manifests appearing under the drop roots; put immutable events on the service's queue.
 
 A batch is a folder directly under a drop root holding ``manifest.toml``. Only what is needed
-to see manifests appear is watched: the root itself and each batch folder, never deeper, never
-the image folders inside. inotify where events arrive; where they do not (network
-filesystems), watchdog's polling observer with a listing that stops at the manifest. Events get
-lost (overflow, outages, a daemon that was down), so a catch-up scan runs at start-up and every
-``rescan_seconds``. Watcher threads only enqueue; the service thread decides.
+to see manifests appear is watched: the root itself and each batch folder. inotify where events
+arrive; where they do not (network filesystems), watchdog's polling observer with a listing that
+stops at the manifest. Events get lost (overflow, outages, a daemon that was down), so a
+catch-up scan runs at start-up and every ``rescan_seconds``. Watcher threads only enqueue; the
+service thread decides.
+
+With inotify, the folders a waiting batch's inputs land in are watched too (at most
+:data:`MAX_INPUT_WATCHES` per batch, never below them): a file landing there is not an event on
+the queue (a copy of 50,000 files would wake the loop 50,000 times) but a mark the service
+takes at each tick (:meth:`Watcher.arrived`), which brings the batch's next check forward
+however far its checks had backed off.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import contextlib
 import errno
 import os
 import queue
+import stat
 import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
@@ -31,7 +38,7 @@ from watchdog.observers.inotify_c import (
 )
 from watchdog.observers.polling import PollingObserverVFS
 
-from daemon.core.manifest import MANIFEST_NAME
+from daemon.core.manifest import MANIFEST_NAME, RESULTS_DIR, STATUS_NAME
 from daemon.site.config import ObserverMode, RootSection
 from daemon.site.mounts import choose_mode, filesystem_type
 
@@ -60,6 +67,10 @@ class Wake:
 
 
 WatchEvent = FolderTouched | RootLost | Wake
+
+
+MAX_INPUT_WATCHES = 64  # folders of one batch's inputs watched, at most
+_NOT_INPUTS = frozenset({MANIFEST_NAME.encode(), STATUS_NAME.encode(), RESULTS_DIR.encode()})
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +146,9 @@ class _DepthOneInotify:
         self.folders: dict[WatchDescriptor, str] = {}
         self.wds: dict[str, WatchDescriptor] = {}
         self.inodes: dict[WatchDescriptor, tuple[int, int]] = {}  # what each watch is on
+        self.inputs: dict[WatchDescriptor, str] = {}  # a folder of inputs → its batch folder
+        self.input_wds: dict[str, dict[str, WatchDescriptor]] = {}  # batch folder → its
+        self.landed: set[str] = set()  # batch folders where inputs landed since taken
         self.alive = False
         self.root_wd: WatchDescriptor | None = None
         try:
@@ -156,14 +170,47 @@ class _DepthOneInotify:
             self._watch(folder)
 
     def release(self, folder: str) -> None:
-        """Stop watching ``folder``."""
+        """Stop watching ``folder`` (and the folders of its inputs)."""
         with self.lock:
+            inputs = self.input_wds.pop(folder, {})
+            for input_wd in inputs.values():
+                self.inputs.pop(input_wd, None)
+                self.inodes.pop(input_wd, None)
+            gone = list(inputs.values())
             wd = self.wds.pop(folder, None)
-            if wd is None:
-                return
-            self.folders.pop(wd, None)
-            self.inodes.pop(wd, None)
-            self.fd.remove_callbacks([(wd, self.id)])
+            if wd is not None:
+                self.folders.pop(wd, None)
+                self.inodes.pop(wd, None)
+                gone.append(wd)
+            self.fd.remove_callbacks([(w, self.id) for w in gone])
+
+    def watch_inputs(self, folder: str, inside: Collection[str]) -> None:
+        """Watch the folders ``inside`` (relative, below the batch folder) that ``folder``'s
+        inputs land in; one missing or a link is left to the checks' schedule."""
+        for sub in sorted(inside)[:MAX_INPUT_WATCHES]:
+            path = os.path.join(os.fsencode(self.root), os.fsencode(folder), os.fsencode(sub))
+            try:
+                st = os.stat(path, follow_symlinks=False)
+            except OSError:
+                continue
+            inode = (st.st_dev, st.st_ino)
+            with self.lock:
+                known = folder not in self.wds or sub in self.input_wds.get(folder, {})
+                if known or not stat.S_ISDIR(st.st_mode) or inode in self.inodes.values():
+                    continue  # (a folder watched already: a second callback would replace it)
+                try:
+                    wd = self.fd.add_callback(path, self.FOLDER_MASK, self, self.id)  # type: ignore[arg-type]
+                except OSError:
+                    continue
+                self.inputs[wd] = folder
+                self.inodes[wd] = inode
+                self.input_wds.setdefault(folder, {})[sub] = wd
+
+    def take_landed(self) -> set[str]:
+        """The batch folders where inputs landed since the last call."""
+        with self.lock:
+            landed, self.landed = self.landed, set()
+        return landed
 
     def watching(self) -> frozenset[str]:
         with self.lock:
@@ -194,6 +241,9 @@ class _DepthOneInotify:
             return
         with self.lock:
             folder = self.folders.get(event.wd)
+            inputs_of = self.inputs.get(event.wd)
+            if event.name not in _NOT_INPUTS and (folder or inputs_of):
+                self.landed.add(folder or inputs_of or "")
         if folder is not None and event.name == MANIFEST_NAME.encode():
             self.events.put(FolderTouched(self.root, folder))
 
@@ -218,6 +268,11 @@ class _DepthOneInotify:
             self.inodes.pop(wd, None)
             if folder is not None and self.wds.get(folder) == wd:
                 del self.wds[folder]
+            inputs_of = self.inputs.pop(wd, None)
+            if inputs_of is not None:
+                subs = self.input_wds.get(inputs_of, {})
+                for sub in [s for s, w in subs.items() if w == wd]:
+                    del subs[sub]
         if wd == self.root_wd and self.alive:
             self.alive = False
             self.events.put(RootLost(self.root))
@@ -234,10 +289,12 @@ class _DepthOneInotify:
 
     def close(self) -> None:
         with self.lock:
-            wds = [*self.folders, *([] if self.root_wd is None else [self.root_wd])]
+            wds = [*self.folders, *self.inputs, *([] if self.root_wd is None else [self.root_wd])]
             self.folders.clear()
             self.wds.clear()
             self.inodes.clear()
+            self.inputs.clear()
+            self.input_wds.clear()
             self.fd.remove_callbacks([(wd, self.id) for wd in wds])
 
 
@@ -367,6 +424,17 @@ class Watcher:
         watch = self._inotify.get(root) or self._listings.get(root)
         if watch is not None:
             watch.release(folder)
+
+    def watch_inputs(self, root: Path, folder: str, inside: Collection[str]) -> None:
+        """Watch the folders a waiting batch's inputs land in (inotify roots only)."""
+        watch = self._inotify.get(root)
+        if watch is not None:
+            watch.watch_inputs(folder, inside)
+
+    def arrived(self, root: Path) -> set[str]:
+        """The batch folders of ``root`` where inputs landed since the last call (inotify)."""
+        watch = self._inotify.get(root)
+        return set() if watch is None else watch.take_landed()
 
     def watched_folders(self, root: Path) -> frozenset[str]:
         """The batch folders of an inotify root watched now (empty for a polled root)."""

@@ -42,12 +42,16 @@ from typing import Any
 
 from daemon.contract.atomicfile import write_text
 from daemon.contract.checksums import sha256_of
-from daemon.contract.names import ALIASES, model_name_problem, model_names
+from daemon.contract.names import (
+    ALIASES,
+    ALIASES_FILE,
+    VERSION_DIR,
+    model_name_problem,
+    model_names,
+)
 
 WEIGHTS_FILE = "weights.pt"
 METADATA_FILE = "metadata.json"
-ALIASES_FILE = "aliases.json"
-_VERSION_DIR = re.compile(r"v(\d{4,})")
 HISTORY_FILE = "history.jsonl"
 METRICS = ("val_dice", "val_iou", "val_object_f1")
 log = logging.getLogger(__name__)
@@ -92,7 +96,7 @@ def list_versions(registry: Path, name: str) -> list[int]:
     model_dir = registry / check_name(name)
     if not model_dir.is_dir():
         return []
-    found = (_VERSION_DIR.fullmatch(p.name) for p in model_dir.iterdir())
+    found = (VERSION_DIR.fullmatch(p.name) for p in model_dir.iterdir())
     return sorted(int(match.group(1)) for match in found if match)
 
 

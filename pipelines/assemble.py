@@ -112,7 +112,8 @@ def _assembled(
     run.write_text(objects_table_name(item.path), objects_csv(result.table))
     work.remove_tree(work_name)
     log.info("%s: %d regions assembled, %d objects", item.path, len(records), result.objects)
-    return {"path": item.path, **tiled_row(result), **meta["provenance"]}
+    precision = "/".join(sorted({r.meta.get("precision", "fp32") for r in records}))
+    return {"path": item.path, **tiled_row(result), "precision": precision, **meta["provenance"]}
 
 
 if __name__ == "__main__":

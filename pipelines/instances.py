@@ -1,17 +1,18 @@
 """From a net's probabilities to objects: threshold, then cut touching objects apart. Pure.
 
 The net draws one mask for all spheroids; two that touch are one connected component of it.
-:func:`label_objects` cuts a component where it narrows: on the distance to the background
-(the distance transform of the component, its holes filled: a hole is no outline), each local
-summit is the centre of a part, a watershed from the summits gives each pixel to one part, and
-two neighbouring parts stay one object unless the neck between them (the highest distance on
-their shared border, half its width) is narrower than ``split_neck`` times the thinner part's
-own half-width (its summit). So two spheroids in contact, whose outlines meet in a narrow
-waist, are two objects; a lumpy spheroid, whose lumps are joined by a waist nearly as wide as
-they are, stays one. The cut is kept only where every part it leaves is round enough for a
-spheroid (its area at least :data:`ROUND` of its convex hull's): a mask the net broke into a
-crescent, around a spheroid it half missed, is not cut into its horns. ``split_neck`` 0 never
-cuts: the objects are the connected components, as before this step existed.
+:func:`label_objects` (or :func:`mask_objects`, from a thresholded mask) cuts a component where
+it narrows: on the distance to the background (the distance transform of the component, its
+holes filled: a hole is no outline), each local summit is the centre of a part, a watershed from
+the summits gives each pixel to one part, and two neighbouring parts stay one object unless the
+neck between them (the highest distance on their shared border, half its width) is narrower than
+``split_neck`` times the thinner part's own half-width (its summit). So two spheroids in
+contact, whose outlines meet in a narrow waist, are two objects; a lumpy spheroid, whose lumps
+are joined by a waist nearly as wide as they are, stays one. The cut is kept only where every
+part it leaves is round enough for a spheroid (its area at least :data:`ROUND` of its convex
+hull's): a mask the net broke into a crescent, around a spheroid it half missed, is not cut into
+its horns. ``split_neck`` 0 never cuts: the objects are the connected components, as before this
+step existed.
 
 Objects that were cut apart are kept apart by one pixel of background (of the part with the
 lower id, on their border), so that the 8-connected components of the returned mask are the
@@ -60,7 +61,13 @@ def label_objects(
 ) -> np.ndarray:
     """Object ids (int32, 0 background, 1…N in raster order of their first pixel) of the
     pixels whose probability exceeds ``threshold``: see the module's text."""
-    labels = components(probabilities > threshold, min_area)
+    return mask_objects(probabilities > threshold, min_area, split_neck)
+
+
+def mask_objects(mask: np.ndarray, min_area: int, split_neck: float) -> np.ndarray:
+    """Object ids, as :func:`label_objects` gives them, of a mask already thresholded (the
+    inference job's device stage thresholds on the GPU)."""
+    labels = components(mask, min_area)
     if split_neck <= 0:
         return labels
     kept, cut = labels > 0, False

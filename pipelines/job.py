@@ -43,8 +43,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from daemon.contract.heldfolder import (
     FolderReplaced,
     HeldFolder,
@@ -65,7 +63,7 @@ from daemon.contract.jobspec import (
 from daemon.contract.spool import make_private, private_problem
 from daemon.contract.usage import USAGE_KEY, Meter
 from daemon.contract.version import code_version
-from models.registry import ModelError
+from models.catalog import ModelError
 
 log = logging.getLogger("pipelines")
 
@@ -206,6 +204,14 @@ def planted_problem(spec: JobSpec, exc: UnsafeEntry) -> Problem:
     return Problem(f"'{path}'", f"{exc.what}; the job does not write through it", hint)
 
 
+def _torch_threads(count: int) -> None:
+    """Give torch the job's threads, where the pipeline uses it (its module imported it): the
+    report and the assembly never load torch (2–7 s of a job's start)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(count)
+
+
 def _failure(kind: ErrorKind, message: str, problems: Sequence[Problem] = ()) -> JobError:
     text = traceback.format_exc() if kind is ErrorKind.INTERNAL else ""
     return JobError(kind=kind, message=message, problems=tuple(problems), traceback=text)
@@ -222,7 +228,7 @@ def _attempt(pipeline: Pipeline, work: Work, job_dir: Path, given: list[int]) ->
             raise ValueError(
                 f"spec is for pipeline {spec.pipeline.value!r}, not {pipeline.value!r}"
             )
-        torch.set_num_threads(max(1, spec.resources.cpus))
+        _torch_threads(max(1, spec.resources.cpus))
         keep_freed_memory()
         log.info("job %s (%s) attempt %d started", spec.job_name, pipeline.value, spec.attempt)
         with hold_batch(spec) as batch:

@@ -82,6 +82,7 @@ TABLE_COLUMNS = (
     "tiled",
     "windows_run",  # of an image segmented window by window: windows the net ran on,
     "windows_glass",  # and windows over glass only, not run (pipelines.tissue)
+    "precision",  # the net's: fp32; on a GPU what its first batch allowed (inference.placement)
     "model_name",
     "model_version",
     "model_sha256",

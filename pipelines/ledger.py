@@ -1,16 +1,16 @@
 """The per-shard ledger of inference: which images are done, so a re-run skips them.
 
 ``work_dir/ledger/shard-NNNN.jsonl`` (in the spool, the service's own): one JSON line per
-image whose mask was written, appended after the mask is in place: the input's path and
-sha256, the model's sha256, a hash of the inference parameters, and the image's table row. A
-re-run of the shard (a retry after a crash, an operator's requeue) takes an image's row from
-the ledger instead of segmenting it again when all of these still hold: same path, same input
-bytes (the manifest's sha256, or the file's; an OME-Zarr store's state), same model, same
-parameters, and the mask is still there (in the owner's results folder, looked at through the
-held run folder). A torn last line (the job was killed while appending) is ignored: that image
-is simply done again. The ledger is read and appended through the held work folder: what is
-not a plain file at its name is not read, and is replaced by the ledger's own file when the
-first line is appended.
+image whose mask was written, appended once the mask is durable (masks are made durable
+together: :mod:`pipelines.inference.durable`): the input's path and sha256, the model's sha256,
+a hash of the inference parameters, and the image's table row. A re-run of the shard (a retry
+after a crash, an operator's requeue) takes an image's row from the ledger instead of
+segmenting it again when all of these still hold: same path, same input bytes (the manifest's
+sha256, or the file's; an OME-Zarr store's state), same model, same parameters, and the mask is
+still there (in the owner's results folder, looked at through the held run folder). A torn
+last line (the job was killed while appending) is ignored: that image is simply done again.
+The ledger is read and appended through the held work folder: what is not a plain file at its
+name is not read, and is replaced by the ledger's own file when the first line is appended.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import IO, Any
 
 from daemon.contract.checksums import sha256_of_stream
@@ -98,10 +98,19 @@ class Ledger:
         return dict(entry["row"]) if digest == entry["input_sha256"] else None
 
     def record(self, path: str, input_sha256: str, row: Mapping[str, Any]) -> None:
+        self.record_all([(path, input_sha256, row)])
+
+    def record_all(self, done: Iterable[tuple[str, str, Mapping[str, Any]]]) -> None:
+        """Append a line for each (path, input sha256, table row), in one write: call it only
+        once their masks are durable."""
         if self._handle is None:
             self._handle = self._open()
-        entry = {"path": path, "input_sha256": input_sha256, **self.key, "row": dict(row)}
-        self._handle.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        lines = [
+            json.dumps({"path": path, "input_sha256": digest, **self.key, "row": dict(row)},
+                       ensure_ascii=False) + "\n"
+            for path, digest, row in done
+        ]  # fmt: skip
+        self._handle.write("".join(lines))
         self._handle.flush()
 
     def _open(self) -> IO[str]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator, Iterable, Iterator
+from concurrent.futures import Executor, Future
 from typing import Any
 
 import numcodecs
@@ -207,13 +208,16 @@ def work_array(folder: HeldFolder, height: int, width: int) -> tuple[FolderStore
 class RowWriter:
     """Rows of ids written to a level-0 array from row ``first`` on, a chunk row at a time
     (gathered in one buffer of a chunk row); which chunks hold anything is noted (the others
-    are not stored)."""
+    are not stored). Given a ``pool``, a chunk row is compressed and written there while the
+    next is gathered (one at a time: memory stays one chunk row more); :meth:`close` waits for
+    the last, and a write that failed fails the next call."""
 
-    def __init__(self, array: Any, first: int) -> None:
-        self.array, self.written = array, first
+    def __init__(self, array: Any, first: int, pool: Executor | None = None) -> None:
+        self.array, self.written, self.pool = array, first, pool
         self.buffer = np.zeros((CHUNK, array.shape[1]), dtype=np.uint32)
         self.held = 0
         self.stored: set[tuple[int, int]] = set()
+        self.writing: Future[None] | None = None
 
     def add(self, ids: np.ndarray) -> None:
         if ids.size and ids.max() >= 2**32:
@@ -234,9 +238,26 @@ class RowWriter:
         for left in range(0, band.shape[1], CHUNK):
             if band[:, left : left + CHUNK].any():
                 self.stored.add((self.written // CHUNK, left // CHUNK))
-        self.array[self.written : self.written + len(band)] = band
+        self._wait()
+        if self.pool is None:
+            self._write(self.written, band)
+        else:
+            self.writing = self.pool.submit(self._write, self.written, band.copy())
         self.written += len(band)
         self.held = 0
+
+    def _write(self, first: int, band: np.ndarray) -> None:
+        self.array[first : first + len(band)] = band
+
+    def _wait(self) -> None:
+        if self.writing is not None:
+            writing, self.writing = self.writing, None
+            writing.result()
+
+    def close(self) -> None:
+        """Write what is held and wait until every row is written."""
+        self.flush()
+        self._wait()
 
 
 class LabelImage:

@@ -61,6 +61,12 @@ def _inference(part: Mapping[str, Any]) -> dict[str, Any]:
         "model": f"{model['name']} version {model['version']}",
         "model sha256": model["sha256"],
     }
+    if "precision" in summary:
+        made_in = summary["precision"].items()
+        facts["net precision"] = ", ".join(f"{name}: {count:,} image(s)" for name, count in made_in)
+    checked = [_checked(job) for job in summary.get("precision_checks", []) if job["checks"]]
+    if checked:
+        facts["precision checks (first batch against fp32)"] = "; ".join(checked)
     if "windows" in summary:  # tables written before windows were counted have none
         windows = summary["windows"]
         facts["window by window"] = (f"{windows['run']:,} windows run, {windows['glass']:,} "
@@ -111,6 +117,17 @@ def _truth(scores: Mapping[str, Any] | None, rows: Sequence[Mapping[str, str]]) 
              "Dice (pixels of every image scored)": scores["dice"]}  # fmt: skip
     return {"facts": facts, "notes": scores["not_scored"], "headers": QUALITY_COLUMNS,
             "rows": worst_first(rows, QUALITY_COLUMNS), "total": len(rows)}  # fmt: skip
+
+
+def _checked(job: Mapping[str, Any]) -> str:
+    """One job's precision checks, in a line: which were tried, how they agreed, what stayed."""
+    tried = [
+        f"{c['precision']} {c['agreement']:.5f} of pixels, "
+        f"{'same' if c['counts_equal'] else 'other'} object counts "
+        f"({'kept' if c['kept'] else 'not kept'})"
+        for c in job["checks"]
+    ]
+    return f"{job['job']} on {job['device']}: {', '.join(tried)} → {job['precision']}"
 
 
 def _training(part: Mapping[str, Any]) -> dict[str, Any]:

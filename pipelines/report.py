@@ -33,6 +33,7 @@ import csv
 import io
 import json
 import statistics
+from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -78,7 +79,6 @@ from pipelines.layout import (
     label_image_name,
     table_csv,
 )
-from pipelines.omezarr import overview_and_labels
 from pipelines.page import render
 
 OVERLAYS = 6
@@ -142,17 +142,23 @@ def job_timings(work: HeldFolder, own: str) -> list[dict[str, Any]]:
         except FileNotFoundError:
             continue  # a folder of launch files, or a job that left no result
         summary = result.summary
-        jobs.append(
-            {
-                "job": name,
-                "pipeline": result.pipeline,
-                "ok": result.ok,
-                "elapsed_s": summary.get("elapsed_s"),
-                "host": summary.get("host"),
-                "finished_at": result.finished_at,
-            }
-        )
+        job = {
+            "job": name,
+            "pipeline": result.pipeline,
+            "ok": result.ok,
+            "elapsed_s": summary.get("elapsed_s"),
+            "host": summary.get("host"),
+            "finished_at": result.finished_at,
+        }
+        if "inference" in summary:  # where its net ran, in what precision, and why
+            job["inference"] = summary["inference"]
+        jobs.append(job)
     return jobs
+
+
+def precision_checks(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each inference job's device and precision, with the checks of its first batch."""
+    return [{"job": job["job"], **job["inference"]} for job in jobs if "inference" in job]
 
 
 def _area_stats(rows: list[dict[str, str]]) -> dict[str, float | None]:
@@ -194,6 +200,9 @@ def inference_summary(rows: list[dict[str, str]]) -> dict[str, Any]:
         },
         "table": TABLE_FILE,
     }
+    made_in = Counter(row["precision"] for row in rows if row.get("precision"))
+    if made_in:  # (tables written before it was recorded have no precision)
+        summary["precision"] = dict(sorted(made_in.items()))
     counted = [found for found in map(windows_of, _tiled(rows)) if found is not None]
     if counted:
         summary["windows"] = {"run": sum(w[0] for w in counted),
@@ -260,8 +269,13 @@ def slide_overviews(rows: list[dict[str, str]], run: HeldFolder) -> list[tuple[s
     """(caption, data URI) for the first SLIDES images segmented window by window: the overview
     their label image holds, objects drawn over it, read through the held run folder. A label
     image missing, or not as its writer leaves it, is warned about and left out."""
+    slides = _tiled(rows)[:SLIDES]
+    if not slides:
+        return []
+    from pipelines.omezarr import overview_and_labels  # zarr: for slides only (1 s of imports)
+
     pictures = []
-    for row in _tiled(rows)[:SLIDES]:
+    for row in slides:
         try:
             with run.folder(f"{MASKS_DIR}/{label_image_name(row['path'])}") as held:
                 grey, ids = overview_and_labels(held)
@@ -388,7 +402,11 @@ def _sweep(work: HeldFolder, run: HeldFolder) -> tuple[dict[str, Any], dict[str,
 
 
 def _inference(
-    spec: JobSpec, run: HeldFolder, work: HeldFolder, batch: HeldFolder
+    spec: JobSpec,
+    run: HeldFolder,
+    work: HeldFolder,
+    batch: HeldFolder,
+    jobs: list[dict[str, Any]],
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     rows = merge_tables(work)
     check_complete(spec, rows)
@@ -398,6 +416,7 @@ def _inference(
     if scored is not None:
         run.write_text(QUALITY_FILE, scored.csv())
         summary["ground_truth"] = scored.summary()
+    summary["precision_checks"] = precision_checks(jobs)
     sizes = [int(row["area_px"]) / int(row["objects"]) for row in rows if int(row["objects"])]
     histogram = figures.histogram("object size (mean per image)", sizes, "area (pixels)")
     page = {
@@ -445,7 +464,9 @@ def _report(
     summary["compute_s"] = round(sum(job["elapsed_s"] or 0 for job in summary["jobs"]), 3)
     pages: dict[str, Any] = {}
     if work.exists(PARTS_DIR):
-        summary["inference"], pages["inference"] = _inference(spec, run, work, batch)
+        summary["inference"], pages["inference"] = _inference(
+            spec, run, work, batch, summary["jobs"]
+        )
     if work.exists(f"{SWEEP_DIR}/{SWEEP_FILE}"):
         summary["sweep"], pages["sweep"] = _sweep(work, run)
     if work.exists(f"{TRAINING_DIR}/{MODEL_FILE}"):

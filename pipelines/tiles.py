@@ -32,7 +32,9 @@ import logging
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent import futures
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -65,12 +67,18 @@ class Regions:
     kept, as decoded, among the last few rows of segments. A reader of a format gives its
     segments (:meth:`_decode`), the tissue mask where it has a reduced level, and which
     segments are stored where one may be absent (a Zarr store leaves out a chunk of its fill
-    value only)."""
+    value only).
+
+    Given a ``pool`` of threads, and where its format's segments may be decoded in several
+    threads at once (``parallel``), the segments of regions asked for ahead
+    (:meth:`prefetch`) are decoded there while the caller works on others."""
 
     height: int
     width: int
     tissue: TissueMask | None = None
     stored: np.ndarray | None = None  # the segments stored, as a summed-area table
+    pool: Executor | None = None
+    parallel = False
 
     def _layout(
         self, height: int, width: int, seg_h: int, seg_w: int, dtype: Any, cache_pixel_rows: int
@@ -82,6 +90,7 @@ class Regions:
         self.scale = np.float32(np.iinfo(dtype).max) if np.dtype(dtype).kind == "u" else None
         self.cache: OrderedDict[int, np.ndarray] = OrderedDict()
         self.cache_size = (math.ceil(cache_pixel_rows / seg_h) + 1) * self.across
+        self.ahead: dict[int, Future[np.ndarray]] = {}  # segments decoding on the pool
 
     def _decode(self, index: int) -> np.ndarray:
         """Segment ``index`` (row-major) as decoded: (rows, columns, samples)."""
@@ -108,14 +117,32 @@ class Regions:
         return self.tissue is None or self.tissue.any(top, bottom, left, right)
 
     def close(self) -> None:
+        for ahead in self.ahead.values():  # (they read the file: done before it closes)
+            ahead.cancel()
+        futures.wait(self.ahead.values())
+        self.ahead.clear()
         self.cache.clear()
+
+    def prefetch(self, boxes: Iterable[tuple[int, int, int, int]]) -> None:
+        """Start decoding on the pool the segments that regions (top, bottom, left, right)
+        will need and that are neither decoded nor under way (nothing without a pool)."""
+        if self.pool is None or not self.parallel:
+            return
+        for top, bottom, left, right in boxes:
+            for row in range(top // self.seg_h, (bottom - 1) // self.seg_h + 1):
+                for col in range(left // self.seg_w, (right - 1) // self.seg_w + 1):
+                    index = row * self.across + col
+                    if index not in self.cache and index not in self.ahead:
+                        self.ahead[index] = self.pool.submit(self._decode, index)
 
     def _segment(self, index: int) -> np.ndarray:
         if index in self.cache:
             self.cache.move_to_end(index)
             return self.cache[index]
         # kept as decoded (a quarter of its float32 grey for 8-bit grey), made grey per read
-        self.cache[index] = segment = self._decode(index)
+        ahead = self.ahead.pop(index, None)
+        segment = ahead.result() if ahead is not None else self._decode(index)
+        self.cache[index] = segment
         if len(self.cache) > self.cache_size:
             self.cache.popitem(last=False)
         return segment
@@ -155,7 +182,10 @@ class Regions:
 
 
 class RegionReader(Regions):
-    """Rectangular regions of a TIFF's plane, decoded a tile or strip at a time."""
+    """Rectangular regions of a TIFF's plane, decoded a tile or strip at a time (each read with
+    ``pread``, so several threads may decode at once)."""
+
+    parallel = True
 
     def __init__(
         self, source: Path | BinaryIO, cache_pixel_rows: int = 4 * TILE, channel: Any = None,
@@ -169,6 +199,7 @@ class RegionReader(Regions):
         (:mod:`pipelines.tissue`), where the TIFF has a reduced level to tell."""
         # A file opened by descriptor is named by its number, which tifffile cannot split.
         name = source.name if isinstance(source, Path) else Path(name or "input.tif").name
+        self.at = 0 if isinstance(source, Path) else source.tell()  # where the TIFF starts
         self.tif = tifffile.TiffFile(source, name=name)
         try:
             page = plane_page(self.tif, channel)
@@ -180,6 +211,10 @@ class RegionReader(Regions):
             self.tif.close()
             raise ValueError("planar (separate) RGB TIFFs cannot be read by tiles")
         self.page = page
+        try:
+            self.fd: int | None = self.tif.filehandle.fileno()
+        except OSError:  # a file in memory: read from one thread
+            self.fd, self.parallel = None, False
         height = page.imagelength
         seg_h = page.tilelength if page.is_tiled else min(page.rowsperstrip, height)
         # Uncompressed strips (a single one, as ImageJ writes them) are read a band of rows
@@ -213,17 +248,30 @@ class RegionReader(Regions):
         if self.by_rows:
             top = index * self.seg_h
             return self._rows(top, min(top + self.seg_h, self.height))
-        handle = self.tif.filehandle
-        handle.seek(self.page.dataoffsets[index])
-        data = handle.read(self.page.databytecounts[index])
+        data = self._read(self.page.dataoffsets[index], self.page.databytecounts[index])
         # an NDPI's tile is a restart interval of its level's one JPEG, under that header
         decoded, _, _ = self.page.decode(data, index, jpegtables=self.page.jpegtables,
                                          jpegheader=self.page.jpegheader)  # fmt: skip
         return np.asarray(decoded)[0]
 
+    def _read(self, offset: int, count: int) -> bytes:
+        """``count`` bytes at ``offset`` of the TIFF (short at its end), from any thread where
+        it lies in a file."""
+        if self.fd is None:
+            self.tif.filehandle.seek(offset)
+            return bytes(self.tif.filehandle.read(count))
+        parts, at = [], self.at + offset
+        while count > 0:
+            data = os.pread(self.fd, count, at)
+            if not data:
+                break
+            parts.append(data)
+            at, count = at + len(data), count - len(data)
+        return b"".join(parts)
+
     def _rows(self, top: int, bottom: int) -> np.ndarray:
         """Rows ``top:bottom`` of an uncompressed stripped page, (rows, width, samples)."""
-        page, handle = self.page, self.tif.filehandle
+        page = self.page
         dtype = np.dtype(page.dtype).newbyteorder(self.tif.byteorder)
         row_bytes = self.width * page.samplesperpixel * dtype.itemsize
         rows_per_strip = min(page.rowsperstrip, self.height)
@@ -231,8 +279,7 @@ class RegionReader(Regions):
         while row < bottom:
             strip, first = divmod(row, rows_per_strip)
             count = min(bottom - row, rows_per_strip - first)
-            handle.seek(page.dataoffsets[strip] + first * row_bytes)
-            parts.append(handle.read(count * row_bytes))
+            parts.append(self._read(page.dataoffsets[strip] + first * row_bytes, count * row_bytes))
             row += count
         data = b"".join(parts)
         if len(data) != (bottom - top) * row_bytes:
@@ -290,9 +337,19 @@ def probability_bands(
     acc = np.zeros((win_h, width), dtype=np.float32)
     over = [r for r, top in enumerate(rows) if top < end and top + win_h > first]
     windows = windows if windows is not None else Windows()
+
+    def tissue(top: int) -> list[int]:
+        return [x for x in cols if reader.has_tissue(top, top + win_h, x, x + win_w)]
+
+    ahead = [] if not over else tissue(rows[over[0]])
     for done_windows, r in enumerate(over, start=1):
         top = rows[r]
-        run = [x for x in cols if reader.has_tissue(top, top + win_h, x, x + win_w)]
+        run = ahead
+        reader.prefetch((top, top + win_h, x, x + win_w) for x in run)
+        if done_windows < len(over):  # the next row's tiles decode while this row runs
+            following = rows[over[done_windows]]
+            ahead = tissue(following)
+            reader.prefetch((following, following + win_h, x, x + win_w) for x in ahead)
         if first <= top < end:  # counted by the region its top lies in: once per image
             windows.run += len(run)
             windows.glass += len(cols) - len(run)
@@ -573,7 +630,7 @@ def segment_region(
     # every region's task finds the same split: the same file, the same tissue mask
     first, end = region_rows(reader.height, index, count, tissue_work(reader, window, overlap))
     components = Components(rows=first)
-    writer = RowWriter(ids, first)
+    writer = RowWriter(ids, first, reader.pool)
     step = overview_step(reader.height, reader.width)
     overview: list[np.ndarray] = []
     certainty, top_ids = 0.0, np.zeros(reader.width, dtype=np.int64)
@@ -592,7 +649,7 @@ def segment_region(
         writer.add(found)
         sampled = np.arange(top, top + len(band)) % step == 0
         overview.append(np.round(image[sampled][:, ::step] * 255).astype(np.uint8))
-    writer.flush()
+    writer.close()
     parents = np.array([components.find(n) for n in range(len(components.parent))])
     bottom = components.previous_row
     return RegionRecord(

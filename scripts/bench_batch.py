@@ -69,8 +69,12 @@ class BatchDaemon(Daemon):
     slurm: dict[str, object] | None = None  # [executor.slurm] when the jobs go to Slurm
 
     def config(self, **intake: object) -> Path:
+        daemon = {"state_dir": str(self.state)}
+        config_code = (self.code / "daemon" / "site" / "config.py").read_text(encoding="utf-8")
+        if "spool_dir" in config_code:  # a code from before the spool has none
+            daemon["spool_dir"] = str(self.spool)
         document: dict[str, object] = {
-            "daemon": {"state_dir": str(self.state), "spool_dir": str(self.spool)},
+            "daemon": daemon,
             "roots": [{"path": str(self.mount)}],
             "registry": {"path": str(self.registry)},
             "jobs": {"wandb_mode": "disabled"},

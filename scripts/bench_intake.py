@@ -1,4 +1,5 @@
-"""Intake benchmarks: arrival→queued latency (inotify vs polling) and the catch-up scan's cost.
+"""Intake benchmarks: arrival→queued latency (inotify vs polling), a large batch's last files
+landing → queued (the old code against the new), and the catch-up scan's cost.
 
 1. Latency: a real `watchd run` (local executor, settle 0) watches a drop root; batches are
    dropped one by one (images, then the manifest renamed into place); the time from the rename
@@ -9,8 +10,14 @@
    records every batch, and a baseline that walks and stats the whole tree (what a recursive
    watcher or a naive poll does).
 
-    python scripts/bench_intake.py                    # both, 1,000 x 1,000
+3. Arrival (``--old``): a batch listing --arrival-images files waits with half of them for
+   --arrival-wait s (its checks back off), then the other half lands by rename at once, on
+   local disk with inotify, settle 5 s, checks every 2 s (bench_share.py's timing); the last
+   rename → queued, for a daemon of the old code and one of the new, side by side.
+
+    python scripts/bench_intake.py                    # latency and scan, 1,000 x 1,000
     python scripts/bench_intake.py --only latency --drops 20
+    python scripts/bench_intake.py --only arrival --old ../wt-base [--arrival-images 20000]
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import time
 from pathlib import Path
 
 import tomli_w
+from bench_share import IMAGE, TIMING, Daemon, manifest, placeholder_model, write_atomically
 
 from daemon.core.states import BatchState
 from daemon.site import logs
@@ -35,6 +43,7 @@ from daemon.store import Store
 from daemon.watcher import scan_root
 
 BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parent.parent
 MANIFEST = """watchd = 1
 kind = "inference"
 [owner]
@@ -53,7 +62,7 @@ def write_config(base: Path, root: Path, mode: str) -> Path:
                    "heartbeat_seconds": 5.0, "log_format": "json"},
         "roots": [{"path": str(root), "observer": mode, "poll_seconds": 1.0}],
         "intake": {"settle_seconds": 0.0, "check_seconds": 0.05},
-        "registry": {"path": str(base / "registry")},
+        "registry": {"path": str(placeholder_model(base / "registry", "none"))},
         "jobs": {"wandb_mode": "disabled"},
     }  # fmt: skip
     path = base / f"config-{mode}.toml"
@@ -107,6 +116,54 @@ def wait_queued(database: Path, folder: str, timeout: float = 30.0) -> tuple[flo
             store.close()
         time.sleep(0.01)
     raise TimeoutError(f"{folder} not queued within {timeout} s")
+
+
+def arrival(old: Path, images: int, wait: float, base: Path) -> None:
+    """The last half of a waiting batch's files land at once: how long until it is queued."""
+    daemons = [
+        Daemon(name, code, base / f"root-{name}", base / f"root-{name}", base / f"state-{name}")
+        for name, code in (("old", old.resolve()), ("new", REPO))
+    ]  # fmt: skip
+    names = [f"images/img_{i:05d}.png" for i in range(images)]
+    for d in daemons:
+        (d.server / "big" / "images").mkdir(parents=True)
+        staging = base / f"staging-{d.name}" / "images"  # same filesystem, outside the root
+        staging.mkdir(parents=True)
+        for name in names:
+            (staging.parent / name).write_bytes(IMAGE)
+    try:
+        for d in daemons:
+            d.start()
+        for d in daemons:
+            write_atomically(d.server / "big" / "manifest.toml", manifest(names, len(IMAGE)))
+            for name in names[: images // 2]:
+                os.rename(base / f"staging-{d.name}" / name, d.server / "big" / name)
+        time.sleep(wait)  # the checks see nothing new and back off
+        landed = {}
+        for d in daemons:
+            for name in names[images // 2 :]:
+                os.rename(base / f"staging-{d.name}" / name, d.server / "big" / name)
+            landed[d.name] = time.time()
+        queued = {d.name: wait_for_queued(d, 600) - landed[d.name] for d in daemons}
+    finally:
+        for d in daemons:
+            d.stop()
+    bound = TIMING["settle_seconds"] + 2 * TIMING["check_seconds"]
+    print(f"arrival: {images:,} listed files, half of them waiting {wait:g} s, then the rest "
+          f"renamed in at once; settle {TIMING['settle_seconds']:g} s, checks every "
+          f"{TIMING['check_seconds']:g} s (local disk, inotify)")  # fmt: skip
+    for name, seconds in queued.items():
+        print(f"  {name}: last file landed → queued {seconds:.1f} s")
+    print(f"  target: <= settle + 2 x check_seconds = {bound:g} s")
+
+
+def wait_for_queued(daemon: Daemon, timeout: float) -> float:
+    deadline = time.monotonic() + timeout
+    while (at := daemon.queued_at("big")) is None:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{daemon.name}: not queued within {timeout:.0f} s")
+        time.sleep(0.1)
+    return at
 
 
 def make_tree(root: Path, folders: int, images: int) -> None:
@@ -187,7 +244,10 @@ def service_catch_up(base: Path, root: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=["latency", "scan"])
+    parser.add_argument("--only", choices=["latency", "scan", "arrival"])
+    parser.add_argument("--old", type=Path, help="a checkout of the old code (arrival)")
+    parser.add_argument("--arrival-images", type=int, default=20_000)
+    parser.add_argument("--arrival-wait", type=float, default=60.0)
     parser.add_argument("--drops", type=int, default=15)
     parser.add_argument("--folders", type=int, default=1000)
     parser.add_argument("--images", type=int, default=1000)
@@ -213,6 +273,10 @@ def main() -> int:
             print(f"  ratio polling / inotify (median queued): {ratio:.1f}")
         if args.only in (None, "scan"):
             catch_up(args.folders, args.images, base, args.repeat)
+        if args.only == "arrival" or (args.only is None and args.old is not None):
+            if args.old is None:
+                raise SystemExit("--only arrival needs --old (a checkout of the old code)")
+            arrival(args.old, args.arrival_images, args.arrival_wait, base)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return 0

@@ -57,6 +57,7 @@ class Daemon:
             "roots": [{"path": str(self.mount), "observer": "auto", "poll_seconds": 2.0}],
             "intake": {**TIMING, "watch_ended_seconds": 0.0, **intake},
             "executor": {"local": {"max_parallel": 1}},
+            "registry": {"path": str(placeholder_model(self.state / "registry", "none"))},
             "jobs": {"wandb_mode": "disabled"},
         }  # fmt: skip
         path = self.state / "config.toml"
@@ -67,7 +68,9 @@ class Daemon:
         self.state.mkdir(parents=True, exist_ok=True)
         code = f"import sys; sys.argv = ['watchd', 'run', '--config', {str(self.config())!r}];"
         code += " from daemon.watchd import watchd_main; watchd_main()"
-        env = {**os.environ, **self.env, "PYTHONPATH": str(self.code)}
+        # the code first; then what the caller's path holds (wheels unpacked on a GPU node)
+        path = os.pathsep.join(filter(None, [str(self.code), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, **self.env, "PYTHONPATH": path}
         with open(self.state / "daemon.log", "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-c", code], cwd=self.code, env=env, stdout=log, stderr=log
@@ -157,6 +160,13 @@ class Beats(threading.Thread):
 
     def largest_gap(self) -> float:
         return max((b - a for a, b in zip(self.beats, self.beats[1:], strict=False)), default=0.0)
+
+
+def placeholder_model(registry: Path, name: str) -> Path:
+    """A registry in which intake finds the model ``name`` (a version folder, no weights: the
+    benchmarks that name it measure intake, never its jobs' results); the registry's path."""
+    (registry / name / "v0001").mkdir(parents=True, exist_ok=True)
+    return registry
 
 
 def manifest(files: list[str], size: int) -> str:

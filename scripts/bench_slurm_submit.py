@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
+from bench_share import placeholder_model
 from PIL import Image
 from replay import Replay
 from slurm_scenario import batches_and_jobs, drill_ground, slurm_config
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace, conf: Path, base: Path) -> int:
     sizing = f"shards of {args.shard_size}" if args.shard_size else "shards sized to the throttle"
     print(f"  {made:.1f} s; {sizing}")
     config = slurm_config(
-        base, root, base / "registry", conf, args.client,
+        base, root, placeholder_model(base / "registry", "spheroid-unet"), conf, args.client,
         intake={"settle_seconds": 0.0, "check_seconds": 0.1},
         planner={"shard_size": args.shard_size, "max_attempts": 1},
         slurm={"python": "/bin/true", "array_throttle": args.throttle,

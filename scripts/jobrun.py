@@ -75,6 +75,7 @@ def run(
     name: str,
     kind: str,
     cpus: int = 2,
+    gpus: int = 0,
     env: Mapping[str, str] | None = None,
 ) -> Finished:
     """Write the spec of job ``name`` (results in ``batch_dir/results``, the job folder in
@@ -84,7 +85,7 @@ def run(
         batch_kind=kind, batch_dir=str(batch_dir), run_dir=str(batch_dir / "results"),
         work_dir=str(work_dir_for(batch_dir)), manifest_sha256="0" * 64, inputs=inputs,
         model=model, registry_dir=str(registry), params=dict(params),
-        resources=Resources(cpus=cpus), title=f"benchmark {name}",
+        resources=Resources(cpus=cpus, gpus=gpus), title=f"benchmark {name}",
     )  # fmt: skip
     spec.job_dir.mkdir(parents=True, exist_ok=True)
     (spec.job_dir / SPEC_FILE).write_text(spec.to_json(), encoding="utf-8")

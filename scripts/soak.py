@@ -3,7 +3,7 @@ and CPU are sampled; then an idle period.
 
 Drops go into one drop root for --minutes: small inference batches that really run (a few
 32² images each), and, in between, faulty ones that cost the daemon but not the CPU: manifests
-refused at once, models that do not exist (the job fails), inputs that never complete (the
+refused at once, models that do not exist (refused at intake), inputs that never complete (the
 batch times out); running jobs are killed now and then. The daemon thus ends up tracking
 --batches batches (10,000 by default), each one taken in through its real intake.
 Every --sample seconds the daemon's RSS (VmRSS), CPU (utime+stime) and inotify watches are

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+import tomllib
 from pathlib import Path
 
 import tomli_w
@@ -108,6 +109,48 @@ def test_checks_that_see_nothing_new_back_off_and_an_event_brings_the_next_forwa
     room.touched(str(drop_root), "plate")
     assert room.verdict(batch, 19.5)[0] is not None
     assert Schedule(2.0, 60.0, max_check_seconds=30.0).interval(10) == 30.0
+
+
+def test_inputs_landing_undo_the_back_off_and_a_settling_batch_is_ready_the_moment_it_can_be(
+    drop_root: Path,
+) -> None:
+    """Files landing (the watcher's mark) bring the next check to ``check_seconds`` after the
+    last, however far the checks had backed off, never sooner; once all are there, the batch
+    is looked at again when its settle period ends, not at the next ``check_seconds``."""
+    folder = drop_root / "plate"
+    (folder / "images").mkdir(parents=True)
+    text = manifest_text([{"path": f"images/{i}.png", "size": 1} for i in range(2)])
+    timing = Timing(settle_seconds=5.0, timeout_seconds=1000.0)
+    room = WaitRoom(timing, Schedule(2.0, 60.0, max_check_seconds=30.0), lambda _: text)
+    batch = waiting_batch(folder)
+    (folder / "images" / "0.png").write_bytes(b"x")
+    looked_at = [t for t in range(0, 40) if room.verdict(batch, float(t))[0]]
+    assert looked_at == [0, 2, 6, 14, 30]  # nothing new: 2, 4, 8, 16 s apart
+    room.arrived(str(drop_root), "plate")
+    assert room.verdict(batch, 31.0)[0] is None  # not sooner than 2 s after the last
+    (folder / "images" / "1.png").write_bytes(b"x")
+    room.arrived(str(drop_root), "plate")
+    verdict = room.verdict(batch, 32.0)[0]
+    assert isinstance(verdict, Waiting) and not verdict.problems and verdict.settle.since == 32.0
+    assert [isinstance(room.verdict(batch, t)[0], Waiting) for t in (34.0, 36.0)] == [True] * 2
+    assert room.verdict(batch, 36.9)[0] is None
+    assert isinstance(room.verdict(batch, 37.0)[0], Ready)  # 32 + 5 (not 38), verified
+    room.arrived(str(drop_root), "elsewhere")  # no batch waits there: nothing
+
+
+def test_the_folders_inputs_land_in_are_those_of_the_listed_files_and_where_patterns_start() -> (
+    None
+):
+    document = tomllib.loads(manifest_text([
+        {"path": "images/a.png", "size": 1}, {"path": "plate 2/b.tif", "size": 1},
+        {"path": "c.png", "size": 1}, {"path": "deep/er/d.png", "size": 1},
+        {"path": "slide.ome.zarr"},
+    ]))  # fmt: skip
+    document["patterns"] = [{"glob": "more/*.png"}, {"glob": "x/**/*.tif"}, {"glob": "*.png"},
+                            {"glob": "y/z[0-9]/*.png"}]  # fmt: skip
+    manifest = parse_manifest(tomli_w.dumps(document).encode())
+    assert inputs.input_folders(manifest) == {
+        "images", "plate 2", "deep/er", "slide.ome.zarr", "more", "x", "y"}  # fmt: skip
 
 
 def test_a_batch_with_many_inputs_is_looked_at_off_the_loop_thread(drop_root: Path) -> None:

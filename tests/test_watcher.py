@@ -1,5 +1,6 @@
 """The watcher sees manifests appear, in both modes, and watches nothing deeper than the batch
-folders: never the image folders inside them."""
+folders unless asked: then (inotify) the folders a waiting batch's inputs land in, whose files
+mark the batch for the service's next tick without an event on its queue."""
 
 from __future__ import annotations
 
@@ -91,6 +92,47 @@ def test_the_folders_of_ended_batches_are_not_watched_and_can_be_let_go_and_take
         (drop_root / "ended" / "manifest.toml").write_text("y")
         seen = [e.folder for e in events_within(events, 0.3) if isinstance(e, FolderTouched)]
         assert seen == ["ended"]
+    finally:
+        watcher.stop()
+    assert inotify_watches() == before
+
+
+def test_inputs_landing_in_the_watched_folders_of_a_batch_mark_it_without_queueing_events(
+    drop_root: Path,
+) -> None:
+    waiting = batch_with_images(drop_root, "waiting", images=1)
+    (waiting / "plate 2").mkdir()
+    batch_with_images(drop_root, "other", images=1)
+    before = inotify_watches()
+    events: queue.Queue = queue.Queue()
+    watcher = Watcher([RootSection(path=drop_root, observer=ObserverMode.INOTIFY)], events)
+    watcher.start()
+    try:
+        assert inotify_watches() - before == 1 + 2
+        watcher.watch_inputs(drop_root, "waiting", {"images", "plate 2", "not yet"})
+        watcher.watch_inputs(drop_root, "waiting", {"images"})  # twice is once
+        assert inotify_watches() - before == 1 + 2 + 2
+        (waiting / "images" / ".part").write_bytes(b"x")
+        os.rename(waiting / "images" / ".part", waiting / "images" / "new.png")
+        (waiting / "plate 2" / "b.tif").write_bytes(b"x")
+        (drop_root / "other" / "images" / "x.png").write_bytes(b"x")  # not watched: not asked
+        (waiting / "images" / "deeper" / "y.png").write_bytes(b"x")  # below: not watched
+        time.sleep(0.3)
+        assert events_within(events, 0.2) == []  # no event: a mark the service takes
+        assert watcher.arrived(drop_root) == {"waiting"}
+        assert watcher.arrived(drop_root) == set()  # taken
+        (waiting / "watchd-status.txt").write_text("the daemon's own writes")
+        (waiting / "results").mkdir()
+        time.sleep(0.3)
+        assert watcher.arrived(drop_root) == set()
+        (waiting / "a.png").write_bytes(b"x")  # listed in the batch folder itself
+        time.sleep(0.3)
+        assert watcher.arrived(drop_root) == {"waiting"}
+        watcher.release(drop_root, "waiting")
+        assert inotify_watches() - before == 1 + 1
+        (waiting / "images" / "more.png").write_bytes(b"x")
+        time.sleep(0.3)
+        assert watcher.arrived(drop_root) == set()
     finally:
         watcher.stop()
     assert inotify_watches() == before

@@ -115,10 +115,12 @@ USAGE_ERRORS: tuple[type[Exception], ...] = (
 ABORTS: tuple[type[BaseException], ...] = (click.exceptions.Abort, typer.Abort)
 
 
-def entry(app: typer.Typer) -> None:
+def entry(app: typer.Typer, name: str) -> None:
+    """Run ``app`` as the command ``name`` (so named in its usage also when started as
+    ``python -m``); expected errors end it with ``Error: …`` and their exit status."""
     command = typer.main.get_command(app)
     try:
-        command.main(standalone_mode=False)
+        command.main(prog_name=name, standalone_mode=False)
     except WatchdError as exc:
         # Line by line: a message may list problems, one a line; each line shown literally.
         print("Error: " + "\n".join(map(visible, str(exc).split("\n"))), file=sys.stderr)

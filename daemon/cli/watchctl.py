@@ -220,16 +220,16 @@ def _manifest_config(config: Path | None) -> Config | None:
 
 
 def _say_if_unregistered(cfg: Config, model: str) -> None:
-    """The batch would fail at its first job: say so now, while the expert is here (the model
-    may still be trained before the inputs are complete, so this is a note, not a refusal)."""
+    """The daemon would refuse the batch: say so now, while the expert is here (a training
+    batch under way may still register the model, so this is a note, not a refusal)."""
     from daemon.contract.names import model_names
 
     known = model_names(cfg.registry.path)
     if model not in known:
         print(
             f"note: no model named {model!r} in the registry {cfg.registry.path} (models there: "
-            f"{', '.join(known) or 'none'}); the batch fails unless it is registered before its "
-            "files are complete — see watchctl models list",
+            f"{', '.join(known) or 'none'}); watchd refuses the batch unless a training batch "
+            "under way registers it — see watchctl models list",
             file=sys.stderr,
         )
 
@@ -349,4 +349,8 @@ def models_promote_command(
 
 
 def watchctl_main() -> None:
-    entry(watchctl_app)
+    entry(watchctl_app, "watchctl")
+
+
+if __name__ == "__main__":  # python -m daemon.cli.watchctl: as the console script
+    watchctl_main()

@@ -11,6 +11,7 @@ catalogue (:mod:`models.catalog`), the inference job (:mod:`pipelines.infer`) an
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ MODEL_NAME_RULE = "1 to 64 letters, digits, '.', '_' or '-', starting with a let
 LATEST = "latest"  # the newest version of a model
 BEST = "best"  # the version that scored best on its validation split
 ALIASES = (LATEST, BEST)
+ALIASES_FILE = "aliases.json"  # a model's aliases, {"latest": 3, "best": 2} (models.catalog)
+VERSION_DIR = re.compile(r"v(\d{4,})")  # a version's folder: v0001, v0002, …
 
 
 # The inputs' file names the jobs read (the content decides the decoder) and write masks as:
@@ -95,6 +98,42 @@ def model_names(registry: Path) -> list[str]:
         return []
 
 
+def registered(registry: Path, name: str) -> tuple[list[int], dict[str, int]]:
+    """A model's published version numbers (ascending) and its aliases, as the registry's
+    folders and ``aliases.json`` say; both empty for a model not there, or unreadable."""
+    if model_name_problem(name):
+        return [], {}
+    try:
+        found = (VERSION_DIR.fullmatch(p.name) for p in (registry / name).iterdir())
+        versions = sorted(int(match.group(1)) for match in found if match)
+    except OSError:
+        return [], {}
+    try:
+        data = json.loads((registry / name / ALIASES_FILE).read_text(encoding="utf-8"))
+        aliases = {key: int(value) for key, value in data.items() if key in ALIASES}
+    except (OSError, ValueError, TypeError, AttributeError):
+        aliases = {}
+    return versions, aliases
+
+
+def unregistered(registry: Path, name: str, version: str) -> str:
+    """Why the registry cannot give the model ``name`` at ``version`` ('latest', 'best' or a
+    number), or '' when it can: what a job would fail with, said before it runs."""
+    versions, aliases = registered(registry, name)
+    if not versions:
+        known = ", ".join(model_names(registry)) or "none"
+        return f"no model named {name!r} in the registry (models there: {known})"
+    text = str(version).strip().lower()
+    number = aliases.get(text, versions[-1] if text == LATEST else None)
+    if text.isdigit():
+        number = int(text)
+    if number in versions:
+        return ""
+    listed = ", ".join(map(str, versions))
+    named = "".join(f", {key} = {value}" for key, value in sorted(aliases.items()))
+    return f"model {name!r} has no version {text!r} (versions: {listed}{named})"
+
+
 def model_name_problem(name: str) -> str:
     """What is wrong with ``name`` as a model's name ('' when nothing is): it names a folder
     of the registry, so it is one safe path component."""
@@ -116,8 +155,9 @@ class InferenceDefaults:
     tile_size: int = 512  # window of tiled inference, in pixels
     tile_overlap: int = 64
     max_whole_pixels: int = 2048 * 2048  # larger images are segmented tile by tile
-    gpu_batch_size: int = 16  # images at once on a GPU (pipelines/device.py)
-    mixed_precision: bool = True  # on a GPU, where the masks equal full precision's
+    # images at once on a GPU; 0: as many as make 8 Mpx, within half the GPU's free memory
+    gpu_batch_size: int = 0  # (pipelines/inference/placement.py)
+    mixed_precision: bool = True  # on a GPU, fp16 or bf16 where the first batch agrees
     channel: int | str | None = None  # a multi-channel TIFF's plane: its name or number
     # a slide's windows over glass only (its smallest level's grey within this of the glass's)
     # are not run through the net (pipelines/tissue.py); 0: every window runs

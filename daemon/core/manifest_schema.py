@@ -88,7 +88,7 @@ class InferenceParams(_Strict):
     tile_size: Annotated[int, Field(ge=64, le=8192)] = INFERENCE.tile_size
     tile_overlap: Annotated[int, Field(ge=0, le=1024)] = INFERENCE.tile_overlap
     max_whole_pixels: Annotated[int, Field(ge=1, le=2**31)] = INFERENCE.max_whole_pixels
-    gpu_batch_size: Annotated[int, Field(ge=1, le=1024)] = INFERENCE.gpu_batch_size
+    gpu_batch_size: Annotated[int, Field(ge=0, le=1024)] = INFERENCE.gpu_batch_size
     mixed_precision: bool = INFERENCE.mixed_precision
     channel: Channel = INFERENCE.channel
     glass_tolerance: Annotated[float, Field(ge=0, le=1)] = INFERENCE.glass_tolerance

@@ -35,6 +35,7 @@ from daemon.executors import (
     Submission,
     resources,
 )
+from daemon.executors.gpus import GpuSeats, visible
 from daemon.executors.local_job import ended_why
 from daemon.site.config import JobShapes, LocalExecutorSection
 from daemon.site.subprocesses import (
@@ -76,12 +77,19 @@ class LocalExecutor:
         self._children: dict[str, int] = {}  # handle → pid of the jobs this executor started
         self._ending: list[int] = []  # children cancelled, not yet seen to exit
         self._exits: ExitWatch | None = None
+        gpus = self.limits.gpus
+        self.seats = GpuSeats(gpus, self.limits.jobs_per_gpu) if gpus else None
 
     def slots(self) -> int | None:
         return self.max_parallel
 
     def width(self) -> int | None:
-        return self.max_parallel
+        """Inference jobs side by side: ``max_parallel``, and where GPUs are handed out, no
+        more than their seats hold (each job ``inference_gpus`` of them)."""
+        per_job = self.limits.inference_gpus
+        if self.seats is None or not per_job:
+            return self.max_parallel
+        return max(1, min(self.max_parallel, self.seats.seats // per_job))
 
     def bounds(self) -> dict[str, int]:
         return resources.local_bounds(self.limits)
@@ -116,10 +124,18 @@ class LocalExecutor:
         supervisor = [self.python, "-m", LAUNCHER, str(sub.job_dir), str(limit), str(stall), "--"]
         command = [*supervisor, self.python, "-m", sub.module, str(sub.job_dir)]
         env = {**self.env, **sub.env, "OMP_NUM_THREADS": str(sub.cpus)}
+        gpus: tuple[int, ...] = ()
+        if self.seats is not None:  # each job its own GPUs
+            found = self.seats.free(sub.gpus * sub.tasks)
+            if found is None:
+                return Deferred(f"{sub.name} waits for {sub.gpus * sub.tasks} GPU(s) of "
+                                f"{len(self.seats.jobs)}: every one has its jobs")  # fmt: skip
+            gpus = found
+            env.update(visible(gpus))
         try:
             with sub.held_job_dir() as held:
                 pid = _spawn_logged(held, command, env)
-                handle = self._started(held, pid, command)
+                handle = self._started(held, pid, command, gpus)
         except UnsafeEntry as exc:
             return Refused(f"cannot start {sub.name}: {exc}: remove it, watchd makes it itself")
         except OSError as exc:
@@ -127,13 +143,17 @@ class LocalExecutor:
             return Deferred(reason) if exc.errno in PASSING else Refused(reason)
         return Accepted(self._watch(handle))
 
-    def _started(self, held: HeldFolder, pid: int, command: list[str]) -> str:
+    def _started(
+        self, held: HeldFolder, pid: int, command: list[str], gpus: tuple[int, ...]
+    ) -> str:
         """Keep the started child and write its ``launch.json`` (if that cannot be written,
         a restarted daemon finds the job by its command line instead): its handle."""
         ticks = process_start_ticks(pid)
         handle = f"local:{pid}:{ticks if ticks is not None else 0}"
         self._children[handle] = pid
-        record = {"handle": handle, "pid": pid, "command": command}
+        if self.seats is not None:
+            self.seats.hold(handle, gpus)
+        record = {"handle": handle, "pid": pid, "command": command, "gpus": list(gpus)}
         with contextlib.suppress(OSError):
             held.write_text(LAUNCH_FILE, json.dumps(record))
         return handle
@@ -146,12 +166,14 @@ class LocalExecutor:
         finds it."""
         try:
             with sub.held_job_dir() as held:
-                handle = _recorded(held)
+                handle, gpus = _recorded(held)
                 started = held.exists(LOG_FILE)
         except OSError:
             return None  # no job folder to read (or a planted one): nothing started from it
         argv_tail = ["-m", sub.module, str(sub.job_dir)]
         if handle and _alive(handle) and runs(_pid(handle), argv_tail):
+            if self.seats is not None:
+                self.seats.hold(handle, gpus)  # its GPUs stay its own
             return handle
         if not started:
             return None
@@ -165,12 +187,20 @@ class LocalExecutor:
     def _status(self, handle: str) -> Status:
         pid = self._children.get(handle)
         if pid is None:
-            return Status(Phase.RUNNING) if _alive(handle) else Status(Phase.UNKNOWN)
+            if _alive(handle):
+                return Status(Phase.RUNNING)
+            self._free(handle)
+            return Status(Phase.UNKNOWN)
         code = exited(pid)
         if code is None:
             return Status(Phase.RUNNING)
         del self._children[handle]
+        self._free(handle)
         return Status(Phase.ENDED, code, ended_why(code))
+
+    def _free(self, handle: str) -> None:
+        if self.seats is not None:
+            self.seats.release(handle)
 
     def cancel(self, handles: Sequence[str]) -> None:
         for handle in handles:
@@ -179,6 +209,7 @@ class LocalExecutor:
             pid = self._children.pop(handle, None)
             if pid is not None:
                 self._ending.append(pid)
+            self._free(handle)
 
     def close(self) -> None:
         """Forget the running children (they keep running; a later daemon re-adopts them) and
@@ -207,13 +238,15 @@ def _spawn_logged(held: HeldFolder, command: list[str], env: Mapping[str, str]) 
         os.close(log_fd)
 
 
-def _recorded(held: HeldFolder) -> str:
-    """The handle ``launch.json`` records in a held job folder, or ''."""
+def _recorded(held: HeldFolder) -> tuple[str, list[int]]:
+    """The handle ``launch.json`` records in a held job folder (or ''), and its GPUs."""
     try:
         with held.open_read(LAUNCH_FILE) as file:
-            return str(json.loads(file.read())["handle"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return ""
+            record = json.loads(file.read())
+        gpus = record.get("gpus", [])
+        return str(record["handle"]), [g for g in gpus if isinstance(g, int)]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return "", []
 
 
 def _pid(handle: str) -> int:

@@ -25,6 +25,7 @@ class Allocation:
     memory_mb: int
     gpus: int
     tasks: int
+    cpus: int = 1  # per task
 
 
 def problems(request: ResourceRequest, bounds: Mapping[str, int]) -> list[Problem]:
@@ -64,7 +65,7 @@ def allocation(
     defaults overridden by ``request``, capped at the bounds."""
     time_minutes = min(request.time_minutes or site.time_minutes, site.max_time_minutes)
     memory_mb = min(request.memory_mb or site.memory_mb, site.max_memory_mb)
-    return Allocation(time_minutes, memory_mb, given.gpus, given.tasks)
+    return Allocation(time_minutes, memory_mb, given.gpus, given.tasks, given.cpus)
 
 
 def shape(

@@ -109,7 +109,8 @@ class SlurmExecutor:
 
     def allocation(self, pipeline: Pipeline, request: ResourceRequest) -> Resources:
         site = self.site
-        return resources.given(request, pipeline, site.cpus_per_task, site.shapes, self.bounds())
+        cpus = site.cpus(pipeline is Pipeline.INFER)
+        return resources.given(request, pipeline, cpus, site.shapes, self.bounds())
 
     def result_grace(self) -> float:
         return self.site.result_grace_seconds

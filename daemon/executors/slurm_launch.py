@@ -191,7 +191,7 @@ def request(
         output=os.devnull,
         time_minutes=launch.allocation.time_minutes,
         memory_mb=launch.allocation.memory_mb,
-        cpus_per_task=site.cpus_per_task,
+        cpus_per_task=launch.allocation.cpus,
         ntasks=launch.allocation.tasks,
         gpus=launch.allocation.gpus,
         array=array,

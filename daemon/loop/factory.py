@@ -18,6 +18,7 @@ from daemon.loop.intake import Intake
 from daemon.loop.mailer import Mailer
 from daemon.loop.metrics import Metrics
 from daemon.loop.notify import Notifier
+from daemon.loop.registry import ModelCheck
 from daemon.loop.selfservice import SelfService
 from daemon.loop.service import Clock, Parts, Service
 from daemon.loop.waitroom import Schedule, WaitRoom
@@ -55,6 +56,7 @@ def build_service(
     accounts = config.accounts.table()
     dispatch = Dispatcher(store, executor, str(config.registry.path), str(config.daemon.spool_dir),
                           accounts=accounts)  # fmt: skip
+    models = ModelCheck(config.registry.path, store)
     metrics = Metrics()
     planner = config.planner
     shards = Sharding(planner.shard_size, planner.max_shard_size, executor.width(),
@@ -73,7 +75,10 @@ def build_service(
                 max_manifest_bytes=intake.max_manifest_bytes,
                 settle_seconds=intake.settle_seconds,
                 retry_seconds=intake.retry_unreadable_seconds,
-                limits=lambda manifest: resources.problems(manifest.resources, executor.bounds()),
+                limits=lambda manifest: [
+                    *resources.problems(manifest.resources, executor.bounds()),
+                    *models(manifest),
+                ],
                 admits=admission(accounts),
             ),
             waitroom=waitroom,

@@ -33,7 +33,8 @@ from daemon.loop import patterns
 
 MAX_PATTERN_ENTRIES = 200_000  # the default of the daemon's intake.max_pattern_entries
 
-__all__ = ["Memory", "check", "look", "observe"]
+__all__ = ["Memory", "check", "input_folders", "look", "observe"]
+_WILDCARDS = frozenset("*?[")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,22 @@ class Memory:
 
     last: Mapping[str, FileSeen] = field(default_factory=dict)
     complete: frozenset[str] = frozenset()
+
+
+def input_folders(manifest: Manifest) -> set[str]:
+    """The folders below the batch folder that its inputs land in: those of its listed files,
+    its OME-Zarr stores themselves, and where each pattern starts (its folders before the
+    first wildcard); the batch folder itself ('') is not among them."""
+    found = {f.path if is_store(f.path) else posixpath.dirname(f.path) for f in manifest.files}
+    for pattern in manifest.patterns:
+        fixed = []
+        for part in pattern.glob.split("/")[:-1]:
+            if _WILDCARDS & set(part):
+                break
+            fixed.append(part)
+        found.add("/".join(fixed))
+    found.discard("")
+    return found
 
 
 def observe(folder: Path, manifest: Manifest, max_entries: int = MAX_PATTERN_ENTRIES) -> InputsSeen:

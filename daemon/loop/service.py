@@ -30,12 +30,13 @@ from daemon.core.owners import Accounts
 from daemon.core.planner import BatchView, Policy, Snapshot, opens_work, plan
 from daemon.core.readiness import NotReady
 from daemon.core.records import Batch, Job
-from daemon.core.states import JobState
+from daemon.core.states import BatchState, JobState
 from daemon.executors import Executor
 from daemon.loop import reporter
 from daemon.loop.acting import Actor, Effects
 from daemon.loop.dispatch import Dispatcher
 from daemon.loop.endings import Endings
+from daemon.loop.inputs import input_folders
 from daemon.loop.intake import Intake, LookAgain
 from daemon.loop.metrics import Metrics
 from daemon.loop.notify import Notifier
@@ -259,6 +260,9 @@ class Service:
         for root, folder in touched:
             self.waitroom.touched(str(root), folder)
             self._look(root, folder, now)
+        for section in self.config.roots:
+            for folder in self.watcher.arrived(section.path):
+                self.waitroom.arrived(str(section.path), folder)
         return {(str(root), folder) for root, folder in touched}
 
     def _suspended(self) -> frozenset[str]:
@@ -324,6 +328,9 @@ class Service:
         self._dirty.add(batch.id)
         if not batch.state.terminal:
             self.watcher.follow(Path(batch.root), batch.folder)
+        manifest = self.waitroom.manifest(batch) if batch.state is BatchState.WAITING else None
+        if manifest is not None:  # files landing there bring its next check forward
+            self.watcher.watch_inputs(Path(batch.root), batch.folder, input_folders(manifest))
 
     def _ended(self, batch: Batch, now: float) -> None:
         linger = self.config.intake.watch_ended_seconds

@@ -47,6 +47,7 @@ class _Looked:
     seen: readiness.InputsSeen
     memory: inputs.Memory
     verified: bool
+    at: float  # when the check began: what it saw is judged as of then
 
 
 class WaitRoom:
@@ -67,6 +68,7 @@ class WaitRoom:
         self._manifests: dict[int, Manifest] = {}
         self._settle: dict[int, readiness.Settle] = {}
         self._next_check: dict[int, float] = {}
+        self._last_check: dict[int, float] = {}  # when its last check began
         self._waiting: dict[int, tuple[Problem, ...]] = {}
         self._memory: dict[int, inputs.Memory] = {}  # absent: the next check looks at all
         self._quiet: dict[int, int] = {}  # checks in a row that saw no change
@@ -121,21 +123,24 @@ class WaitRoom:
         if now < self._next_check.get(batch.id, 0.0):
             return None
         self._next_check[batch.id] = now + self.schedule.check_seconds
+        self._last_check[batch.id] = now
         self._folders[(batch.root, batch.folder)] = batch.id
         memory = self._memory.get(batch.id)
         if self._inline(manifest):
-            return self._look(batch.path, manifest, memory)
+            return self._look(batch.path, manifest, memory, now)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="watchd-inputs")
-        future = self._pool.submit(self._look, batch.path, manifest, memory)
+        future = self._pool.submit(self._look, batch.path, manifest, memory, now)
         future.add_done_callback(lambda _: self.wake(batch))
         self._looking[batch.id] = future
         return None
 
-    def _look(self, folder: Path, manifest: Manifest, memory: inputs.Memory | None) -> _Looked:
+    def _look(
+        self, folder: Path, manifest: Manifest, memory: inputs.Memory | None, now: float
+    ) -> _Looked:
         entries = self.schedule.max_pattern_entries
         seen, learnt = inputs.check(folder, manifest, entries, memory)
-        return _Looked(seen, learnt, verified=memory is None)
+        return _Looked(seen, learnt, verified=memory is None, at=now)
 
     @staticmethod
     def _inline(manifest: Manifest) -> bool:
@@ -155,7 +160,7 @@ class WaitRoom:
         looking at everything: then the verification is due at once."""
         previous = self._settle.get(batch.id)
         verdict = readiness.assess(
-            manifest, looked.seen, previous, batch.updated_at, now, self.timing
+            manifest, looked.seen, previous, batch.updated_at, looked.at, self.timing
         )
         self._memory[batch.id] = looked.memory
         if isinstance(verdict, readiness.Ready) and not looked.verified:
@@ -182,7 +187,10 @@ class WaitRoom:
         unchanged = previous is not None and verdict.settle == previous
         quiet = self._quiet.get(batch_id, 0) + 1 if unchanged and verdict.problems else 0
         self._quiet[batch_id] = quiet
-        self._next_check[batch_id] = now + self.schedule.interval(quiet)
+        later = now + self.schedule.interval(quiet)
+        if not verdict.problems:  # all there, settling: looked at again the moment it may be
+            later = min(later, max(now, verdict.settle.since + self.timing.settle_seconds))
+        self._next_check[batch_id] = later
 
     def touched(self, root: str, folder: str) -> None:
         """Something happened in a waiting batch's folder (a watcher event): look at once."""
@@ -190,6 +198,18 @@ class WaitRoom:
         if batch_id is not None:
             self._next_check[batch_id] = 0.0
             self._quiet.pop(batch_id, None)
+
+    def arrived(self, root: str, folder: str) -> None:
+        """Inputs landed in a waiting batch's folders (:meth:`daemon.watcher.Watcher.arrived`):
+        its next check comes ``check_seconds`` after its last at the latest, however far
+        its checks had backed off while nothing came (no sooner: a copy under way would be
+        looked at for every file)."""
+        batch_id = self._folders.get((root, folder))
+        if batch_id is None or batch_id not in self._next_check:
+            return
+        self._quiet.pop(batch_id, None)
+        soon = self._last_check.get(batch_id, 0.0) + self.schedule.check_seconds
+        self._next_check[batch_id] = min(self._next_check[batch_id], soon)
 
     def close(self) -> None:
         """Wait for a check under way off the loop thread, and end that thread."""
@@ -212,7 +232,7 @@ class WaitRoom:
     def _tables(self) -> tuple[dict[int, Any], ...]:
         return (
             self._manifests, self._settle, self._next_check, self._waiting, self._memory,
-            self._quiet, self._looking,
+            self._quiet, self._looking, self._last_check,
         )  # fmt: skip
 
     def keep(self, batch_ids: set[int]) -> None:

@@ -124,8 +124,7 @@ class LocalExecutorSection(_Section):
     max_tasks: Annotated[int, Field(ge=1, le=64)] = 2  # DDP processes one training job may start
     max_gpus: Annotated[int, Field(ge=0, le=64)] = 0  # GPUs a manifest may ask for, per job
     # GPUs an inference job uses when its manifest does not say: 0 runs it on the CPU; N > 0
-    # lets it use the machine's GPUs (local jobs are not given GPUs of their own: each sees
-    # every GPU and runs on the first, so keep max_parallel to what one GPU holds)
+    # on its GPUs (daemon/executors/gpus.py)
     inference_gpus: Annotated[int, Field(ge=0, le=64)] = 0
     # A job is ended when it runs longer than its manifest's [resources] time_minutes, else
     # than this (a manifest may ask up to max_time_minutes) ...
@@ -133,6 +132,10 @@ class LocalExecutorSection(_Section):
     max_time_minutes: Annotated[int, Field(ge=1, le=365 * 24 * 60)] = 7 * 24 * 60
     # ... or when neither its log nor its progress file changed for this long (0: never).
     stall_minutes: Annotated[float, Field(ge=0, le=7 * 24 * 60)] = 60.0
+    # GPUs of this machine handed to the jobs, CUDA's 0 … gpus-1, each job its own
+    # (CUDA_VISIBLE_DEVICES), at most jobs_per_gpu jobs on one; 0: every job sees every GPU
+    gpus: Annotated[int, Field(ge=0, le=64)] = 0
+    jobs_per_gpu: Annotated[int, Field(ge=1, le=64)] = 1
 
     @pydantic.model_validator(mode="after")
     def _defaults_within_bounds(self) -> LocalExecutorSection:
@@ -144,6 +147,11 @@ class LocalExecutorSection(_Section):
             raise ValueError(
                 f"time_minutes = {self.time_minutes} is above max_time_minutes = "
                 f"{self.max_time_minutes}"
+            )
+        if self.gpus and self.max_gpus > self.gpus:
+            raise ValueError(
+                f"max_gpus = {self.max_gpus} is above gpus = {self.gpus}: such a job would "
+                "never start"
             )
         return self
 
@@ -169,6 +177,9 @@ class SlurmExecutorSection(_Section):
     account: str = ""
     constraint: str = ""  # Slurm --constraint (node features)
     cpus_per_task: Annotated[int, Field(ge=1, le=256)] = 1
+    # CPUs of each inference task (its workers read, decode and finish beside the net); 0: as
+    # cpus_per_task. On a GPU node, what it takes to feed the GPU (docs/slurm.md)
+    inference_cpus_per_task: Annotated[int, Field(ge=0, le=256)] = 0
     time_minutes: Minutes = 60
     max_time_minutes: Minutes = 24 * 60
     memory_mb: MegaBytes = 4096
@@ -197,6 +208,10 @@ class SlurmExecutorSection(_Section):
     def shapes(self) -> JobShapes:
         """GPUs and tasks of its jobs when their manifest does not say."""
         return JobShapes(self.gpus, self.tasks, self.inference_gpus)
+
+    def cpus(self, inference: bool) -> int:
+        """CPUs of each task of a job: an inference job's own when set."""
+        return (self.inference_cpus_per_task if inference else 0) or self.cpus_per_task
 
     @pydantic.model_validator(mode="after")
     def _defaults_within_bounds(self) -> SlurmExecutorSection:

@@ -1,4 +1,5 @@
-"""Where an inference job runs its net (pipelines/device.py): the rule, on this GPU-less machine."""
+"""Where an inference job runs its net, how many images at once and in what precision
+(pipelines/inference/placement.py, pure), and the device stage on this GPU-less machine."""
 
 from __future__ import annotations
 
@@ -7,10 +8,24 @@ import pytest
 import torch
 
 from models.unet import UNet
-from pipelines.device import choose_device
-from pipelines.infer import ON_CPU, precision_check, predict
+from pipelines.inference.device import DeviceStage
+from pipelines.inference.finish import Rules
+from pipelines.inference.placement import (
+    AGREEMENT,
+    BFLOAT,
+    FULL,
+    HALF,
+    TF32,
+    Placement,
+    choose_device,
+    decided,
+    precision_verdict,
+    sized_batch,
+)
+from pipelines.instances import components
 
 PARAMS = {"batch_size": 1, "threshold": 0.5, "min_object_area": 0}
+GIB = 2**30
 
 
 @pytest.mark.parametrize(
@@ -31,24 +46,99 @@ def test_the_job_runs_on_the_gpu_it_was_given_and_says_why_not_otherwise(
     where = choose_device(gpus, environ, cuda, PARAMS)
     assert where.device == device and why in where.reason
     assert where.cuda is (device != "cpu")
-    if where.cuda:
-        assert (where.batch_size, where.mixed_precision) == (16, True)
+    if where.cuda:  # sized by the images and the GPU's memory; every faster precision tried
+        assert (where.batch_size, where.candidates()) == (0, (HALF, BFLOAT, TF32))
     else:
-        assert (where.batch_size, where.mixed_precision) == (1, False)
+        assert (where.batch_size, where.candidates()) == (1, ())
 
 
 def test_the_gpu_batch_and_precision_follow_the_parameters() -> None:
     params = {**PARAMS, "batch_size": 4, "gpu_batch_size": 64, "mixed_precision": False}
     where = choose_device(1, {}, 1, params)
-    assert (where.batch_size, where.mixed_precision) == (64, False)
+    assert (where.batch_size, where.candidates()) == (64, (TF32,))
     assert choose_device(0, {}, 1, params).batch_size == 4
 
 
-def test_on_this_machine_the_net_stays_on_the_cpu_and_no_precision_check_runs() -> None:
+@pytest.mark.parametrize(
+    ("pixels", "bytes_per_pixel", "free", "given", "expected"),
+    [
+        (256 * 256, 400, 100 * GIB, 0, 128),  # 8 Mpx of 256² images
+        (1024 * 1024, 400, 100 * GIB, 0, 8),
+        (4096 * 4096, 400, 100 * GIB, 0, 1),  # one image is more than 8 Mpx: still one
+        (256 * 256, 400, 2 * GIB, 0, 40),  # half of 2 GiB holds 40 at 26 MB each
+        (256 * 256, 400, 1, 0, 1),  # never none
+        (64 * 64, 400, 100 * GIB, 0, 1024),  # never more than 1024
+        (256 * 256, 400, 1, 16, 16),  # the manifest's gpu_batch_size, whatever the memory
+    ],
+)
+def test_a_gpu_batch_is_sized_by_its_images_pixels_and_the_gpus_free_memory(
+    pixels: int, bytes_per_pixel: float, free: int, given: int, expected: int
+) -> None:
+    assert sized_batch(pixels, bytes_per_pixel, free, given) == expected
+
+
+def _masks(seed: int, flips: int, blob: bool = False) -> list[np.ndarray]:
+    """Two 100×100 masks with a square object each; ``flips`` pixels of the square's inside
+    flipped in the first (objects unchanged), or a lone new pixel far from it (``blob``)."""
+    masks = [np.zeros((100, 100), dtype=bool) for _ in range(2)]
+    for mask in masks:
+        mask[20:60, 20:60] = True
+    rows = np.random.default_rng(seed).choice(np.arange(30, 50), size=flips, replace=False)
+    masks[0][rows, 40] = False
+    if blob:
+        masks[0][90, 90] = True
+    return masks
+
+
+def test_a_faster_precision_is_kept_when_its_masks_agree_within_the_tolerance() -> None:
+    full = _masks(0, 0)
+    count = lambda mask: int(components(mask, 0).max())  # noqa: E731
+    same = precision_verdict(HALF, full, _masks(0, 0), count)
+    assert (same.agreement, same.counts_equal, same.accepted) == (1.0, True, True)
+    close = precision_verdict(HALF, full, _masks(1, 15), count)  # 15 of 20,000 pixels
+    assert close.agreement == pytest.approx(1 - 15 / 20_000) and close.accepted
+    far = precision_verdict(HALF, full, _masks(1, 20), count)  # 0.999 is the line
+    assert far.agreement == 1 - 20 / 20_000 == AGREEMENT and far.accepted
+    worse_masks = _masks(2, 20)
+    worse_masks[1][0:3, 0:3] = True
+    worse = precision_verdict(BFLOAT, full, worse_masks, count)
+    assert worse.agreement < AGREEMENT and not worse.accepted
+    new_object = precision_verdict(TF32, full, _masks(3, 0, blob=True), count)
+    assert new_object.agreement > AGREEMENT and not new_object.counts_equal
+    assert not new_object.accepted and "other object counts: not kept" in new_object.said()
+    assert decided([worse, new_object, close]) == HALF
+    assert decided([worse, new_object]) == decided([]) == FULL
+    with pytest.raises(ValueError, match="1 masks in full precision against 2"):
+        precision_verdict(HALF, full[:1], full, count)
+
+
+@pytest.fixture(scope="module")
+def net() -> UNet:
     torch.manual_seed(0)
-    net = UNet(depth=2, width=4).eval()
-    images = np.random.default_rng(0).random((2, 32, 32), dtype=np.float32)
+    return UNet(depth=2, width=4).eval().to(memory_format=torch.channels_last)
+
+
+def test_on_the_cpu_the_stage_gives_the_masks_and_confidences_the_job_always_made(
+    net: UNet,
+) -> None:
+    """Threshold of the sigmoid, and the mean of |2p - 1|, from numpy as before; batches come
+    back in the order submitted; no precision is checked (full precision on the CPU)."""
+    images = np.random.default_rng(0).random((5, 32, 32), dtype=np.float32)
     where = choose_device(1, {}, torch.cuda.device_count(), PARAMS)
     assert where.device == "cpu"  # no CUDA here: the GPU path is reviewed, not run
-    assert precision_check(net, images, where, PARAMS) is where
-    assert np.array_equal(predict(net, images, where), predict(net, images, ON_CPU))
+    torch.set_num_threads(2)
+    stage = DeviceStage(net, where, 0.5, Rules(0, 0.0, False))
+    assert stage.batch_size((32, 32)) == 1
+    stage.submit([images[0]], "first")
+    stage.submit(list(images[1:]), "rest")
+    assert torch.get_num_threads() == 2
+    (first, masks_1, sure_1), (rest, masks_4, sure_4) = stage.done()
+    assert (first, rest) == ("first", "rest") and stage.done() == [] and not stage.busy
+    with torch.inference_mode():
+        probabilities = torch.sigmoid(net(torch.from_numpy(images)[:, None]))[:, 0].numpy()
+    np.testing.assert_array_equal(np.concatenate([masks_1, masks_4]), probabilities > 0.5)
+    expected = [float(np.abs(2 * p - 1).mean()) for p in probabilities]
+    np.testing.assert_allclose(np.concatenate([sure_1, sure_4]), expected, rtol=1e-6)
+    np.testing.assert_array_equal(stage.probabilities(images[:2]), probabilities[:2])
+    assert stage.summary() == {"device": "cpu", "precision": FULL, "checks": []}
+    assert Placement("cpu", 1, True, "").candidates() == ()

@@ -6,6 +6,8 @@ import csv
 import io
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +34,7 @@ from pipelines.tiles import (
     region_rows,
     segment_region,
     segment_tiled,
+    window_cache_rows,
 )
 
 MIN_AREA = 30
@@ -120,6 +123,33 @@ def test_the_label_image_equals_the_whole_images_labels_across_every_seam(
     np.testing.assert_array_equal(level0, expected)
     assert result.objects == len(rows) == int(expected.max())
     assert result.area == int((expected > 0).sum())
+
+
+def test_tiles_read_ahead_and_ids_written_behind_on_threads_give_the_same_label_image(
+    slide: tuple[Path, np.ndarray, TiledResult], tmp_path: Path
+) -> None:
+    """Three threads decode the next row of windows' tiles and write chunk rows behind
+    the labelling (as the job does): every level, every object row, the same, bit for bit."""
+    path, _, result = slide
+    with (
+        ThreadPoolExecutor(3) as pool,
+        HeldFolder.open(tmp_path) as folder,
+        closing(
+            RegionReader(path.parent / "slide.tif", window_cache_rows({"tile_size": 300}))
+        ) as reader,
+    ):
+        reader.pool = pool
+        try:
+            threaded = segment_tiled(reader, folder, "t.ome.zarr", _thresholded, THRESHOLD,
+                                     MIN_AREA, window=300, overlap=40, batch=4)  # fmt: skip
+        finally:
+            cleanup_resources()
+    assert threaded == result
+    mine = zarr_levels(tmp_path / "t.ome.zarr", f"labels/{LABEL_NAME}")
+    theirs = zarr_levels(path, f"labels/{LABEL_NAME}")
+    assert len(mine) == len(theirs)
+    for got, want in zip(mine, theirs, strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_the_object_table_counts_an_object_crossing_borders_once(

@@ -25,6 +25,7 @@ from daemon.contract.jobspec import (
     JobSpec,
     ModelRef,
     Pipeline,
+    Resources,
     Role,
     Shard,
 )
@@ -47,6 +48,7 @@ TABLE_HEADER = [
     "tiled",
     "windows_run",
     "windows_glass",
+    "precision",
     "model_name",
     "model_version",
     "model_sha256",
@@ -152,6 +154,43 @@ def test_running_a_shard_again_replaces_its_outputs(
     assert table.read_text(encoding="utf-8") == before
     leftovers = [p for p in (inferred.batch_dir / "results").rglob(".tmp-*")]
     assert leftovers == []
+
+
+def test_a_shard_on_three_cpus_makes_the_masks_and_rows_of_one_cpu_in_as_many_workers(
+    inferred: InferredBatch,
+    tmp_path: Path,
+    job_spec: Callable[..., Any],
+    run: Callable[..., JobRun],
+    infer_params: dict[str, Any],
+) -> None:
+    """Every input of both shards in one job of three CPUs: three workers read and finish, a
+    chunk at a time, in any order; the masks are those of the one-CPU shards bit for bit, the
+    rows the same, the ledger one line per image; the summary says how the job ran."""
+    batch_dir = tmp_path / "three"
+    for folder in ("images", "plate 2 ü"):
+        shutil.copytree(inferred.batch_dir / folder, batch_dir / folder)
+    spec = job_spec(batch_dir, Pipeline.INFER, inferred.inputs, registry=inferred.model.registry,
+                    model=ModelRef(inferred.model.name, "latest"), params=infer_params,
+                    resources=Resources(cpus=3))  # fmt: skip
+    job = run(spec)
+    assert job.returncode == 0 and job.result is not None, job.log
+    assert "3 worker(s)" in job.log
+    inference = job.result.summary["inference"]
+    assert inference == {"device": "cpu", "precision": "fp32", "checks": [], "workers": 3,
+                         "masks_durable": "syncfs"}  # fmt: skip
+    for item in inferred.inputs:
+        mine = read_mask(batch_dir / "results" / "masks" / item.path)
+        theirs = read_mask(inferred.batch_dir / "results" / "masks" / item.path)
+        assert np.array_equal(mine, theirs), item.path
+    with open(work_dir_for(batch_dir) / "parts" / "table-0000.csv", newline="") as handle:
+        rows = {row["path"]: row for row in csv.DictReader(handle)}
+    for part in ("table-0000.csv", "table-0001.csv"):
+        with open(work_dir_for(inferred.batch_dir) / "parts" / part, newline="") as handle:
+            for row in csv.DictReader(handle):
+                assert rows[row["path"]] == row
+                assert row["precision"] == "fp32"
+    ledger = (work_dir_for(batch_dir) / "ledger" / "shard-0000.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["path"] for line in ledger) == sorted(rows)
 
 
 def _shard_spec(

@@ -25,7 +25,7 @@ from daemon.contract.jobspec import ErrorKind, InputFile, ModelRef, Pipeline
 from pipelines.layout import TABLE_COLUMNS, label_image_name, table_csv
 from pipelines.omezarr import LABEL_NAME, overview_step
 from pipelines.page import render
-from pipelines.report import inference_summary
+from pipelines.report import inference_summary, precision_checks
 from pipelines.tiles import TiledResult, segment_tiled, tiled_row
 
 if TYPE_CHECKING:
@@ -84,7 +84,12 @@ def test_inference_report_merges_tables_and_summarises(
     assert summary["inference"]["model"]["version"] == 1
     assert summary["manifest_sha256"] == inferred.shards[0].spec.manifest_sha256
     assert sorted(j["job"] for j in summary["jobs"]) == ["infer-0000", "infer-0001"]
+    assert summary["inference"]["precision"] == {"fp32": len(inferred.inputs)}
+    assert [(c["job"], c["device"], c["precision"], c["checks"])
+            for c in summary["inference"]["precision_checks"]] == [
+        ("infer-0000", "cpu", "fp32", []), ("infer-0001", "cpu", "fp32", [])]  # fmt: skip
     page = (run_dir / "report.html").read_text(encoding="utf-8")
+    assert f"<th>net precision</th><td>fp32: {len(inferred.inputs)} image(s)</td>" in page
     assert_self_contained(page)
     assert page.count("data:image/png;base64,") >= 2
     assert "it&#39;s a &#34;test&#34;.png" in page and "plate 2 ü" in page  # escaped by Jinja
@@ -411,3 +416,31 @@ def test_windows_run_and_skipped_as_glass_are_summed_and_shown_where_the_table_h
     assert "windows" not in inference_summary(older)
     page = render(meta, {"inference": part | {"summary": inference_summary(older)}})
     assert "<th>window by window</th>" not in page and "Slide overview</h3>" in page
+
+
+def test_the_precision_each_image_was_made_in_and_the_checks_that_decided_it_are_shown() -> None:
+    """A GPU job kept fp16 after its first batch agreed with fp32 well enough; the summary
+    counts the images per precision and the page says which checks were tried and how they
+    agreed."""
+    base = {column: "1" for column in TABLE_COLUMNS} | {"model_version": "1", "tiled": "0"}
+    rows = [
+        base | {"path": f"{i}.png", "precision": p} for i, p in enumerate(["fp16"] * 2 + ["fp32"])
+    ]
+    summary = inference_summary(rows)
+    assert summary["precision"] == {"fp16": 2, "fp32": 1}
+    checks = [{"precision": "fp16", "agreement": 0.99987, "counts_equal": True, "images": 128,
+               "kept": True}]  # fmt: skip
+    jobs = [{"job": "infer-0000", "inference": {"device": "cuda:0", "precision": "fp16",
+                                                "checks": checks}},
+            {"job": "report"}]  # fmt: skip
+    summary["precision_checks"] = precision_checks(jobs)
+    meta = {"batch": {"id": 1, "revision": 1, "kind": "inference", "title": "t", "dir": "d"},
+            "manifest_sha256": "0", "generated_at": "now", "code_version": "test"}  # fmt: skip
+    part = {"summary": summary, "rows": rows, "overlays": [], "slides": [],
+            "histogram": "data:image/png;base64,AAAA"}  # fmt: skip
+    page = render(meta, {"inference": part})
+    assert "<th>net precision</th><td>fp16: 2 image(s), fp32: 1 image(s)</td>" in page
+    assert (
+        "<th>precision checks (first batch against fp32)</th><td>infer-0000 on cuda:0: fp16 "
+        "0.99987 of pixels, same object counts (kept) → fp16</td>"
+    ) in page

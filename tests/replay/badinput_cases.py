@@ -768,15 +768,17 @@ CASES: tuple[Case, ...] = (
         "unknown-model",
         "an unknown model",
         with_manifest(replace('name = "spheroid-unet"', 'name = "no-such-model"')),
-        "no-such-model",
-        "job",
+        "manifest.toml, model: no model named 'no-such-model' in the registry (models there: "
+        "spheroid-unet)",
+        "manifest",
     ),
     Case(
         "unknown-version",
         "an unknown model version",
         with_manifest(replace('version = "latest"', "version = 99")),
-        "99",
-        "job",
+        "manifest.toml, model: model 'spheroid-unet' has no version '99' (versions: 1, best = 1, "
+        "latest = 1)",
+        "manifest",
     ),
 )
 

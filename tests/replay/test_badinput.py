@@ -354,6 +354,7 @@ def test_a_manifest_the_service_cannot_read_fails_visibly_and_is_taken_in_once_r
         spool.mkdir(mode=0o750)
         os.chown(spool, 65534, 65534)  # the service's own
         base.chmod(0o755)
+        (base / "registry" / MODEL / "v0001").mkdir(parents=True)  # what intake looks for
         config = write_config(base, root, base / "registry", daemon={"spool_dir": str(spool)})
         folder = root / "locked manifest"
         shutil.copytree(staged(count=1), folder)

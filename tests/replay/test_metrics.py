@@ -4,12 +4,14 @@ failures by kind, with the values of what just happened."""
 
 from __future__ import annotations
 
+import shutil
 import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import synth
+from conftest import MODEL
 from prometheus_client.parser import text_string_to_metric_families
 from replay import Replay, copy_slowly, manifest_text, write_atomically
 
@@ -46,12 +48,17 @@ def test_a_scrape_after_real_batches_shows_states_queue_age_durations_and_failur
     config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path, tmp_path: Path
 ) -> None:
     """One batch ends done (two inference shards and a report), one fails because its jobs
-    cannot find the model, one is refused for its manifest, one still waits for a file."""
+    find its model's weights damaged, one is refused for its manifest, one still waits for a
+    file."""
     config = config_for(metrics={"enabled": True, "port": 0})
+    damaged = config.registry.path / "damaged"  # registered, as intake sees; unloadable
+    shutil.copytree(config.registry.path / MODEL, damaged)
+    for weights in damaged.rglob("weights.pt"):
+        weights.write_bytes(weights.read_bytes()[:-1] + b"!")
     unknown = tmp_path / "staging" / "unknown model"
     synth.make_batch(unknown, "inference", count=2, size=64, seed=5)
     (unknown / "manifest.toml").write_bytes(
-        manifest_text(unknown, Kind.INFERENCE, model="no-such-model", version="latest")
+        manifest_text(unknown, Kind.INFERENCE, model="damaged", version="latest")
     )
     waiting = staged("waiting", count=2)
     steps = [

@@ -20,10 +20,11 @@ from daemon.store import Store
 
 
 def test_a_job_the_local_executor_cannot_start_fails_its_batch_with_the_reason(
-    tmp_path: Path, drop_root: Path, staged: Callable[..., Path]
+    tmp_path: Path, drop_root: Path, staged: Callable[..., Path], registry: Path
 ) -> None:
     python = tmp_path / "no such" / "python"
-    config = write_config(tmp_path, drop_root, tmp_path / "registry",
+    # the registry has the model: intake refuses a batch naming one it does not have
+    config = write_config(tmp_path, drop_root, registry,
                           executor={"local": {"max_parallel": 2, "python": str(python)}})  # fmt: skip
     with Replay(config) as replay:
         replay.run(copy_slowly(staged(count=4), drop_root / "plate", 0, 0.01), timeout=60)

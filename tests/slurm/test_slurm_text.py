@@ -146,12 +146,14 @@ NO_REQUEST = ResourceRequest()
 
 
 def sub(i: int, jobs: Path, *, group: str = "b000001-infer", module: str = "pipelines.infer",
-        attempt: int = 1, resources: ResourceRequest = NO_REQUEST) -> Submission:  # fmt: skip
+        attempt: int = 1, resources: ResourceRequest = NO_REQUEST,
+        site: SlurmExecutorSection = SITE) -> Submission:  # fmt: skip
     """A submission shaped as the Slurm executor shapes it for the dispatcher
     (:meth:`SlurmExecutor.allocation`: the site's defaults, the manifest's ask, the bounds)."""
     name = f"{group}-{i:04d}" if module == "pipelines.infer" else group
     pipeline = Pipeline(module.removeprefix("pipelines."))
-    shape = given(resources, pipeline, SITE.cpus_per_task, SITE.shapes, slurm_bounds(SITE))
+    cpus = site.cpus(pipeline is Pipeline.INFER)
+    shape = given(resources, pipeline, cpus, site.shapes, slurm_bounds(site))
     return Submission(
         i, name, module, jobs / name, shape.cpus, shape.gpus, shape.tasks, group=group,
         attempt=attempt, resources=resources,
@@ -190,6 +192,30 @@ def test_training_gets_the_sites_gpus_and_tasks_unless_the_manifest_asks_within_
     )
     shard = launching.plan([sub(3, jobs, resources=ResourceRequest(gpus=2, tasks=2))], SITE)[0]
     assert (shard.allocation.gpus, shard.allocation.tasks) == (2, 1)  # inference: one task each
+
+
+def test_inference_tasks_ask_for_the_sites_gpus_and_cpus_to_feed_them_other_jobs_do_not() -> None:
+    """On a GPU partition, each inference task asks for ``--gres=gpu:N`` and its own
+    ``--cpus-per-task`` (the job's workers use as many); training and the report keep
+    ``cpus_per_task``."""
+    site = SITE.model_copy(update={"inference_gpus": 1, "inference_cpus_per_task": 8,
+                                   "cpus_per_task": 2})  # fmt: skip
+    jobs = Path("/j")
+    shards, train, report = launching.plan(
+        [sub(0, jobs, site=site), sub(1, jobs, site=site),
+         sub(2, jobs, group="b1-train", module="pipelines.train", site=site),
+         sub(3, jobs, group="b1-report", module="pipelines.report", site=site)],
+        site,
+    )  # fmt: skip
+    assert [s.cpus for s in shards.submissions] == [8, 8]
+    assert (shards.allocation.cpus, shards.allocation.gpus) == (8, 1)
+    options = launching.request(shards, site, Path("/s.sh"), {})
+    assert (options.cpus_per_task, options.gpus) == (8, 1)
+    assert {"--gres=gpu:1", "--cpus-per-task=8"} <= set(sbatch_args(options))
+    assert (train.allocation.cpus, train.allocation.gpus) == (2, 1)
+    assert (report.allocation.cpus, report.allocation.gpus) == (2, 0)
+    assert launching.request(report, site, Path("/s.sh"), {}).cpus_per_task == 2
+    assert SITE.cpus(inference=True) == SITE.cpus_per_task == 1
 
 
 def test_a_launch_key_names_the_jobs_and_attempts_and_changes_with_a_retry() -> None:

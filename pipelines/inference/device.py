@@ -1,0 +1,281 @@
+"""The device stage: the net, on the CPU or on the GPU the job was given
+(:mod:`pipelines.inference.placement`), from decoded images to masks.
+
+Whole images go in batches of one size; what comes back per image is its mask (the sigmoid
+probability above ``threshold``, as 0/1 bytes) and its confidence (the mean of |2p − 1|): the
+probabilities never leave the device. On the CPU the net runs in this process's threads
+(channels-last, inference mode: what measured fastest) and the mask and confidence are taken
+from the probabilities with numpy, exactly as the job always did: the CPU's masks do not change.
+
+On a GPU the stage never waits for its results: a batch is gathered into a pinned host buffer
+(reused, one of :data:`IN_FLIGHT`), copied to the GPU asynchronously on a stream of its own, run,
+thresholded and reduced there, and its masks and confidences copied back asynchronously into
+pinned buffers; :meth:`DeviceStage.done` hands over those whose copies have landed, and waits
+only when asked to (the main process has nothing else to do). The first batch decides the
+precision (:func:`pipelines.inference.placement.precision_verdict`) and the batch size
+follows the GPU's free memory (:func:`pipelines.inference.placement.sized_batch`).
+
+Windows of a slide take :meth:`DeviceStage.probabilities` instead: they are blended, so their
+probabilities come back whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from daemon.contract.jobspec import JobSpec
+from models import registry
+from models.registry import ModelError, ModelVersion
+from models.unet import UNet
+from pipelines.inference.finish import Rules
+from pipelines.inference.placement import (
+    BFLOAT,
+    FULL,
+    HALF,
+    TF32,
+    Placement,
+    Verdict,
+    decided,
+    precision_verdict,
+    sized_batch,
+)
+
+log = logging.getLogger("pipelines")
+IN_FLIGHT = 3  # GPU batches queued at once: one copied in, one running, one copied out
+Result = tuple[Any, np.ndarray, np.ndarray]  # (tag, masks (N, H, W) uint8 0/1, confidences)
+
+
+def load_model(spec: JobSpec) -> tuple[UNet, ModelVersion]:
+    """Resolve, verify and build the spec's model, ready for inference."""
+    version = registry.resolve(Path(spec.registry_dir), spec.model.name, spec.model.version)
+    state = registry.load(version)
+    try:
+        net = UNet(**version.architecture)
+        net.load_state_dict(state)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ModelError(
+            f"model {version.name!r} version {version.version}: the weights do not fit the "
+            f"architecture in its metadata {version.architecture} ({exc})"
+        ) from exc
+    net.eval()
+    return net.to(memory_format=torch.channels_last), version
+
+
+def _fp32_math(tf32: bool) -> None:
+    """Let cuDNN and cuBLAS use TF32 for float32 work, or hold them to IEEE fp32."""
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):  # torch 2.9 and later
+        conv.fp32_precision = "tf32" if tf32 else "ieee"
+        torch.backends.cuda.matmul.fp32_precision = "tf32" if tf32 else "ieee"
+    else:
+        torch.backends.cudnn.allow_tf32 = tf32
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+_AUTOCAST = {HALF: torch.float16, BFLOAT: torch.bfloat16}
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run an elementwise op in this thread alone: on more, torch's OpenMP threads spin for
+    milliseconds after it, waiting for more work, on the cores the workers need (a sigmoid of
+    a 256² image took 1.5 ms of wall and 1 ms of CPU on two threads, 0.1 ms on one, the
+    same values; switching costs 0.1 ms)."""
+    threads = torch.get_num_threads()
+    if threads > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if threads > 1:
+            torch.set_num_threads(threads)
+
+
+def _confidences(probabilities: np.ndarray) -> np.ndarray:
+    """The mean of |2p - 1| of each image, as numpy always computed it (in one buffer)."""
+    sure = np.empty_like(probabilities[0])
+    found = np.empty(len(probabilities))
+    for k, image in enumerate(probabilities):
+        np.multiply(image, 2, out=sure)
+        sure -= 1
+        found[k] = float(np.abs(sure, out=sure).mean())
+    return found
+
+
+@dataclass
+class _Slot:
+    """Pinned host buffers of one GPU batch in flight, and the event that says it is back."""
+
+    images: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    masks: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+    confidences: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.float64))
+    event: Any = None
+
+    def fit(self, count: int, pixels: int) -> None:
+        if self.images.numel() < count * pixels:
+            self.images = torch.empty(count * pixels, dtype=torch.float32).pin_memory()
+            self.masks = torch.empty(count * pixels, dtype=torch.uint8).pin_memory()
+        if self.confidences.numel() < count:
+            self.confidences = torch.empty(count, dtype=torch.float64).pin_memory()
+
+
+class DeviceStage:
+    """The net on its device: batches of whole images in, (masks, confidences) out."""
+
+    def __init__(self, net: UNet, where: Placement, threshold: float, rules: Rules) -> None:
+        self.where, self.threshold, self.rules = where, threshold, rules
+        self.net = net.to(where.device)
+        self.precision = FULL
+        self.verdicts: list[Verdict] = []
+        self.checked = not where.cuda  # the precision is decided (on the first batch)
+        self.sizes: dict[tuple[int, ...], int] = {}
+        self.bytes_per_pixel = 0.0
+        self.ready: deque[Result] = deque()
+        self.in_flight: deque[tuple[_Slot, Any, int, tuple[int, ...]]] = deque()
+        if where.cuda:
+            self.stream = torch.cuda.Stream(where.device)  # type: ignore[no-untyped-call]
+            self.slots = [_Slot() for _ in range(IN_FLIGHT)]
+            self.turn = 0
+
+    # -- sizes and precision -------------------------------------------------------------
+    def batch_size(self, shape: tuple[int, ...]) -> int:
+        """Images of ``shape`` that go through the net at once."""
+        if not self.where.cuda:
+            return self.where.batch_size
+        if shape not in self.sizes:
+            if not self.bytes_per_pixel and self.where.batch_size <= 0:
+                self.bytes_per_pixel = self._probe(shape)
+            free, _ = torch.cuda.mem_get_info(self.where.device)
+            self.sizes[shape] = size = sized_batch(math.prod(shape), self.bytes_per_pixel,
+                                                   free, self.where.batch_size)  # fmt: skip
+            log.info("%d image(s) of %s at once on the GPU", size, "×".join(map(str, shape)))
+        return self.sizes[shape]
+
+    @torch.inference_mode()
+    def _probe(self, shape: tuple[int, ...]) -> float:
+        """GPU memory one image of ``shape`` takes through the net, per pixel (in fp32)."""
+        torch.cuda.synchronize(self.where.device)
+        torch.cuda.reset_peak_memory_stats(self.where.device)
+        before = torch.cuda.memory_allocated(self.where.device)
+        self._probabilities(torch.zeros((1, 1, *shape), device=self.where.device), FULL)
+        torch.cuda.synchronize(self.where.device)
+        taken = torch.cuda.max_memory_allocated(self.where.device) - before
+        return max(taken, 1) / math.prod(shape)
+
+    def _probabilities(self, images: torch.Tensor, precision: str) -> torch.Tensor:
+        """Sigmoid probabilities (N, H, W) of a batch (N, 1, H, W) on the GPU."""
+        _fp32_math(precision == TF32)
+        dtype = _AUTOCAST.get(precision)
+        with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
+            logits = self.net(images.contiguous(memory_format=torch.channels_last))
+        return torch.sigmoid(logits.float())[:, 0]
+
+    def _decide(self, images: torch.Tensor) -> None:
+        """Decide the precision on this first batch: full precision against each candidate."""
+        full = (self._probabilities(images, FULL) > self.threshold).cpu().numpy()
+        for candidate in self.where.candidates():
+            if candidate == BFLOAT and not torch.cuda.is_bf16_supported():
+                continue
+            faster = (self._probabilities(images, candidate) > self.threshold).cpu().numpy()
+            verdict = precision_verdict(candidate, list(full), list(faster), self._count)
+            self.verdicts.append(verdict)
+            log.info("precision %s", verdict.said())
+            if verdict.accepted:
+                break
+        self.precision, self.checked = decided(self.verdicts), True
+        _fp32_math(self.precision == TF32)
+        log.info("precision: %s from now on", self.precision)
+
+    def _count(self, mask: np.ndarray) -> int:
+        return int(self.rules.objects(mask).max())  # the objects the table will count
+
+    def summary(self) -> dict[str, Any]:
+        """The precision decision, for the job's result and the report."""
+        checks = [{"precision": v.precision, "agreement": round(v.agreement, 6),
+                   "counts_equal": v.counts_equal, "images": v.images, "kept": v.accepted}
+                  for v in self.verdicts]  # fmt: skip
+        return {"device": self.where.device, "precision": self.precision, "checks": checks}
+
+    # -- whole images --------------------------------------------------------------------
+    @torch.inference_mode()
+    def submit(self, images: Sequence[np.ndarray], tag: Any) -> None:
+        """Run the net on ``images`` (one shape); its result comes from :meth:`done`."""
+        if not self.where.cuda:
+            stack = images[0][None] if len(images) == 1 else np.stack(images)
+            logits = self.net(torch.from_numpy(stack)[:, None].contiguous(
+                memory_format=torch.channels_last))  # fmt: skip
+            with _one_thread():
+                probabilities = torch.sigmoid(logits)[:, 0].numpy()
+            masks = (probabilities > self.threshold).view(np.uint8)
+            self.ready.append((tag, masks, _confidences(probabilities)))
+            return
+        self._submit_gpu(images, tag)
+
+    def _submit_gpu(self, images: Sequence[np.ndarray], tag: Any) -> None:
+        slot = self.slots[self.turn]
+        self.turn = (self.turn + 1) % IN_FLIGHT
+        if slot.event is not None:
+            slot.event.synchronize()  # its last batch is back (and was handed over)
+        count, shape = len(images), images[0].shape
+        pixels = math.prod(shape)
+        slot.fit(count, pixels)
+        host = slot.images[: count * pixels].numpy().reshape(count, *shape)
+        for k, image in enumerate(images):
+            host[k] = image
+        with torch.cuda.stream(self.stream):
+            batch = slot.images[: count * pixels].view(count, 1, *shape)
+            batch = batch.to(self.where.device, non_blocking=True)
+            if not self.checked:
+                self._decide(batch)
+            probabilities = self._probabilities(batch, self.precision)
+            masks = (probabilities > self.threshold).to(torch.uint8)
+            sure = (2 * probabilities - 1).abs().sum(dim=(1, 2), dtype=torch.float64) / pixels
+            slot.masks[: count * pixels].view(count, *shape).copy_(masks, non_blocking=True)
+            slot.confidences[:count].copy_(sure, non_blocking=True)
+            slot.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            slot.event.record(self.stream)
+        self.in_flight.append((slot, tag, count, shape))
+
+    def done(self, wait: bool = False) -> list[Result]:
+        """The results back from the device, in the order submitted; ``wait``: at least one
+        if any is in flight. A result's arrays are valid until the next :meth:`submit`."""
+        found = list(self.ready)
+        self.ready.clear()
+        while self.in_flight:
+            slot, tag, count, shape = self.in_flight[0]
+            if not slot.event.query():
+                if not wait or found:
+                    break
+                slot.event.synchronize()
+            self.in_flight.popleft()
+            pixels = math.prod(shape)
+            masks = slot.masks[: count * pixels].numpy().reshape(count, *shape)
+            found.append((tag, masks, slot.confidences[:count].numpy()))
+        return found
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.in_flight or self.ready)
+
+    # -- windows -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def probabilities(self, tiles: np.ndarray) -> np.ndarray:
+        """Sigmoid probabilities (N, h, w) of windows (N, h, w), at once (they are blended)."""
+        tensor = torch.from_numpy(np.ascontiguousarray(tiles))[:, None]
+        if not self.where.cuda:
+            logits = self.net(tensor.contiguous(memory_format=torch.channels_last))
+            return torch.sigmoid(logits)[:, 0].numpy()
+        batch = tensor.pin_memory().to(self.where.device, non_blocking=True)
+        if not self.checked:
+            self._decide(batch)
+        return self._probabilities(batch, self.precision).cpu().numpy()

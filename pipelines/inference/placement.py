@@ -1,0 +1,141 @@
+"""Where an inference job runs its net, how many images at once, and in what precision. Pure.
+
+A job is given GPUs by its spec (``resources.gpus``: the manifest's ``[resources] gpus``, else
+the site's ``inference_gpus``). Slurm hands a job its allocation as CUDA_VISIBLE_DEVICES, and so
+does the local executor (each job its own GPUs); the devices are then numbered from 0 inside
+the job. The job runs on ``cuda:0`` when it was given a GPU and CUDA shows one, on the CPU
+otherwise, and says why.
+
+**How many at once.** On the CPU, ``batch_size`` images (1 measured fastest). On a GPU,
+``gpu_batch_size`` when the manifest sets it, else :func:`sized_batch`: as many images of the
+batch's size as make about :data:`BATCH_PIXELS` pixels (a GPU is fed badly by a few small
+images; the figures in docs/benchmarks.md peak near 4–8 Mpx per batch), never more than
+:data:`MEMORY_SHARE` of the GPU's free memory holds at the bytes per pixel the first image's
+forward pass measured.
+
+**In what precision.** On a GPU, with ``mixed_precision`` (the default), the first batch is run
+in full precision (IEEE fp32) and in each faster candidate, half (fp16) first, then bfloat16,
+then TF32; the first whose masks agree with full precision's on at least :data:`AGREEMENT` of
+their pixels, with the same number of objects in every image, is kept for the job
+(:func:`precision_verdict`); none: full precision. Without ``mixed_precision``, TF32 alone is
+tried. The decision and its measured agreement are in the job's log, its summary, each table
+row (``precision``) and the report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from daemon.contract.names import inference_params
+
+NO_DEVICES = frozenset({"", "-1", "none", "NoDevFiles"})  # what hides every GPU
+FULL = "fp32"  # IEEE single precision: the reference every other precision is held to
+HALF, BFLOAT, TF32 = "fp16", "bf16", "tf32"
+AGREEMENT = 0.999  # of the first batch's pixels, for a faster precision to be kept
+BATCH_PIXELS = 2**23  # pixels of one GPU batch when its size is not given (8 Mpx)
+MEMORY_SHARE = 0.5  # of the GPU's free memory one batch's forward pass may take
+MOST_AT_ONCE = 1024
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: str  # "cpu" or "cuda:0"
+    batch_size: int  # 0: sized by the images and the GPU's memory (sized_batch)
+    mixed_precision: bool  # fp16 and bf16 wanted: kept only if the first batch agrees
+    reason: str
+
+    @property
+    def cuda(self) -> bool:
+        return self.device != "cpu"
+
+    def candidates(self) -> tuple[str, ...]:
+        """The precisions tried on the first batch against full precision, fastest first."""
+        if not self.cuda:
+            return ()
+        return (HALF, BFLOAT, TF32) if self.mixed_precision else (TF32,)
+
+
+def choose_device(
+    gpus_given: int, environ: Mapping[str, str], cuda_devices: int, params: Mapping[str, Any]
+) -> Placement:
+    """Where the net runs: ``gpus_given`` from the spec, ``environ`` the job's environment,
+    ``cuda_devices`` what torch sees (``torch.cuda.device_count()``), ``params`` the job's
+    inference parameters (``batch_size``, ``gpu_batch_size``, ``mixed_precision``)."""
+    params = inference_params(params)
+    cpu_batch = int(params["batch_size"])
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if gpus_given <= 0:
+        return Placement("cpu", cpu_batch, False, "no GPU was given to this job")
+    if visible is not None and visible.strip() in NO_DEVICES:
+        return Placement(
+            "cpu", cpu_batch, False, f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU"
+        )
+    if cuda_devices <= 0:
+        return Placement(
+            "cpu", cpu_batch, False,
+            f"{gpus_given} GPU(s) given, but CUDA shows none (no driver, or a CPU build of torch)",
+        )  # fmt: skip
+    half = bool(params["mixed_precision"])
+    where = f"CUDA_VISIBLE_DEVICES={visible}" if visible is not None else "every GPU visible"
+    return Placement("cuda:0", int(params["gpu_batch_size"]), half,
+                     f"{gpus_given} GPU(s) given, {where}")  # fmt: skip
+
+
+def sized_batch(pixels: int, bytes_per_pixel: float, free_bytes: int, given: int = 0) -> int:
+    """Images of ``pixels`` pixels each that go through the net at once on a GPU: ``given``
+    when set (the manifest's ``gpu_batch_size``), else about :data:`BATCH_PIXELS` pixels'
+    worth, within :data:`MEMORY_SHARE` of ``free_bytes`` at ``bytes_per_pixel`` (what one
+    image's forward pass took, per pixel); at least 1, at most :data:`MOST_AT_ONCE`."""
+    if given > 0:
+        return given
+    by_work = BATCH_PIXELS // max(pixels, 1)
+    by_memory = int(free_bytes * MEMORY_SHARE // max(bytes_per_pixel * pixels, 1.0))
+    return max(1, min(by_work, by_memory, MOST_AT_ONCE))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How the masks of one batch in ``precision`` compared with full precision's."""
+
+    precision: str
+    agreement: float  # the share of pixels whose mask value is the same in both
+    counts_equal: bool  # every image has as many objects in both
+    images: int
+    need: float = AGREEMENT
+
+    @property
+    def accepted(self) -> bool:
+        return self.counts_equal and self.agreement >= self.need
+
+    def said(self) -> str:
+        counts = "the same object counts" if self.counts_equal else "other object counts"
+        kept = "kept" if self.accepted else "not kept"
+        return (f"{self.precision}: the first {self.images} mask(s) agree with full "
+                f"precision's on {self.agreement:.5f} of pixels (need {self.need}), {counts}: "
+                f"{kept}")  # fmt: skip
+
+
+def precision_verdict(
+    precision: str,
+    full: Sequence[np.ndarray],
+    faster: Sequence[np.ndarray],
+    count: Callable[[np.ndarray], int],
+) -> Verdict:
+    """Compare the masks of one batch made in full precision and in ``precision``: the share
+    of pixels that agree over the whole batch, and whether ``count`` (objects in a mask) is
+    the same for every image."""
+    if len(full) != len(faster) or not full:
+        raise ValueError(f"{len(full)} masks in full precision against {len(faster)}")
+    pixels = sum(mask.size for mask in full)
+    agree = sum(int(np.count_nonzero(a == b)) for a, b in zip(full, faster, strict=True))
+    counts = all(count(a) == count(b) for a, b in zip(full, faster, strict=True))
+    return Verdict(precision, agree / pixels, counts, len(full))
+
+
+def decided(verdicts: Sequence[Verdict]) -> str:
+    """The precision kept: the first verdict accepted, else full precision."""
+    return next((v.precision for v in verdicts if v.accepted), FULL)

@@ -1,0 +1,237 @@
+"""The job's workers: processes that read the shard's images ahead of the net (the source
+stage) and finish their masks behind it (the finish stage), as many as the job has CPUs.
+
+They are forked when the job starts, before the model is loaded and before torch starts a
+thread, holding what the job holds (the batch folder, the run folder: descriptors, so every
+read and write goes by :mod:`daemon.contract.heldfolder`'s rule) and their slabs of shared
+memory (:mod:`pipelines.inference.slabs`). Each has a pipe to the main process and serves its
+requests in order: *read* a run of inputs into a slab, *finish* the images of a slab whose
+masks the main process wrote there. A chunk stays with the worker that read it: its finish
+needs its pixels (for the statistics), which are still in its slab. A worker dies with the job
+(``PR_SET_PDEATHSIG``): killed, the job leaves nothing running.
+
+Failures cross the pipe as what they were: an entry planted under ``results/`` as
+:class:`UnsafeEntry` (the job fails with it as an INPUT problem), a write the results folder's
+filesystem refused as :class:`NotWritable` (the owner's problem too), another OS error as an
+OSError with its errno (the share gone: the job is retried), anything else as a RuntimeError
+carrying the worker's traceback (INTERNAL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+from daemon.contract.heldfolder import HeldFolder, NotWritable, UnsafeEntry
+from daemon.contract.jobspec import InputFile
+from pipelines.inference.finish import MaskFolders, Rules, finish_image
+from pipelines.inference.slabs import Slab
+from pipelines.inference.source import CHUNK_BYTES, read_chunk
+
+READ, FINISH, STOP, FAILED = "read", "finish", "stop", "failed"
+SLABS_PER_WORKER = 4  # chunks a worker has at once: reading, waiting for the net, finishing
+_PR_SET_PDEATHSIG = 1
+_STOP_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every worker is given (inherited through the fork, not sent)."""
+
+    batch: HeldFolder
+    run: HeldFolder
+    max_pixels: int
+    channel: Any
+    rules: Rules
+    chunk_bytes: int = CHUNK_BYTES
+
+
+@dataclass(frozen=True)
+class ToFinish:
+    """One image of a chunk for the finish stage: where its pixels and mask lie in the slab."""
+
+    index: int
+    path: str
+    shape: tuple[int, ...]
+    pixel_offset: int
+    mask_offset: int
+    confidence: float
+
+
+Failure = tuple[str, Any]  # (kind, details), see :func:`failure` and :func:`raised`
+
+
+def failure(exc: BaseException) -> Failure:
+    """An exception as it crosses the pipe."""
+    if isinstance(exc, UnsafeEntry):
+        return "unsafe", (exc.errno, exc.relative, exc.what, str(exc.folder or ""))
+    if isinstance(exc, NotWritable):
+        return "unwritable", (exc.errno, exc.strerror, str(exc.folder))
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return "os", (exc.errno, exc.strerror, exc.filename)
+    return "internal", "".join(traceback.format_exception(exc))
+
+
+def raised(found: Failure) -> BaseException:
+    """The exception a failure from a worker stands for, in the main process."""
+    kind, details = found
+    if kind == "unsafe":
+        code, relative, what, folder = details
+        exc = UnsafeEntry(code, relative, what)
+        exc.folder = Path(folder) if folder else None
+        return exc
+    if kind == "unwritable":
+        code, text, folder = details
+        return NotWritable(code, text, Path(folder))
+    if kind == "os":
+        code, text, name = details
+        return OSError(code, text, name) if name else OSError(code, text)
+    return RuntimeError(f"a worker of the job failed:\n{details}")
+
+
+def _die_with_parent(parent: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the job ended before the line above
+        os._exit(1)
+
+
+def _finish_all(
+    masks: MaskFolders, slab: Slab, work: Sequence[ToFinish], rules: Rules
+) -> list[tuple[int, dict[str, Any] | None, Failure | None]]:
+    done: list[tuple[int, dict[str, Any] | None, Failure | None]] = []
+    for image in work:
+        try:
+            row = finish_image(masks, image.path, slab.pixels(image.pixel_offset, image.shape),
+                               slab.mask(image.mask_offset, image.shape), image.confidence,
+                               rules)  # fmt: skip
+        except Exception as exc:
+            done.append((image.index, None, failure(exc)))
+            continue
+        done.append((image.index, row, None))
+    return done
+
+
+def _serve(conn: Connection, slabs: list[Slab], setup: Setup, parent: int) -> None:
+    """A worker's life: serve the main process's requests until it says stop or is gone."""
+    _die_with_parent(parent)
+    masks = MaskFolders(setup.run)
+    try:
+        while True:
+            request = conn.recv()
+            if request[0] == STOP:
+                break
+            if request[0] == READ:
+                _, task, slab, items = request
+                entries = read_chunk(setup.batch, items, slabs[slab], setup.max_pixels,
+                                     setup.channel, setup.chunk_bytes)  # fmt: skip
+                conn.send((READ, task, slabs[slab].size, entries))
+            else:
+                _, task, slab, work = request
+                conn.send((FINISH, task, _finish_all(masks, slabs[slab], work, setup.rules)))
+    except EOFError:
+        pass  # the job is gone
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            conn.send((FAILED, failure(exc)))
+    finally:
+        masks.close()
+        sys.stdout.flush()
+        os._exit(0)  # nothing of the job's (atexit, buffers) runs twice
+
+
+class Workers:
+    """The job's worker processes, seen from the main process."""
+
+    def __init__(self, count: int, setup: Setup) -> None:
+        context = multiprocessing.get_context("fork")
+        self.slabs = [[Slab.make() for _ in range(SLABS_PER_WORKER)] for _ in range(count)]
+        self.free = [list(range(SLABS_PER_WORKER)) for _ in range(count)]
+        self.conns: list[Connection] = []
+        self.processes: list[multiprocessing.process.BaseProcess] = []
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for number in range(count):
+            ours, theirs = context.Pipe(duplex=True)
+            args = (theirs, self.slabs[number], setup, os.getpid())
+            process = context.Process(target=_serve, name=f"worker-{number}", args=args,
+                                      daemon=True)  # fmt: skip
+            process.start()
+            theirs.close()
+            self.conns.append(ours)
+            self.processes.append(process)
+
+    @property
+    def count(self) -> int:
+        return len(self.conns)
+
+    def busy(self, worker: int) -> int:
+        """The chunks ``worker`` holds (read, waiting for the net, or finishing)."""
+        return SLABS_PER_WORKER - len(self.free[worker])
+
+    def idlest(self) -> int | None:
+        """The worker with the fewest chunks in hand, if one has a slab free."""
+        worker = min(range(self.count), key=self.busy)
+        return worker if self.free[worker] else None
+
+    def read(self, worker: int, task: int, items: Sequence[tuple[int, InputFile]]) -> int:
+        """Ask ``worker`` to read ``items`` (index, input) into a free slab of its: which."""
+        slab = self.free[worker].pop()
+        self.conns[worker].send((READ, task, slab, list(items)))
+        return slab
+
+    def finish(self, worker: int, task: int, slab: int, work: Sequence[ToFinish]) -> None:
+        self.conns[worker].send((FINISH, task, slab, list(work)))
+
+    def release(self, worker: int, slab: int) -> None:
+        self.free[worker].append(slab)
+
+    def slab(self, worker: int, slab: int, size: int) -> Slab:
+        """The main process's mapping of a slab, following the size its worker gave it."""
+        found = self.slabs[worker][slab]
+        found.follow(size)
+        return found
+
+    def replies(self, timeout: float | None) -> list[tuple[int, Any]]:
+        """(worker, reply) of every reply waiting, after waiting up to ``timeout`` for one."""
+        ready = set(wait(self.conns, timeout))
+        found: list[tuple[int, Any]] = []
+        for worker, conn in enumerate(self.conns):
+            if conn not in ready:
+                continue
+            try:
+                reply: Any = conn.recv()
+            except EOFError:
+                code = self.processes[worker].exitcode
+                raise RuntimeError(f"worker {worker} of the job died (exit {code})") from None
+            if reply[0] == FAILED:
+                raise raised(reply[1])
+            found.append((worker, reply))
+        return found
+
+    def close(self) -> None:
+        """Stop the workers (each after the request in hand) and free the slabs."""
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send((STOP,))
+        for process in self.processes:
+            process.join(_STOP_SECONDS)
+            if process.exitcode is None:
+                process.kill()
+                process.join()
+        for conn in self.conns:
+            conn.close()
+        for slabs in self.slabs:
+            for slab in slabs:
+                slab.close()
+        self.conns, self.processes, self.slabs = [], [], []

@@ -1,0 +1,258 @@
+"""The inference job's stages run together: source (the workers read and decode ahead) →
+device (the net, in this process) → finish (the workers label, measure and write) → commit
+(masks made durable together, then their ledger lines).
+
+The main process only steers: it asks the workers for runs of inputs (chunks) as their slabs
+come free, feeds the net the chunks' images in input order, in batches of one size, hands each
+chunk back to its worker once every image of it has its mask, and passes what the workers
+finished to the :class:`Committer`. It waits only when nothing is ready: for the device when
+a batch is in flight, for a worker otherwise; a partial batch goes to an idle device rather
+than leave it waiting. An image too large to decode whole is segmented here, window by window
+(the ``tiled`` callback), when its turn comes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from daemon.contract.heldfolder import HeldFolder
+from daemon.contract.jobspec import InputFile, Problem
+from pipelines.inference.device import DeviceStage
+from pipelines.inference.durable import sync_filesystem
+from pipelines.inference.pool import FINISH, READ, ToFinish, Workers, raised
+from pipelines.inference.source import Entry
+from pipelines.ledger import Ledger
+
+COMMIT_SECONDS = 1.0  # masks finished are made durable and recorded at least this often …
+COMMIT_IMAGES = 512  # … or once this many are waiting
+
+
+class Committer:
+    """Makes finished masks durable together (one syncfs, :mod:`pipelines.inference.durable`)
+    and then records them in the ledger, in a thread of its own, every :data:`COMMIT_SECONDS`
+    or :data:`COMMIT_IMAGES` images: the main process never waits for the disk. Counts the
+    images done for the progress file (``tick``) in the same thread, after their commit."""
+
+    def __init__(
+        self, run: HeldFolder, ledger: Ledger, tick: Callable[[int], None], fsync_each: bool,
+        provenance: dict[str, Any],
+    ) -> None:  # fmt: skip
+        self.run, self.ledger, self._tick, self.fsync_each = run, ledger, tick, fsync_each
+        self.provenance = provenance  # of every row: the model's, the manifest's, the code's
+        self.rows: dict[str, dict[str, Any]] = {}  # of the images recorded, by path
+        self.pending: list[tuple[InputFile, str, dict[str, Any]]] = []
+        self.since = time.monotonic()
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="committer")
+        self.futures: deque[Future[None]] = deque()
+
+    def add(self, item: InputFile, digest: str, stats: dict[str, Any]) -> None:
+        """An image whose mask is written (not yet durable) and its measures."""
+        self.pending.append((item, digest, {"path": item.path, **stats, **self.provenance}))
+        if len(self.pending) >= COMMIT_IMAGES or time.monotonic() - self.since > COMMIT_SECONDS:
+            self.flush()
+
+    def tick(self, count: int = 1) -> None:
+        """Images done that have nothing to commit (a problem, a region's share)."""
+        self._submit(self._tick, count)
+
+    def flush(self) -> None:
+        if self.pending:
+            self._submit(self._commit, self.pending)
+        self.pending, self.since = [], time.monotonic()
+
+    def _submit(self, work: Callable[..., None], *args: Any) -> None:
+        self.futures.append(self.thread.submit(work, *args))
+        while self.futures and self.futures[0].done():
+            self.futures.popleft().result()  # a commit that failed fails the job here
+
+    def _commit(self, done: list[tuple[InputFile, str, dict[str, Any]]]) -> None:
+        if not self.fsync_each:
+            sync_filesystem(self.run.fd)
+        self.ledger.record_all([(item.path, digest, row) for item, digest, row in done])
+        for item, _, row in done:
+            self.rows[item.path] = row
+        self._tick(len(done))
+
+    def close(self) -> None:
+        """Commit what is finished, wait for every commit; the first failure is raised."""
+        try:
+            self.flush()
+            while self.futures:
+                self.futures.popleft().result()
+        finally:
+            self.thread.shutdown(wait=True)
+
+
+@dataclass
+class Chunk:
+    """A run of inputs ``first:end`` one worker reads into one of its slabs."""
+
+    task: int
+    worker: int
+    slab: int
+    first: int
+    end: int
+    entries: list[Entry] | None = None  # once read
+    waiting: int = 0  # its images still on their way through the device
+    consumed: bool = False  # every entry taken in order (to the device, or done with)
+    confidences: dict[int, float] = field(default_factory=dict)
+
+
+class Stages:
+    """Steers a shard's whole images through the stages (see the module's docstring)."""
+
+    def __init__(
+        self, items: Sequence[InputFile], workers: Workers, device: DeviceStage,
+        committer: Committer, tiled: Callable[[InputFile], list[Problem]], whole: bool,
+        chunk_images: int,
+    ) -> None:  # fmt: skip
+        """``tiled``: segments an input too large to decode whole; ``whole``: whether this
+        job segments the images that are not (a region's job other than the first does not)."""
+        self.items, self.workers, self.device, self.committer = items, workers, device, committer
+        self.tiled, self.whole, self.chunk_images = tiled, whole, chunk_images
+        self.problems: list[Problem] = []
+        self.cursor = self.next_read = 0  # next input to take in order; next to ask for
+        self.again: deque[tuple[int, int]] = deque()  # runs a worker did not get to
+        self.tasks: dict[int, Chunk] = {}
+        self.by_first: dict[int, Chunk] = {}
+        self.pending: list[tuple[Chunk, Entry]] = []
+        self.digests: dict[int, str] = {}
+        self.asked = 0  # read tasks asked for: the next one's number
+
+    def run(self) -> list[Problem]:
+        """Every input through; the problems of those that could not be read."""
+        while not self._over():
+            self._ask()
+            if self._advance() or self._land(wait=False):
+                continue
+            replies = self.workers.replies(0)
+            if not replies and self.pending and not self.device.busy:
+                self._flush()  # an idle device gets what there is
+                continue
+            if not replies and self.device.busy:
+                self._land(wait=True)
+                continue
+            for worker, reply in replies or self.workers.replies(None):
+                self._reply(worker, reply)
+        return self.problems
+
+    def _over(self) -> bool:
+        return self.cursor >= len(self.items) and not self.tasks and not self.device.busy
+
+    def _ask(self) -> None:
+        """Give workers with a slab free the next runs of inputs to read."""
+        while self.again or self.next_read < len(self.items):
+            worker = self.workers.idlest()
+            if worker is None:
+                return
+            if self.again:
+                first, end = self.again.popleft()
+            else:
+                first = self.next_read
+                end = self.next_read = min(first + self.chunk_images, len(self.items))
+            task, self.asked = self.asked, self.asked + 1
+            slab = self.workers.read(worker, task, [(i, self.items[i]) for i in range(first, end)])
+            self.tasks[task] = self.by_first[first] = Chunk(task, worker, slab, first, end)
+
+    def _advance(self) -> bool:
+        """Take the chunks read, in input order, to the device; whether one was taken."""
+        taken = False
+        while (chunk := self.by_first.get(self.cursor)) is not None and chunk.entries is not None:
+            del self.by_first[self.cursor]
+            for entry in chunk.entries:
+                self._take(chunk, entry)
+            chunk.consumed, self.cursor, taken = True, chunk.end, True
+            self._maybe_finish(chunk)
+        return taken
+
+    def _take(self, chunk: Chunk, entry: Entry) -> None:
+        if entry.problems or (not entry.tiled and not self.whole):
+            self.problems += entry.problems
+            self.committer.tick()
+        elif entry.tiled:
+            self._flush()
+            self.problems += self.tiled(entry.item)
+            self.committer.tick()
+        else:
+            if self.pending and self.pending[0][1].shape != entry.shape:
+                self._flush()
+            self.pending.append((chunk, entry))
+            self.digests[entry.index] = entry.sha256
+            chunk.waiting += 1
+            if len(self.pending) >= self.device.batch_size(entry.shape):
+                self._flush()
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        images = [self._slab(chunk).pixels(e.pixel_offset, e.shape) for chunk, e in self.pending]
+        self.device.submit(images, self.pending)
+        self.pending = []
+
+    def _slab(self, chunk: Chunk) -> Any:
+        return self.workers.slabs[chunk.worker][chunk.slab]
+
+    def _land(self, wait: bool) -> bool:
+        """Masks back from the device into their chunks' slabs; whether any came."""
+        results = self.device.done(wait)
+        for tag, masks, confidences in results:
+            for (chunk, entry), mask, sure in zip(tag, masks, confidences, strict=True):
+                self._slab(chunk).mask(entry.mask_offset, entry.shape)[...] = mask
+                chunk.confidences[entry.index] = float(sure)
+                chunk.waiting -= 1
+                self._maybe_finish(chunk)
+        return bool(results)
+
+    def _maybe_finish(self, chunk: Chunk) -> None:
+        """A chunk taken whole and back from the device goes to its worker to be finished."""
+        if not chunk.consumed or chunk.waiting:
+            return
+        assert chunk.entries is not None
+        work = [ToFinish(e.index, e.item.path, e.shape, e.pixel_offset, e.mask_offset,
+                         chunk.confidences[e.index])
+                for e in chunk.entries if e.index in chunk.confidences]  # fmt: skip
+        if work:
+            self.workers.finish(chunk.worker, chunk.task, chunk.slab, work)
+        else:
+            self._done(chunk)
+
+    def _done(self, chunk: Chunk) -> None:
+        self.workers.release(chunk.worker, chunk.slab)
+        del self.tasks[chunk.task]
+
+    def _reply(self, worker: int, reply: tuple[Any, ...]) -> None:
+        kind, task = reply[0], reply[1]
+        chunk = self.tasks[task]
+        if kind == READ:
+            _, _, size, entries = reply
+            self.workers.slab(worker, chunk.slab, size)  # mapped again if it grew
+            chunk.entries = entries
+            read_to = entries[-1].index + 1
+            if read_to < chunk.end:  # the slab was full: the rest is asked for next
+                self.again.appendleft((read_to, chunk.end))
+                chunk.end = read_to
+            return
+        assert kind == FINISH
+        failed = []
+        for index, row, failure in reply[2]:
+            if failure is not None:
+                failed.append(raised(failure))
+            else:
+                stats = {**row, "precision": self.device.precision}
+                self.committer.add(self.items[index], self.digests.pop(index), stats)
+        self._done(chunk)
+        if failed:
+            raise failed[0]  # the masks finished before it are committed as the job ends
+
+
+def chunk_images(batch_size: int, workers: int) -> int:
+    """Images a worker reads at once: a share of a batch, at least 4 (each hand-over costs the
+    main process a message both ways), at most 32."""
+    return int(np.clip(-(-batch_size // max(workers, 1)), 4, 32))

@@ -1,0 +1,338 @@
+"""Benchmark for a GPU node: the inference job against the bare forward pass of its own model,
+measured in one run, on the node's first GPU; one table. Nothing is installed at run time: the
+packages the node lacks come as wheels prepared beforehand (scripts/gpu-wheels), unpacked to
+a folder on PYTHONPATH. Under 10 minutes with the defaults on an H100 or H200 node.
+
+In order:
+
+1. A U-Net of the demo's shape (depth 3, width 16) trained here for ``--train-steps`` steps on
+   synthetic spheroids, and registered: a trained model's masks decide the precision.
+2. The limit: its bare forward pass (and sigmoid) over decoded images already on the GPU, fp32
+   and fp16 (autocast), 256² in batches of 64 and 128, 1024² in batches of 8 and 16; the best.
+3. Whole batches through the daemon (local executor; the GPU handed out with
+   ``--jobs-per-gpu`` jobs on it, ``--cpus-per-job`` workers each): ``--images`` × 256² and
+   ``--big`` × 1024², queued → done, as a share of the fp16 limit (targets ≥ 0.5 and ≥ 0.6);
+   the precision the jobs' first batch decided, with its agreement. ``--old CHECKOUT`` adds the
+   old code's 256² batch (four jobs of one CPU, as it was measured).
+4. A ``--slide``² slide, 30 % tissue: one job on the GPU, one on 8 CPU threads (targets:
+   ≥ 8× faster, ≥ 80 Mpx/s over the slide's area).
+5. The host pipeline alone: the 256² batch through one job whose net is a zero-cost stand-in
+   (scripts/standin_job.py), on ``--cpus-per-job`` CPUs: what the host side can feed.
+
+``--quick`` runs the same steps at small sizes on whatever device there is: the check that the
+script works, on a machine without a GPU (the targets are then not judged).
+
+    PYTHONPATH=/tmp/site python3 scripts/bench_gpu.py [--old ../wt-base]
+    .venv/bin/python scripts/bench_gpu.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tomli_w
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import jobrun
+import synth
+from bench_batch import BatchDaemon, one_run
+from bench_share import _commit
+from standin_job import THRESHOLD
+
+from daemon.contract.jobspec import ModelRef, Pipeline, Resources
+from models import registry
+from models.unet import UNet, segmentation_loss
+from pipelines.images import decode
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "bench-unet"
+ARCHITECTURE = {"depth": 3, "width": 16}
+
+
+@dataclass
+class Table:
+    """The one table: (what, value, target, met) rows, printed at the end."""
+
+    rows: list[tuple[str, str, str, str]] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+    def add(self, what: str, value: str, target: str = "", met: bool | None = None) -> None:
+        verdict = "" if met is None else ("met" if met else "NOT met")
+        self.rows.append((what, value, target, verdict))
+        print(f"[{time.monotonic() - self.started:5.0f} s] {what}: {value}", flush=True)
+
+    def print(self) -> None:
+        print("\n| measure | value | target | |\n| --- | --- | --- | --- |")
+        for row in self.rows:
+            print("| " + " | ".join(row) + " |")
+
+
+# -- the model ------------------------------------------------------------------------------
+
+
+def train(device: str, size: int, steps: int) -> UNet:
+    """A U-Net trained on synthetic spheroids for ``steps`` steps of 16 images."""
+    torch.manual_seed(0)
+    pool = [synth.sample(5, i, size) for i in range(64)]
+    images = torch.from_numpy(np.stack([s.image for s in pool]).astype(np.float32))[:, None]
+    masks = torch.from_numpy(np.stack([s.mask for s in pool]).astype(np.float32))[:, None]
+    net = UNet(**ARCHITECTURE).to(device)
+    optimiser = torch.optim.Adam(net.parameters(), lr=3e-3)
+    images, masks = images.to(device), masks.to(device)
+    for step in range(steps):
+        pick = torch.arange(step * 16, step * 16 + 16) % len(pool)
+        optimiser.zero_grad()
+        segmentation_loss(net(images[pick]), masks[pick]).backward()
+        optimiser.step()
+    return net.eval().cpu()
+
+
+# -- the limit ------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def bare_rate(net: UNet, images: np.ndarray, batch: int, half: bool, device: str) -> float:
+    """Images/s of the bare forward pass (and sigmoid) over ``images`` already on the device,
+    in batches of ``batch``, for about a second after a warm-up."""
+    net = net.to(device).to(memory_format=torch.channels_last)
+    stack = torch.from_numpy(images[:batch]).to(device)[:, None]
+    stack = stack.contiguous(memory_format=torch.channels_last)
+    cuda = device.startswith("cuda")
+
+    def once() -> None:
+        with torch.autocast("cuda", dtype=torch.float16, enabled=half and cuda):
+            torch.sigmoid(net(stack).float())
+
+    for _ in range(3):
+        once()
+    if cuda:
+        torch.cuda.synchronize()
+    done, started = 0, time.perf_counter()
+    while time.perf_counter() - started < 1.0 or done < 3:
+        once()
+        done += 1
+    if cuda:
+        torch.cuda.synchronize()
+    return done * len(stack) / (time.perf_counter() - started)
+
+
+def limits(
+    net: UNet, images: np.ndarray, batches: tuple[int, ...], device: str
+) -> dict[str, float]:
+    """The best bare rate over ``batches``, in fp32 and in fp16."""
+    return {
+        precision: max(bare_rate(net, images, b, precision == "fp16", device) for b in batches)
+        for precision in ("fp32", "fp16")
+    }
+
+
+# -- data -----------------------------------------------------------------------------------
+
+
+def _write(args: tuple[Path, int, int, int]) -> None:
+    folder, first, end, size = args
+    for i in range(first, end):
+        pixels = synth.to_integer(synth.sample(11, i, size).image, 8)
+        synth.write_image(folder / "images" / f"img_{i:05d}.png", pixels)
+
+
+def make_batch(folder: Path, count: int, size: int) -> list[Path]:
+    """``count`` synthetic spheroid PNGs, written by every CPU, and a manifest beside them."""
+    step = max(1, count // (4 * (os.cpu_count() or 1)))
+    with ProcessPoolExecutor() as pool:
+        list(pool.map(_write, [(folder, i, min(i + step, count), size)
+                               for i in range(0, count, step)]))  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "daemon.cli.watchctl", "manifest", str(folder), "--kind",
+         "inference", "--model", MODEL, "--owner", "Bench"],
+        check=True, capture_output=True, cwd=REPO,
+    )  # fmt: skip
+    return sorted((folder / "images").iterdir())
+
+
+# -- through the daemon ---------------------------------------------------------------------
+
+
+@dataclass
+class GpuDaemon(BatchDaemon):
+    """A daemon whose local executor hands out the GPU (new code) or lets every job see it
+    (old code: four jobs of one CPU, as the issue measured it)."""
+
+    local: dict[str, Any] = field(default_factory=dict)
+
+    def config(self, **intake: object) -> Path:
+        path = super().config(**intake)
+        document = tomllib.loads(path.read_text())
+        document["executor"] = {"local": self.local}
+        path.write_text(tomli_w.dumps(document))
+        return path
+
+
+def decided(batch_dir: Path) -> str:
+    """The precision the batch's inference jobs decided and the agreement of each precision
+    their first batch tried against fp32 (from the report's summary.json)."""
+    said = set()
+    for found in sorted(batch_dir.glob("results/*/summary.json")):
+        for job in json.loads(found.read_text())["inference"].get("precision_checks", []):
+            tried = ", ".join(f"{c['precision']} {c['agreement']:.5f}"
+                              f"{'' if c['counts_equal'] else ' (other counts)'}"
+                              for c in job["checks"])  # fmt: skip
+            said.add(
+                f"{job['precision']} on {job['device']}" + (f" (tried: {tried})" if tried else "")
+            )
+    return "; ".join(sorted(said)) or "no summary.json"
+
+
+def through_daemon(
+    name: str, code: Path, work: Path, template: Path, count: int, local: dict[str, Any]
+) -> tuple[float, str]:
+    """Images/s queued → done of one batch through a daemon of ``code``; the precision."""
+    daemon = GpuDaemon(name, code, work / name, work / name / "drop", work / name / "state",
+                       registry=work / "registry", local=local)  # fmt: skip
+    daemon.mount.mkdir(parents=True)
+    daemon.start()
+    try:
+        run = one_run(daemon, template, "batch", count)
+    finally:
+        daemon.stop()
+    return run["queued_to_done"], decided(daemon.mount / "batch")
+
+
+# -- the slide ------------------------------------------------------------------------------
+
+
+def slide_job(batch_dir: Path, registry_dir: Path, cpus: int, gpus: int, name: str) -> float:
+    """Seconds of the inference job over the slide, start to end."""
+    for outputs in (batch_dir / "results", jobrun.work_dir_for(batch_dir)):  # else its ledger
+        shutil.rmtree(outputs, ignore_errors=True)  # skips it
+    inputs = jobrun.inputs_of(batch_dir, sorted((batch_dir / "images").iterdir()))
+    job = jobrun.run(batch_dir, Pipeline.INFER, inputs, registry_dir, ModelRef(MODEL),
+                     {"min_object_area": 16}, name=name, kind="inference", cpus=cpus,
+                     gpus=gpus)  # fmt: skip
+    if job.returncode != 0:
+        raise SystemExit(f"the slide job {name} failed")
+    return job.wall_s
+
+
+def host_pipeline(batch_dir: Path, registry_dir: Path, cpus: int) -> float:
+    """Images/s of one stand-in job (zero-cost net) over the batch, start to end."""
+    from bench_host import run_job
+
+    from daemon.contract.jobspec import JobSpec
+
+    inputs = jobrun.inputs_of(batch_dir, sorted((batch_dir / "images").iterdir()), checksums=True)
+    spec = JobSpec(
+        job_id=1, job_name="host", pipeline=Pipeline.INFER, attempt=1, batch_id=1,
+        batch_revision=1, batch_kind="inference", batch_dir=str(batch_dir),
+        run_dir=str(batch_dir / "results"), work_dir=str(jobrun.work_dir_for(batch_dir)),
+        manifest_sha256="0" * 64, inputs=inputs,
+        model=ModelRef(MODEL), registry_dir=str(registry_dir),
+        params={"threshold": THRESHOLD, "min_object_area": 16},
+        resources=Resources(cpus=cpus), title="host pipeline",
+    )  # fmt: skip
+    wall, result = run_job(REPO, batch_dir, spec, cpus, sorted(os.sched_getaffinity(0))[:cpus])
+    return int(result.summary["segmented"]) / wall
+
+
+# -- the run --------------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=int, default=4096)
+    parser.add_argument("--big", type=int, default=512, help="images of --big-size²")
+    parser.add_argument("--big-size", type=int, default=1024)
+    parser.add_argument("--slide", type=int, default=12288)
+    parser.add_argument("--train-steps", type=int, default=300)
+    parser.add_argument("--jobs-per-gpu", type=int, default=2)
+    parser.add_argument("--cpus-per-job", type=int, default=7)
+    parser.add_argument("--old", type=Path, help="a checkout of the old code")
+    parser.add_argument("--quick", action="store_true", help="small sizes, any device")
+    args = parser.parse_args()
+    if args.quick:
+        args.images, args.big, args.big_size, args.slide = 48, 4, 512, 2048
+        args.train_steps, args.jobs_per_gpu, args.cpus_per_job = 10, 1, 2
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.quick:
+        raise SystemExit("no GPU here: run with --quick to check the script on the CPU")
+    device = "cuda:0" if cuda else "cpu"
+    work = Path(tempfile.mkdtemp(prefix="watchd-bench-gpu-"))
+    table = Table()
+    what = torch.cuda.get_device_name(0) if cuda else "no GPU (--quick on the CPU)"
+    print(f"{what}; torch {torch.__version__}; {os.cpu_count()} CPUs; code {_commit(REPO)}; "
+          f"work in {work}", flush=True)  # fmt: skip
+
+    small, big = work / "small", work / "big"  # written by forked processes, before CUDA
+    files = make_batch(small, args.images, 256)
+    big_files = make_batch(big, args.big, args.big_size)
+    net = train(device, 128 if args.quick else 256, args.train_steps)
+    registry.register(work / "registry", MODEL, net.state_dict(),
+                      {"architecture": net.architecture()})  # fmt: skip
+    decoded = np.stack([decode(p.read_bytes()) for p in files[:256]])
+    decoded_big = np.stack([decode(p.read_bytes()) for p in big_files[:16]])
+    limit = limits(net, decoded, (64, 128) if cuda else (8,), device)
+    limit_big = limits(net, decoded_big, (8, 16) if cuda else (2,), device)
+    for size, found in ((256, limit), (args.big_size, limit_big)):
+        table.add(f"bare forward {size}², fp32 / fp16", f"{found['fp32']:,.0f} / "
+                  f"{found['fp16']:,.0f} images/s")  # fmt: skip
+
+    gpu = cuda and not args.quick
+    slots = args.jobs_per_gpu
+    local = {"max_parallel": slots + 1, "cpus_per_job": args.cpus_per_job,
+             "gpus": 1 if cuda else 0, "jobs_per_gpu": slots, "max_gpus": 1,
+             "inference_gpus": 1}  # fmt: skip
+    for label, template, count, fp16, target in (
+        (f"{args.images:,} × 256²", small, args.images, limit["fp16"], 0.5),
+        (f"{args.big:,} × {args.big_size}²", big, args.big, limit_big["fp16"], 0.6),
+    ):
+        rate, precision = through_daemon(f"new-{template.name}", REPO, work, template, count,
+                                         local)  # fmt: skip
+        share = rate / fp16
+        table.add(f"{label}, queued → done (new)", f"{rate:,.1f} images/s = {share:.3f} of "
+                  "the fp16 limit", f"≥ {target}", share >= target if gpu else None)  # fmt: skip
+        table.add(f"{label}: precision decided", precision)
+    if args.old is not None:
+        old_local = {"max_parallel": 4, "cpus_per_job": 1, "max_gpus": 1, "inference_gpus": 1}
+        rate, _ = through_daemon("old-small", args.old.resolve(), work, small, args.images,
+                                 old_local)  # fmt: skip
+        table.add(
+            f"{args.images:,} × 256², queued → done (old, 4 jobs)",
+            f"{rate:,.1f} images/s = {rate / limit['fp16']:.3f} of the fp16 limit",
+        )
+
+    slide = work / "slide"
+    started = time.monotonic()
+    synth.write_slide(slide / "images" / "slide.tif", args.slide, seed=4, tissue=0.3)
+    print(f"slide written in {time.monotonic() - started:.0f} s", flush=True)
+    on_gpu = slide_job(slide, work / "registry", args.cpus_per_job, 1 if cuda else 0, "gpu")
+    on_cpu = slide_job(slide, work / "registry", 8, 0, "cpu8")
+    mpx = args.slide**2 / on_gpu / 1e6
+    table.add(f"slide {args.slide:,}², 30 % tissue, on {device}", f"{on_gpu:.1f} s = "
+              f"{mpx:.1f} Mpx/s", "≥ 80 Mpx/s", mpx >= 80 if gpu else None)  # fmt: skip
+    table.add("the slide on 8 CPU threads", f"{on_cpu:.1f} s: {device} {on_cpu / on_gpu:.1f}× "
+              "as fast", "≥ 8×", on_cpu / on_gpu >= 8 if gpu else None)  # fmt: skip
+    table.add(
+        f"host pipeline alone (stand-in net), {args.cpus_per_job} CPUs",
+        f"{host_pipeline(small, work / 'registry', args.cpus_per_job):,.0f} images/s",
+    )
+    table.print()
+    print(f"took {time.monotonic() - table.started:.0f} s; logs under {work}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,240 @@
+"""Benchmark: the inference job's host side (read, decode, hand-over, threshold, label, encode,
+write, make durable, ledger) with the net replaced by a zero-cost stand-in, on 1 CPU and on 2,
+the old code against the new, in one run.
+
+Each job is the real ``python -m pipelines.infer`` of its code tree, run by
+``scripts/standin_job.py`` (the U-Net swapped for a module that gives back its input: the
+forward pass costs nothing, so what is measured is what a GPU node's job spends besides its
+GPU). A job on N CPUs is given ``resources.cpus = N`` and bound to N cores (``taskset``); the
+old code runs from ``--old`` (a ``git worktree`` of the base commit), the new from this tree,
+interleaved, ``--rounds`` times each, on the same images. Printed per configuration: images/s
+over the job's whole run (start-up included) and over its images alone (the job's own
+``seconds_per_image``), the median of the rounds; then the ratios the issue names, and whether
+the two codes' masks and tables agree (every mask compared pixel for pixel).
+
+Both codes run with ``split_neck = 0``: the old code had no object step (touching objects cut
+apart, :mod:`pipelines.instances`), so at 0 both do the same work and their masks compare.
+``--object-step`` adds the new code at the default ``split_neck``, 1 CPU and 2, as rows of
+their own (what the step costs on top; not in the ratios).
+
+    .venv/bin/python scripts/bench_host.py --old ../wt-base [--images 6000] [--rounds 3]
+    .venv/bin/python scripts/bench_host.py --old ../wt-base --work /mnt/share/bench  # a share
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import jobrun
+import synth
+from bench_share import _commit
+from jobrun import work_dir_for
+from standin_job import THRESHOLD
+
+from daemon.contract.jobspec import (
+    LOG_FILE,
+    RESULT_FILE,
+    SPEC_FILE,
+    JobResult,
+    JobSpec,
+    ModelRef,
+    Pipeline,
+    Resources,
+)
+from daemon.contract.names import INFERENCE
+from models import registry
+from models.unet import UNet
+from pipelines.images import decode
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "standin"
+PARAMS = {"threshold": THRESHOLD, "min_object_area": 16, "split_neck": 0.0}
+CUT = "new, objects cut"  # the new code with the object step at its default split_neck
+
+
+@dataclass(frozen=True)
+class Run:
+    code: str
+    cpus: int
+    images: int
+    wall_s: float
+    images_s: float  # over the images alone (the job's own seconds_per_image)
+    cpu_ms_per_image: float  # the job's and its workers' CPU time, over its images alone
+
+    @property
+    def whole_rate(self) -> float:
+        return self.images / self.wall_s
+
+
+def spec_for(code: Path, spec: JobSpec) -> tuple[Path, str]:
+    """The job folder where the job of ``code`` reads its spec, and the spec's text as that
+    code reads it: a code from before the spool (spec version 1) keeps its job folders in the
+    run folder and knows no work folder."""
+    source = (code / "daemon" / "contract" / "jobspec.py").read_text(encoding="utf-8")
+    if "work_dir" in source:
+        return spec.job_dir, spec.to_json()
+    data = json.loads(spec.to_json())
+    del data["work_dir"]
+    found = re.search(r"^SPEC_VERSION = (\d+)", source, re.MULTILINE)
+    data["spec_version"] = int(found.group(1)) if found else 1
+    return Path(spec.run_dir) / "jobs" / spec.job_name, json.dumps(data)
+
+
+def run_job(
+    code: Path, batch_dir: Path, spec: JobSpec, cpus: int, cores: list[int]
+) -> tuple[float, JobResult]:
+    """Run the stand-in job of ``code`` on ``cores``: (wall seconds, its result)."""
+    for outputs in (batch_dir / "results", Path(spec.work_dir)):  # else the ledger skips all
+        shutil.rmtree(outputs, ignore_errors=True)
+    job_dir, text = spec_for(code, spec)
+    job_dir.mkdir(parents=True)
+    (job_dir / SPEC_FILE).write_text(text, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": str(cpus),
+           "WANDB_MODE": "disabled"}  # fmt: skip
+    command = ["taskset", "-c", ",".join(map(str, cores)), sys.executable,
+               str(REPO / "scripts" / "standin_job.py"), str(job_dir)]  # fmt: skip
+    started = time.perf_counter()
+    with open(job_dir / LOG_FILE, "wb") as log:
+        done = subprocess.run(command, cwd=code, stdout=log, stderr=subprocess.STDOUT,
+                              env=env, check=False)  # fmt: skip
+    wall = time.perf_counter() - started
+    result = JobResult.from_json((job_dir / RESULT_FILE).read_text("utf-8"))
+    if done.returncode != 0 or not result.ok:
+        sys.stderr.write((job_dir / LOG_FILE).read_text("utf-8")[-3000:])
+        raise SystemExit(f"the {code} job failed (exit status {done.returncode})")
+    return wall, result
+
+
+def keep(batch_dir: Path, into: Path) -> None:
+    """Move the run's masks and table aside, to compare the two codes' after the runs (the
+    tables in the spool, or in the run folder before the spool)."""
+    shutil.rmtree(into, ignore_errors=True)
+    into.mkdir(parents=True)
+    shutil.move(batch_dir / "results" / "masks", into / "masks")
+    parts = work_dir_for(batch_dir) / "parts"
+    shutil.move(parts if parts.exists() else batch_dir / "results" / "parts", into / "parts")
+
+
+def agreement(old: Path, new: Path) -> str:
+    """Whether every mask and every table row (but the code's version and the columns the old
+    code did not have) are the same in both codes' outputs."""
+    masks = sorted(p.relative_to(old) for p in (old / "masks").rglob("*") if p.is_file())
+    differ = [m for m in masks if not np.array_equal(decode((old / m).read_bytes()),
+                                                     decode((new / m).read_bytes()))]  # fmt: skip
+    rows = {}
+    for side in (old, new):
+        with open(next((side / "parts").glob("table-*.csv")), newline="") as handle:
+            rows[side] = list(csv.DictReader(handle))
+    shared = [c for c in rows[old][0] if c in rows[new][0] and c != "code_version"]
+    unequal = sum(
+        1 for a, b in zip(rows[old], rows[new], strict=True) if any(a[c] != b[c] for c in shared)
+    )
+    return (f"masks: {len(masks) - len(differ)} of {len(masks)} equal pixel for pixel; table "
+            f"rows: {len(rows[old]) - unequal} of {len(rows[old])} equal in {len(shared)} "
+            "shared columns (code_version aside)")  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--old", type=Path, required=True, help="a checkout of the old code")
+    parser.add_argument("--images", type=int, default=6000)
+    parser.add_argument("--size", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--work", type=Path, default=None, help="where the batch lies")
+    parser.add_argument("--object-step", action="store_true",
+                        help="also the new code with touching objects cut apart")  # fmt: skip
+    args = parser.parse_args()
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("this benchmark needs 2 cores")
+    work = Path(tempfile.mkdtemp(prefix="watchd-bench-host-", dir=args.work))
+    torch.manual_seed(0)
+    net = UNet(depth=3, width=16)
+    registry.register(work / "registry", MODEL, net.state_dict(),
+                      {"architecture": net.architecture()})  # fmt: skip
+    batch_dir = work / "batch"
+    made = time.perf_counter()
+    files = synth.make_batch(batch_dir, "inference", args.images, args.size, seed=11)
+    inputs = jobrun.inputs_of(batch_dir, files, checksums=True)
+    for path in files:  # the page cache warm for every run alike
+        path.read_bytes()
+    print(f"old: {args.old.resolve()} ({_commit(args.old)}); new: {REPO} ({_commit(REPO)})")
+    print(f"{args.images:,} PNG images {args.size}² made in {time.perf_counter() - made:.0f} s "
+          f"in {work}; {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")  # fmt: skip
+    runs: list[Run] = []
+    codes = [("old", args.old.resolve(), PARAMS), ("new", REPO, PARAMS)]
+    if args.object_step:
+        codes.append((CUT, REPO, {**PARAMS, "split_neck": INFERENCE.split_neck}))
+    for round_ in range(args.rounds):
+        for cpus in (1, 2):
+            for name, code, params in codes:
+                slug = "cut" if name == CUT else name
+                spec = JobSpec(
+                    job_id=1, job_name=f"infer-{slug}-{cpus}", pipeline=Pipeline.INFER,
+                    attempt=1, batch_id=1, batch_revision=1, batch_kind="inference",
+                    batch_dir=str(batch_dir), run_dir=str(batch_dir / "results"),
+                    work_dir=str(work_dir_for(batch_dir)), manifest_sha256="0" * 64,
+                    inputs=inputs, model=ModelRef(MODEL),
+                    registry_dir=str(work / "registry"), params=params,
+                    resources=Resources(cpus=cpus), title="host benchmark",
+                )  # fmt: skip
+                wall, result = run_job(code, batch_dir, spec, cpus, cores[:cpus])
+                summary = result.summary
+                run = Run(name, cpus, summary["segmented"], wall, 1 / summary["seconds_per_image"],
+                          1000 * summary["cpu_seconds_per_image"])  # fmt: skip
+                runs.append(run)
+                print(f"round {round_ + 1}: {name}, {cpus} CPU(s): {wall:.1f} s, "
+                      f"{run.whole_rate:.0f} images/s whole job, {run.images_s:.0f} over its "
+                      f"images, {run.cpu_ms_per_image:.2f} CPU-ms per image, "
+                      f"load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+                if round_ == 0 and cpus == 2 and name != CUT:
+                    keep(batch_dir, work / f"kept-{name}")
+    print()
+    print(
+        "| code | CPUs | images/s, whole job | images/s, its images | per CPU (whole job) "
+        "| CPU-ms per image |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    rate: dict[tuple[str, int], tuple[float, float]] = {}
+    for name, _, _ in codes:
+        for cpus in (1, 2):
+            mine = [r for r in runs if (r.code, r.cpus) == (name, cpus)]
+            whole = statistics.median(r.whole_rate for r in mine)
+            inner = statistics.median(r.images_s for r in mine)
+            rate[name, cpus] = (whole, inner)
+            cpu = statistics.median(r.cpu_ms_per_image for r in mine)
+            print(
+                f"| {name} | {cpus} | {whole:.0f} | {inner:.0f} | {whole / cpus:.0f} | {cpu:.2f} |"
+            )
+    print()
+    for label, at in (("whole job", 0), ("its images", 1)):
+        scaling = rate["new", 2][at] / rate["new", 1][at]
+        per_cpu = (rate["new", 2][at] / 2) / (rate["old", 2][at] / 2)
+        per_cpu_1 = rate["new", 1][at] / rate["old", 1][at]
+        print(
+            f"{label}: new 2 CPUs / new 1 CPU {scaling:.2f} (target >= 1.8); new / old per "
+            f"CPU {per_cpu:.2f} with 2 CPUs, {per_cpu_1:.2f} with 1 (target >= 1.5)"
+        )
+    print(agreement(work / "kept-old", work / "kept-new"))
+    print(f"medians of {args.rounds} round(s); work in {work}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,51 @@
+"""The inference job with its net replaced by a zero-cost stand-in: for benchmarks of the job's
+host side only (scripts/bench_host.py, scripts/bench_gpu.py), never for real work.
+
+    PYTHONPATH=CODE python scripts/standin_job.py JOB_DIR
+
+runs ``python -m pipelines.infer JOB_DIR`` of the code tree first on the path (the new code or
+a checkout of the old one), with ``models.unet.UNet`` swapped for :class:`StandIn` before the
+job's modules are imported: the registry's model is resolved, read and checked as always, but
+the "net" gives back its input as the logits. With the threshold at sigmoid(0.5) (0.6225) a
+synthetic spheroid image's mask is then its pixels brighter than mid-grey: real masks, real
+objects, for the labelling, encoding and writing that follow; the forward pass costs nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+import models.unet
+
+THRESHOLD = 0.6225  # sigmoid(0.5): the stand-in's mask is its image above mid-grey
+
+
+class StandIn(torch.nn.Module):
+    """Takes the U-Net's arguments and weights, and gives back its input as the logits."""
+
+    def __init__(self, **architecture: Any) -> None:
+        super().__init__()
+        self.shape = architecture
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+        return torch.nn.modules.module._IncompatibleKeys([], [])  # nothing to load
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return images
+
+
+def main() -> int:
+    models.unet.UNet = StandIn  # type: ignore[misc, assignment]
+    from daemon.contract.jobspec import Pipeline
+    from pipelines.infer import infer
+    from pipelines.job import run_job
+
+    return run_job(Pipeline.INFER, infer, sys.argv[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,213 @@
+"""The job's workers: real forked processes read the inputs ahead into shared slabs, in order,
+whole, as an in-process read gives them (across chunks, with bad inputs among them, a chunk cut
+short when its slab is full), finish masks from the same slabs, and a worker that dies or fails
+is said so in the main process."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import hashlib
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tifffile
+from PIL import Image
+
+from daemon.contract.heldfolder import HeldFolder, NotWritable, UnsafeEntry
+from daemon.contract.jobspec import InputFile
+from daemon.contract.names import INFERENCE
+from pipelines.images import read_image_hashed
+from pipelines.inference.finish import Rules
+from pipelines.inference.pool import (
+    FINISH,
+    READ,
+    Setup,
+    ToFinish,
+    Workers,
+    failure,
+    raised,
+)
+from pipelines.inference.source import Entry
+from pipelines.instances import label_objects
+
+MAX_PIXELS = 100 * 100
+
+
+def read_mask(path: Path) -> np.ndarray:
+    return tifffile.imread(path) if path.suffix == ".tif" else np.asarray(Image.open(path))
+
+
+def _folder(batch_dir: Path) -> list[InputFile]:
+    """Nine inputs (two chunks of four and one more): two sizes of grey PNG, a 16-bit RGB
+    TIFF, a cut PNG, an unsupported suffix, a TIFF and a PNG too large to decode whole."""
+    rng = np.random.default_rng(5)
+    images = batch_dir / "images"
+    images.mkdir(parents=True)
+    for name, shape in (("a.png", (40, 60)), ("b.png", (40, 60)), ("c.png", (72, 48))):
+        Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)).save(images / name)
+    tifffile.imwrite(images / "d.tif", rng.integers(0, 65536, (50, 30, 3), dtype=np.uint16))
+    (images / "cut.png").write_bytes((images / "a.png").read_bytes()[:200])
+    (images / "e.jpg").write_bytes(b"\xff\xd8\xff")
+    tifffile.imwrite(images / "big.tif", rng.integers(0, 256, (128, 128), dtype=np.uint8))
+    Image.fromarray(rng.integers(0, 256, (128, 128), dtype=np.uint8)).save(images / "big.png")
+    Image.fromarray(rng.integers(0, 256, (33, 33), dtype=np.uint8)).save(images / "f.png")
+    names = ["a.png", "cut.png", "b.png", "d.tif", "e.jpg", "big.tif", "c.png", "big.png", "f.png"]
+    return [
+        InputFile(f"images/{n}", hashlib.sha256((images / n).read_bytes()).hexdigest())
+        for n in names
+    ]
+
+
+@pytest.fixture
+def held(tmp_path: Path) -> Iterator[tuple[list[InputFile], HeldFolder, HeldFolder]]:
+    """The inputs of :func:`_folder`, the batch folder and its run folder, held as a job
+    holds them."""
+    items = _folder(tmp_path / "batch")
+    with HeldFolder.open(tmp_path / "batch") as batch, batch.folder("results", create=True) as run:
+        yield items, batch, run
+
+
+def read_all(
+    workers: Workers, items: list[InputFile], chunk: int
+) -> dict[int, tuple[Entry, np.ndarray | None, int]]:
+    """Every input read by the workers, a chunk at a time, as the main process asks: by index,
+    (entry, a copy of its pixels, the worker that read it); a chunk cut short is asked again."""
+    runs = [(first, min(first + chunk, len(items))) for first in range(0, len(items), chunk)]
+    asked: dict[int, tuple[int, int, int]] = {}
+    found: dict[int, tuple[Entry, np.ndarray | None, int]] = {}
+    while runs or asked:
+        while runs and (worker := workers.idlest()) is not None:
+            first, end = runs.pop(0)
+            task = first
+            asked[task] = (
+                worker,
+                workers.read(worker, task, list(enumerate(items))[first:end]),
+                end,
+            )
+        for worker, (kind, task, size, entries) in workers.replies(None):
+            assert kind == READ
+            _, slab_number, end = asked.pop(task)
+            slab = workers.slab(worker, slab_number, size)
+            for entry in entries:
+                pixels = slab.pixels(entry.pixel_offset, entry.shape) if entry.shape else None
+                found[entry.index] = (entry, None if pixels is None else pixels.copy(), worker)
+            if entries[-1].index + 1 < end:
+                runs.insert(0, (entries[-1].index + 1, end))
+            workers.release(worker, slab_number)
+    return found
+
+
+@pytest.mark.parametrize(("count", "chunk_bytes"), [(1, 2**20), (2, 2**20), (2, 20_000)],
+                         ids=["one-worker", "two-workers", "slabs-cut-short"])  # fmt: skip
+def test_workers_read_every_input_as_an_in_process_read_gives_it(
+    tmp_path: Path, held: Any, count: int, chunk_bytes: int
+) -> None:
+    items, batch, run = held
+    workers = Workers(count, Setup(batch, run, MAX_PIXELS, None, Rules(0, 0.0, False), chunk_bytes))
+    try:
+        found = read_all(workers, items, chunk=4)
+    finally:
+        workers.close()
+    assert sorted(found) == list(range(len(items)))
+    assert {worker for _, _, worker in found.values()} == set(range(count))
+    by_name = {Path(entry.item.path).name: (entry, pixels) for entry, pixels, _ in found.values()}
+    for name in ("a.png", "b.png", "c.png", "d.tif", "f.png"):
+        expected, digest = read_image_hashed(tmp_path / "batch", by_name[name][0].item)
+        entry, pixels = by_name[name]
+        assert pixels is not None and pixels.dtype == np.float32
+        np.testing.assert_array_equal(pixels, expected)
+        assert entry.sha256 == digest and not entry.problems and not entry.tiled
+    assert "cannot be decoded as PNG" in by_name["cut.png"][0].problems[0].message
+    assert "is a '.jpg' file; watchd reads PNG and TIFF" in by_name["e.jpg"][0].problems[0].message
+    assert by_name["big.tif"][0].tiled and by_name["big.tif"][1] is None
+    assert "more than params.max_whole_pixels = 10 000" in by_name["big.png"][0].problems[0].message
+    assert all(by_name[n][1] is None for n in ("cut.png", "e.jpg", "big.png"))
+
+
+def test_a_worker_finishes_masks_from_its_slab_and_a_planted_entry_comes_back_as_such(
+    tmp_path: Path, held: Any
+) -> None:
+    """The main process writes masks into the slab after the pixels; the worker labels,
+    measures and writes them. A file planted where a folder of masks goes comes back as the
+    UnsafeEntry it was, naming the entry and the folder it is in."""
+    items, batch, run = held
+    workers = Workers(1, Setup(batch, run, MAX_PIXELS, None, Rules(4, INFERENCE.split_neck, False)))
+    try:
+        found = read_all(workers, items[:4], chunk=4)  # a, cut, b, d (one chunk)
+        assert workers.busy(0) == 0
+        slab_number = workers.read(0, 7, [(i, items[i]) for i in range(4)])
+        ((_, (_, _, size, entries)),) = workers.replies(None)
+        slab = workers.slab(0, slab_number, size)
+        work = []
+        for entry in entries:
+            if not entry.shape:
+                continue
+            probabilities = found[entry.index][1]
+            assert probabilities is not None
+            slab.mask(entry.mask_offset, entry.shape)[...] = probabilities > 0.5
+            work.append(ToFinish(entry.index, entry.item.path, entry.shape, entry.pixel_offset,
+                                 entry.mask_offset, 0.25))  # fmt: skip
+        workers.finish(0, 7, slab_number, work)
+        ((_, (kind, task, done)),) = workers.replies(None)
+        assert (kind, task) == (FINISH, 7)
+        assert [index for index, _, _ in done] == [0, 2, 3]
+        for index, row, failure in done:
+            probabilities = found[index][1]
+            assert probabilities is not None
+            labels = label_objects(probabilities, 0.5, 4, INFERENCE.split_neck)
+            mask, objects = labels > 0, int(labels.max())
+            assert failure is None and row is not None
+            written = read_mask(tmp_path / "batch" / "results" / "masks" / items[index].path)
+            assert np.array_equal(written > 0, mask) and row["objects"] == objects
+            assert row["area_px"] == int(mask.sum()) and row["confidence"] == 0.25
+        (tmp_path / "batch" / "results" / "masks" / "planted").write_text("not a folder")
+        moved = dataclasses.replace(work[0], path="planted/a.png")
+        workers.finish(0, 8, slab_number, [moved])
+        ((_, (_, _, [(_, row, failure)])),) = workers.replies(None)
+    finally:
+        workers.close()
+    assert row is None and failure is not None
+    exc = raised(failure)
+    assert isinstance(exc, UnsafeEntry) and exc.relative == "masks/planted"
+    assert exc.path == tmp_path / "batch" / "results" / "masks" / "planted"
+
+
+def test_a_worker_that_dies_is_said_so_and_the_others_are_stopped(held: Any) -> None:
+    _, batch, run = held
+    workers = Workers(2, Setup(batch, run, MAX_PIXELS, None, Rules(0, 0.0, False)))
+    try:
+        os.kill(workers.processes[1].pid or 0, signal.SIGKILL)
+        workers.processes[1].join()
+        with pytest.raises(RuntimeError, match="worker 1 of the job died"):
+            workers.replies(5)
+    finally:
+        workers.close()
+    assert workers.processes == []
+
+
+def test_failures_cross_the_pipe_as_what_they_were() -> None:
+    """A planted entry, a refused write (full share) and the share gone keep their kind, errno
+    and folder; anything else comes back as a RuntimeError carrying the worker's traceback."""
+    unsafe = UnsafeEntry(errno.ELOOP, "masks/x", "is a symbolic link, not a folder")
+    unsafe.folder = Path("/drop/b/results")
+    back = raised(failure(unsafe))
+    assert isinstance(back, UnsafeEntry) and str(back) == str(unsafe)
+    assert back.path == Path("/drop/b/results/masks/x")
+    full = raised(failure(NotWritable(errno.ENOSPC, "No space left on device", Path("/d/r"))))
+    assert isinstance(full, NotWritable) and (full.errno, full.folder) == (
+        errno.ENOSPC,
+        Path("/d/r"),
+    )
+    gone = raised(failure(OSError(errno.ESTALE, "Stale file handle")))
+    assert type(gone) is OSError and gone.errno == errno.ESTALE
+    try:
+        raise ValueError("a bug")
+    except ValueError as exc:
+        bug = raised(failure(exc))
+    assert isinstance(bug, RuntimeError) and "ValueError: a bug" in str(bug)
