@@ -109,7 +109,13 @@ def test_the_install_guide_matches_the_unit_and_its_example_config_is_valid(
     """The guide's example config validates, Slurm backend included, and uses the paths the
     unit's example makes writable."""
     guide = (REPO / "docs" / "install.md").read_text()
-    (example,) = re.findall(r"```toml\n(.*?)```", guide, flags=re.DOTALL)
+    (example,) = re.findall(
+        r"<!-- drill: file /etc/watchd/config.toml -->\n```toml\n(.*?)```", guide, flags=re.DOTALL
+    )
+    additions = re.findall(r"Add, for\nexample:\n\n```toml\n(.*?)```", guide, flags=re.DOTALL)
+    assert additions, "the guide's [accounts] example"
+    for addition in additions:  # the sections the guide says to add validate with the example
+        parse_config(tomllib.loads(example + addition), source=tmp_path / "config.toml")
     document = tomllib.loads(example)
     config = parse_config(document, source=tmp_path / "config.toml")
     assert config.executor.kind == "slurm"

@@ -313,15 +313,18 @@ def test_requeue_runs_a_done_batch_again_and_inference_skips_what_is_current(
 def test_a_retried_job_that_failed_at_its_first_attempt_runs_again(
     config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path
 ) -> None:
-    """Its first attempt's result (model missing) is not taken for the retry's: the retry is
-    a submission of its own, and with the model back the batch finishes."""
+    """Its first attempt's result (the model's weights missing) is not taken for the retry's:
+    the retry is a submission of its own, and with the weights back the batch finishes. (The
+    model stays listed: one the registry does not list is refused at intake, before any job.)"""
     config = config_for()
-    registry, aside = config.registry.path, config.registry.path.with_name("aside")
-    registry.rename(aside)
+    (weights,) = config.registry.path.glob("*/v*/weights.pt")
+    aside = weights.with_name("aside.pt")
+    weights.rename(aside)
     shutil.copytree(staged(count=2), drop_root / "plate")
     with Replay(config) as replay:
         replay.run(until=lambda s: s.store.batch(1).state is BatchState.FAILED)
-        aside.rename(registry)
+        assert "manifest" not in (replay.service.store.batch(1).reason or "")
+        aside.rename(weights)
         cli("watchctl", "retry", "1", "--config", str(config.source))
         replay.run(until=lambda s: s.store.intent(1).applied_at is not None)
         replay.run(until=lambda s: s.store.batch(1).state.terminal)

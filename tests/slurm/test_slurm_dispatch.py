@@ -12,7 +12,7 @@ from pathlib import Path
 from conftest import write_config
 from memory_slurm import Clock, MemorySlurm
 from replay import Replay, copy_slowly
-from slurm_scenario import batches_and_jobs
+from slurm_scenario import MODEL, batches_and_jobs
 
 from daemon.contract.jobspec import SPEC_FILE, ErrorKind
 from daemon.contract.spool import work_dir
@@ -29,9 +29,13 @@ REFUSAL = "sbatch exited with 1: sbatch: error: Batch job submission failed: Req
 
 
 def memory_config(tmp_path: Path, drop_root: Path, **slurm: object) -> Config:
-    """A Slurm config whose slurm.conf is never read: the executor is given MemorySlurm."""
+    """A Slurm config whose slurm.conf is never read: the executor is given MemorySlurm. Its
+    registry lists the staged batches' model (a version folder: intake refuses a model the
+    registry does not list), whose weights no job loads: MemorySlurm runs nothing."""
     fake_conf = tmp_path / "unused-slurm.conf"
-    return write_config(tmp_path, drop_root, tmp_path / "registry", fake_conf, slurm=slurm)
+    registry = tmp_path / "registry"
+    (registry / MODEL / "v0001").mkdir(parents=True)
+    return write_config(tmp_path, drop_root, registry, fake_conf, slurm=slurm)
 
 
 def memory_executor(config: Config, slurm: MemorySlurm, clock: Clock) -> SlurmExecutor:
