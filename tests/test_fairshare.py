@@ -91,6 +91,38 @@ def test_an_owner_below_its_share_takes_a_slot_from_one_above_it_at_once() -> No
     assert bob.share == 1.0 and bob.pending == 1
 
 
+def test_an_owner_waits_for_a_slot_due_to_free_within_its_patience_instead() -> None:
+    """Stopping a shard costs its restart: when one of the live jobs ends sooner than the
+    waiting owner's patience runs out, the owner waits for that slot and nothing is stopped."""
+    live = [job(1, 1, JobState.RUNNING, done=90), job(2, 1, JobState.RUNNING, done=10)]
+    turns = share_out([job(3, 2)], live, subject, {}, free=0,
+                      patience={"user:bob": 25.0}, due={1: 4.0, 2: 300.0})  # fmt: skip
+    assert turns.preempt == ()
+    bob = next(s for s in turns.standings if s.subject == "user:bob")
+    assert bob.waits.endswith("a slot frees in about 4 s: it waits for that, no job is stopped")
+
+
+def test_a_slot_takes_back_once_the_patience_is_spent_or_no_job_ends_within_it() -> None:
+    live = [job(1, 1, JobState.RUNNING, done=90), job(2, 1, JobState.RUNNING, done=10)]
+    spent = share_out([job(3, 2)], live, subject, {}, free=0,
+                      patience={"user:bob": 0.0}, due={1: 4.0})  # fmt: skip
+    assert ids(spent.preempt) == [2]
+    too_far = share_out([job(3, 2)], live, subject, {}, free=0,
+                        patience={"user:bob": 25.0}, due={1: 40.0, 2: 300.0})  # fmt: skip
+    assert ids(too_far.preempt) == [2]
+    unknown = share_out([job(3, 2)], live, subject, {}, free=0, patience={"user:bob": 25.0})
+    assert ids(unknown.preempt) == [2]
+
+
+def test_one_job_due_to_end_is_awaited_for_one_owed_slot_only() -> None:
+    """Bob is owed two of four slots: one of Ann's jobs ends soon and covers one; the other
+    is taken back at once."""
+    live = [job(i, 1, JobState.RUNNING, done=10 * i) for i in range(1, 5)]
+    turns = share_out([job(5, 2), job(6, 2)], live, subject, {}, free=0,
+                      patience={"user:bob": 30.0}, due={4: 2.0})  # fmt: skip
+    assert len(turns.preempt) == 1 and turns.preempt[0].id != 4
+
+
 def test_a_job_not_started_yet_yields_before_a_running_one() -> None:
     live = [job(1, 1, JobState.RUNNING), job(2, 1, JobState.SUBMITTED)]
     assert ids(share_out([job(3, 2)], live, subject, {}, free=0).preempt) == [2]

@@ -15,6 +15,12 @@ while another runs more than its share, rounded up, takes a slot back at once: o
 inference jobs is stopped and goes back to pending (it resumes from its ledger, so only the image
 in flight is done again). The rounding up keeps it from swinging back: a subject that gave a slot
 up still holds at least its share, so it never takes it back in turn.
+
+Taking a slot back costs the stopped shard its restart (and leaves its batch's last shards
+unevenly spread), so it is done only when no slot frees by itself soon: a waiting subject with
+``patience`` left (the site's ``preempt_grace_seconds`` less what it has waited so far) waits
+for a live job ``due`` to end within it, and takes one back only when none is, or once it has
+waited that long.
 """
 
 from __future__ import annotations
@@ -66,10 +72,14 @@ def share_out(
     *,
     preempt: bool = True,
     served: Mapping[str, float] | None = None,
+    patience: Mapping[str, float] | None = None,
+    due: Mapping[int, float] | None = None,
 ) -> Turns:
     """Hand ``pending`` out within ``free`` slots (None: no limit but the caps), in turns, and
     name the live jobs to stop so that a subject below its share gets a slot. ``served``: when
-    each subject last had a job handed out (none: never)."""
+    each subject last had a job handed out (none: never); ``patience``: how long each subject
+    may still wait for a slot that frees by itself (none: not at all); ``due``: the seconds a
+    live job (by id) is expected to run still (none: not known)."""
     queues: dict[str, list[Job]] = {}
     for job in sorted(pending, key=lambda j: (j.batch_id, j.id)):  # oldest batch first
         queues.setdefault(subject_of(job), []).append(job)
@@ -87,11 +97,13 @@ def share_out(
     slots = None if free is None else max(0, free) + len(live)
     shares = _shares(subjects, after, waiting, stake, slots)
     stopped: list[Job] = []
+    awaited: dict[str, float] = {}
     if preempt and slots is not None and len(chosen) == max(0, free or 0):
-        stopped = _yielding(live, subject_of, after, waiting, stake, shares)
+        stopped = _yielding(live, subject_of, after, waiting, stake, shares,
+                            _Soon(patience or {}, due or {}), awaited)  # fmt: skip
     standings = tuple(
         Standing(s, after.get(s, 0), waiting.get(s, 0), shares.get(s),
-                 _why(s, after, waiting, stake, shares, slots))
+                 _why(s, after, waiting, stake, shares, slots, awaited.get(s)))
         for s in subjects
     )  # fmt: skip
     return Turns(tuple(chosen), tuple(stopped), standings)
@@ -166,6 +178,27 @@ def _shares(
     return shares
 
 
+@dataclass
+class _Soon:
+    """The live jobs due to end soon, each awaited by one waiting subject at most."""
+
+    patience: Mapping[str, float]
+    due: Mapping[int, float]
+    claimed: set[int] = field(default_factory=set)
+
+    def await_one(self, subject: str) -> float | None:
+        """The seconds until the soonest unclaimed live job ends, claimed for ``subject``, if
+        that is within its patience; else None."""
+        left = self.patience.get(subject, 0.0)
+        open_ = [(seconds, job) for job, seconds in self.due.items()
+                 if job not in self.claimed and seconds <= left]  # fmt: skip
+        if left <= 0 or not open_:
+            return None
+        seconds, job = min(open_)
+        self.claimed.add(job)
+        return seconds
+
+
 def _yielding(
     live: Sequence[Job],
     subject_of: Callable[[Job], str],
@@ -173,9 +206,13 @@ def _yielding(
     waiting: Mapping[str, int],
     stake: Mapping[str, Stake],
     shares: Mapping[str, float],
+    soon: _Soon,
+    awaited: dict[str, float],
 ) -> list[Job]:
-    """Live jobs to stop: one per slot a waiting subject below its share is owed, each taken
-    from the subject furthest above its share (rounded up) that has one that can resume."""
+    """Live jobs to stop: one per slot a waiting subject below its share is owed and no slot
+    frees for within its patience, each taken from the subject furthest above its share
+    (rounded up) that has one that can resume. ``awaited`` gets the subjects that wait for a
+    slot to free instead, with the seconds until it does."""
     owed = [s for s in sorted(waiting, key=lambda s: running.get(s, 0) / stake[s].weight)
             for _ in range(_owed(s, running, waiting, stake, shares))]  # fmt: skip
     movable: dict[str, list[Job]] = {}
@@ -183,7 +220,11 @@ def _yielding(
         if resumable(job):
             movable.setdefault(subject_of(job), []).append(job)
     stopped: list[Job] = []
-    for _ in owed:
+    for subject in owed:
+        seconds = soon.await_one(subject)
+        if seconds is not None:
+            awaited[subject] = max(awaited.get(subject, 0.0), seconds)
+            continue
         donors = [s for s, jobs in movable.items()
                   if jobs and running.get(s, 0) > math.ceil(shares.get(s, 0.0) - 1e-9)]  # fmt: skip
         if not donors:
@@ -230,6 +271,7 @@ def _why(
     stake: Mapping[str, Stake],
     shares: Mapping[str, float],
     slots: int | None,
+    awaited: float | None = None,
 ) -> str:
     """Why a subject's pending jobs wait after this round ('' when none waits)."""
     if not waiting.get(subject):
@@ -240,4 +282,7 @@ def _why(
     if slots is None:
         return "offered again at the next round"
     share = shares.get(subject, 0.0)
-    return f"every slot is busy ({slots}); its share is {share:.2g}, it has {have}"
+    busy = f"every slot is busy ({slots}); its share is {share:.2g}, it has {have}"
+    if awaited is not None:
+        busy += f"; a slot frees in about {awaited:.0f} s: it waits for that, no job is stopped"
+    return busy

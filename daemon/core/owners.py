@@ -135,6 +135,8 @@ class Accounts:
     refuse_unknown: bool = False
     fair_by: FairBy = FairBy.OWNER
     preempt: bool = True  # an owner over its share yields an inference job to one below it
+    # … unless a live job is due to end within this many seconds of the waiting one's queueing
+    preempt_grace: float = 30.0
 
     def known(self, owner: Owner) -> bool:
         return owner.user in self.users or owner.group in self.groups

@@ -545,10 +545,26 @@ def fair_turns(snapshot: Snapshot, pending: Sequence[Job], held_back: int = 0) -
     free = snapshot.free_slots
     if free is not None:
         free = max(0, free - held_back)
+    patience: dict[str, float] = {}
+    for job in pending:  # the grace less what the subject's longest-waiting job has waited
+        left = accounts.preempt_grace - (snapshot.now - job.created_at)
+        patience[subject_of(job)] = min(patience.get(subject_of(job), left), left)
+    due = {j.id: eta for j in live if (eta := _due(j, snapshot.now)) is not None}
     return fairshare.share_out(
         pending, live, subject_of, stakes, free,
-        preempt=accounts.preempt and not held_back, served=served,
+        preempt=accounts.preempt and not held_back, served=served, patience=patience, due=due,
     )  # fmt: skip
+
+
+def _due(job: Job, now: float) -> float | None:
+    """The seconds an inference job is expected to run still, at the rate of its images done
+    since it was handed out; None when that is not known (no image done yet, not inference)."""
+    if not job.images or job.images_done <= 0 or job.submitted_at is None:
+        return None
+    elapsed = now - job.submitted_at
+    if elapsed <= 0:
+        return None
+    return max(0, job.images - job.images_done) * elapsed / job.images_done
 
 
 def _submissions(pending: Sequence[Job], snapshot: Snapshot, held_back: int) -> list[Action]:

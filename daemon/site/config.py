@@ -273,6 +273,8 @@ class AccountsSection(_Section):
     fair_by: Literal["owner", "group"] = "owner"  # whose turn it is
     unknown: Literal["default", "refuse"] = "default"  # an owner in neither table
     preempt: bool = True  # an owner over its share yields an inference job to one below it
+    # … unless a live job is due to end within this many seconds of the waiting one's queueing
+    preempt_grace_seconds: Annotated[float, Field(ge=0, le=86_400)] = 30.0
     default: AccountRule = AccountRule()
     users: dict[str, AccountRule] = {}
     groups: dict[str, AccountRule] = {}
@@ -285,6 +287,7 @@ class AccountsSection(_Section):
             refuse_unknown=self.unknown == "refuse",
             fair_by=FairBy(self.fair_by),
             preempt=self.preempt,
+            preempt_grace=self.preempt_grace_seconds,
         )
 
 
