@@ -10,6 +10,10 @@ are the daemon's own events: manifest landed → batch DONE. The table gives eac
 with the other against its time alone (medians over the rounds), the shards that yielded their
 slot, and then ``watchctl usage`` of the whole run, by owner and by account.
 
+``--baseline-grace S`` adds, each round, A then B again on the same daemon restarted with
+``[accounts] preempt_grace_seconds = S`` (0: a slot is taken back at once, as before the grace
+existed): the candidate and its baseline in one run.
+
 ``--slurm``: the jobs go to the local test cluster (scripts/slurm-cluster must run) through the
 CLI client, ``executor.slurm.max_jobs`` = ``--slots`` (the fair order's slots; Slurm would queue
 everything otherwise) and the array throttle the same; the accounts Slurm recorded on the jobs
@@ -43,6 +47,7 @@ from bench_batch import ARCHITECTURE, MODEL, BatchDaemon, wait_done
 from slurm_scenario import start_cluster
 
 from daemon.core.manifest import CANCEL_NAME, STATUS_NAME
+from daemon.site.config import AccountsSection
 from models import registry
 from models.unet import UNet
 
@@ -200,6 +205,8 @@ def main() -> int:
     parser.add_argument("--slurm", action="store_true", help="jobs to the local test cluster")
     parser.add_argument("--slots", type=int, default=2, help="Slurm: executor.slurm.max_jobs")
     parser.add_argument("--timeout", type=float, default=7200.0)
+    parser.add_argument("--baseline-grace", type=float, default=None,
+                        help="also run A then B with this preempt_grace_seconds (0: at once)")
     args = parser.parse_args()
     if not owners.available():
         raise SystemExit("needs root: the owners are real users made with useradd")
@@ -232,6 +239,9 @@ def main() -> int:
               f"({bob.user}) {args.delay:g} s later; {args.size}² images; {where}; "
               f"load {os.getloadavg()[0]:.1f}; work in {work}")  # fmt: skip
         alone_a, alone_b, with_a, with_b, yields = [], [], [], [], []
+        base_a: list[float] = []
+        base_b: list[float] = []
+        base_yields: list[int] = []
         daemon.start()
         try:
             for r in range(args.rounds):
@@ -247,11 +257,23 @@ def main() -> int:
                 print(f"round {r + 1}: alone A {alone_a[-1]:.1f} s, B {alone_b[-1]:.1f} s; "
                       f"together A {with_a[-1]:.1f} s, B {with_b[-1]:.1f} s; A's shards "
                       f"yielded {yields[-1]}; load {os.getloadavg()[0]:.1f}")  # fmt: skip
+                if args.baseline_grace is not None:
+                    base = baseline(daemon, r, a_staged, b_staged, (ann, bob), args)
+                    base_a.append(base[f"a-base-{r}"])
+                    base_b.append(base[f"b-base-{r}"])
+                    base_yields.append(yielded(daemon, f"a-base-{r}"))
+                    print(f"round {r + 1}, preempt_grace_seconds {args.baseline_grace:g}: "
+                          f"together A {base_a[-1]:.1f} s, B {base_b[-1]:.1f} s; A's shards "
+                          f"yielded {base_yields[-1]}")  # fmt: skip
             accounts_seen = slurm_accounts(daemon, env) if slurm_conf else []
             refusal = over_quota(daemon, b_staged, bob, args.images_b * 2 * args.rounds)
         finally:
             daemon.stop()
+        print(f"preempt_grace_seconds: {grace_of(daemon)}")
         table(alone_a, alone_b, with_a, with_b, yields)
+        if base_a:
+            print(f"baseline, preempt_grace_seconds {args.baseline_grace:g}, same run:")
+            table(alone_a, alone_b, base_a, base_b, base_yields)
         config = str(daemon.state / "config.toml")
         for by in ("owner", "account"):
             shown = subprocess.run([WATCHCTL, "usage", "--by", by, "--config", config],
@@ -261,10 +283,43 @@ def main() -> int:
         if accounts_seen:
             print("accounts Slurm recorded on the submitted jobs (squeue -o '%i|%a|%q|%j'):")
             print("\n".join(accounts_seen))
-        data = {"alone_a": alone_a, "alone_b": alone_b, "with_a": with_a, "with_b": with_b}
+        data = {"alone_a": alone_a, "alone_b": alone_b, "with_a": with_a, "with_b": with_b,
+                "base_a": base_a, "base_b": base_b}  # fmt: skip
         (work / "results.json").write_text(json.dumps(data))
     print(f"logs: {work}/fair/state/daemon.log")
     return 0
+
+
+def baseline(
+    daemon: OwnersDaemon,
+    r: int,
+    a_staged: Path,
+    b_staged: Path,
+    people: tuple[owners.Person, owners.Person],
+    args: argparse.Namespace,
+) -> dict[str, float]:
+    """A then B again, the daemon restarted with the baseline's grace, then restarted as it
+    was."""
+    ann, bob = people
+    kept = dict(daemon.accounts or {})
+    daemon.stop()
+    daemon.accounts = {**kept, "preempt_grace_seconds": args.baseline_grace}
+    daemon.start()
+    try:
+        plan = [(f"a-base-{r}", a_staged, ann, 0.0), (f"b-base-{r}", b_staged, bob, args.delay)]
+        return scenario(daemon, plan, args.timeout)
+    finally:
+        daemon.stop()
+        daemon.accounts = kept
+        daemon.start()
+
+
+def grace_of(daemon: OwnersDaemon) -> str:
+    """The candidate's grace: the table's, else the code's default."""
+    value = (daemon.accounts or {}).get("preempt_grace_seconds")
+    if value is None:
+        value = AccountsSection().preempt_grace_seconds
+    return f"{value:g} (the candidate)"
 
 
 def table(

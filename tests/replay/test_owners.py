@@ -105,9 +105,10 @@ def test_a_second_owners_batch_is_done_before_the_first_owners_backlog(
     people: list[Person],
 ) -> None:
     """Two slots, all of them ann's when bob's batch comes: one of ann's shards yields its slot
-    at once and resumes later; bob's batch ends first, ann's ends done with every mask."""
+    at once (no grace: her short shards would end soon enough for bob to wait for one) and
+    resumes later; bob's batch ends first, ann's ends done with every mask."""
     ann, bob, _ = people
-    config = config_for(planner={"shard_size": 2})
+    config = config_for(planner={"shard_size": 2}, accounts={"preempt_grace_seconds": 0})
     with Replay(config) as replay:
         drop(staged("a", count=12), drop_root, "plate ann", ann)
 
