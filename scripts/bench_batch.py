@@ -21,7 +21,9 @@ first on their PATH).
 
 ``--resume`` then drops one more batch on the new code, kills the daemon and its jobs (SIGKILL,
 as a node that dies) when about half the images are done, starts it again and counts the
-images segmented twice (ledger lines beyond one per image). Local executor only.
+images segmented twice (ledger lines beyond one per image, in the run's ledgers in the daemon's
+spool); it fails unless every image ends done and fewer are redone than the ledger held.
+Local executor only.
 
     .venv/bin/python scripts/bench_batch.py --old ../wt-old [--images 1500] [--rounds 2]
     .venv/bin/python scripts/bench_batch.py --old ../wt-old --slurm --images 10000 --rounds 1
@@ -30,6 +32,7 @@ images segmented twice (ledger lines beyond one per image). Local executor only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -52,9 +55,14 @@ import synth
 from bench_share import Daemon, _commit
 from slurm_scenario import start_cluster
 
+from daemon.contract import spool
+from daemon.core.records import Batch, Job
+from daemon.site.subprocesses import process_start_ticks
+from daemon.store import Store
 from models import registry
 from models.unet import UNet
 from pipelines.images import decode
+from pipelines.layout import LEDGER_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "spheroid-unet"
@@ -196,32 +204,74 @@ def one_run(daemon: BatchDaemon, template: Path, name: str, images: int) -> dict
 
 
 def resume(daemon: BatchDaemon, template: Path, images: int) -> str:
-    """Kill the daemon and its jobs halfway through a batch, start it again: images redone."""
+    """Kill the daemon and its jobs halfway through a batch, start it again: images redone.
+
+    Fails unless every image ends done and the restarted jobs skip what the ledger holds."""
     name = "resume"
-    folder, _ = drop(template, daemon.mount, name)
-    ledger = folder / "results"
-    while _ledger_lines(ledger)[0] < images // 2:
+    drop(template, daemon.mount, name)
+    deadline = time.monotonic() + 3600
+    while _ledger_lines(daemon, name)[0] < images // 2:
+        if daemon.state_at(name, "failed") is not None or time.monotonic() > deadline:
+            raise SystemExit(f"resume: half the images never in the ledger; see {daemon.state}")
         time.sleep(0.2)
-    jobs = subprocess.run(["pgrep", "-f", "pipelines.infer"], capture_output=True, text=True)
     assert daemon.process is not None
     daemon.process.kill()
-    for pid in jobs.stdout.split():
-        os.killpg(int(pid), signal.SIGKILL)  # each job leads its own session
     daemon.process.wait()
-    before = _ledger_lines(ledger)[0]
+    killed = _kill_jobs(daemon, name)
+    before = _ledger_lines(daemon, name)[0]
     daemon.start()
     wait_done(daemon, name, 3600)
-    lines, distinct = _ledger_lines(ledger)
-    return (
-        f"killed with {before:,} of {images:,} images in the ledger; after the restart "
-        f"{distinct:,} images done, {lines - distinct} segmented twice"
+    lines, distinct = _ledger_lines(daemon, name)
+    report = (
+        f"killed the daemon and {killed} job(s) with {before:,} of {images:,} images in the "
+        f"ledger; after the restart {distinct:,} images done, {lines - distinct} segmented twice"
     )
+    if distinct != images or lines - distinct >= max(before, 1):
+        raise SystemExit(f"resume: not resumed from the ledger: {report}")
+    return report
 
 
-def _ledger_lines(results: Path) -> tuple[int, int]:
-    """(lines, distinct inputs) over every shard's ledger below ``results``."""
+def _newest_run(daemon: BatchDaemon, name: str) -> tuple[Batch | None, list[Job]]:
+    """The newest revision of the batch in folder ``name`` and its jobs, from the daemon's
+    store (the new code's: the resume run is on the new code only)."""
+    store = Store(daemon.state / "watchd.sqlite")
+    try:
+        batch = store.latest_revision(str(daemon.mount), name)
+        return batch, store.jobs([batch.id]) if batch else []
+    finally:
+        store.close()
+
+
+def _kill_jobs(daemon: BatchDaemon, name: str) -> int:
+    """SIGKILL the live local jobs of ``name``, as a node that dies: each job's launcher leads
+    its own session, with the job in its process group. Only this daemon's jobs, never another
+    run's on the same machine. Waits until they are gone: how many were killed."""
+    _, jobs = _newest_run(daemon, name)
+    pids = []
+    for job in jobs:
+        if job.state.live and job.handle and job.handle.startswith("local:"):
+            _, pid, ticks = job.handle.split(":")
+            if process_start_ticks(int(pid)) == int(ticks):  # not a reused pid
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(int(pid), signal.SIGKILL)
+                    pids.append(int(pid))
+    deadline = time.monotonic() + 30
+    while any(process_start_ticks(pid) is not None for pid in pids):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"resume: jobs {pids} still there 30 s after SIGKILL")
+        time.sleep(0.1)
+    return len(pids)
+
+
+def _ledger_lines(daemon: BatchDaemon, name: str) -> tuple[int, int]:
+    """(lines, distinct inputs) over every shard's ledger of the newest run of ``name``, in the
+    run's work folder in the daemon's spool."""
+    batch, _ = _newest_run(daemon, name)
+    if batch is None:
+        return 0, 0
+    ledgers = spool.work_dir(daemon.spool, batch.id, batch.run_dir) / LEDGER_DIR
     lines, paths = 0, set()
-    for shard in results.glob("*/ledger/*.jsonl"):
+    for shard in ledgers.glob("*.jsonl"):
         for line in shard.read_text().splitlines():
             try:
                 paths.add(json.loads(line)["path"])
