@@ -20,6 +20,11 @@ objects themselves: whoever labels a mask the jobs wrote finds the objects they 
 piece smaller than ``min_area`` pixels is dropped, a component before cutting as well as a
 part after.
 
+The image is measured at once, as far as that gives each object's values alone (its filled
+shape's distances, summits, the merge; the parts' solidity counted exactly, all parts together,
+by :mod:`pipelines.solidity`); the watershed goes object by object, since its result depends on
+the order in which its summits leave the flood's queue.
+
 Whole images only: an image segmented window by window is labelled band by band and joined
 across bands (:mod:`pipelines.tiles`); a cut would need each object whole, so its objects are
 its connected components.
@@ -34,7 +39,7 @@ import numpy as np
 from scipy import ndimage
 from skimage.segmentation import watershed
 
-from pipelines.solidity import solidity
+from pipelines.solidity import run_starts, solidity
 
 EIGHT = np.ones((3, 3), dtype=bool)
 ROUND = 0.9  # a part a cut leaves is kept apart only if at least this solid (area / hull)
@@ -89,9 +94,14 @@ def cut_lines(labels: np.ndarray, split_neck: float) -> np.ndarray | None:
     another's hole is in that one's filled shape: those go alone, each."""
     rows, cols = np.flatnonzero(labels.any(axis=1)), np.flatnonzero(labels.any(axis=0))
     around = slice(rows[0], rows[-1] + 1), slice(cols[0], cols[-1] + 1)
-    padded = np.pad(labels[around], 1)  # beyond the objects' box: background, as the edge
+    padded = np.zeros((around[0].stop - around[0].start + 2, around[1].stop - around[1].start + 2),
+                      dtype=labels.dtype)  # fmt: skip
+    padded[1:-1, 1:-1] = labels[around]  # beyond the objects' box: background, as the edge
     background, _ = ndimage.label(padded == 0)  # 4-connected, as binary_fill_holes fills
-    filled, count = ndimage.label(background != background[0, 0], structure=EIGHT)
+    filled = (background != background[0, 0]).view(np.int8)
+    count = 1 if labels.max() == 1 else 0  # one object: its filled shape is the one shape
+    if not count:
+        filled, count = ndimage.label(filled, structure=EIGHT)
     inside = padded > 0
     shape_of = np.zeros(int(labels.max()) + 1, dtype=np.int64)
     shape_of[padded[inside]] = filled[inside]
@@ -175,9 +185,9 @@ def _watersheds(
 
 
 def _merge(parts: np.ndarray, distance: np.ndarray, count: int, split_neck: float) -> np.ndarray:
-    """The parts (ids 1…``count``) joined where their neck is wide: for each, the lowest id
-    of its group (0 for 0). Parts that do not touch never join: the parts of several objects
-    are joined as each object's alone would be, the order of the joins within each the same.
+    """The parts (ids 1…``count``, a margin of 0 around) joined where their neck is wide: for
+    each, the lowest id of its group (0 for 0). Parts that do not touch never join: the parts
+    of several objects are joined as each object's alone would be, in the same order.
 
     Greedy, widest neck (relative to the thinner side) first, and each join judged again with
     the joined part's summit: a lump that joins one spheroid no longer looks like a wide neck
@@ -224,7 +234,7 @@ def _summits(parts: np.ndarray, distance: np.ndarray, count: int) -> np.ndarray:
     ids, values = parts[inside], distance[inside]
     order = np.argsort(ids, kind="stable")
     ids, values = ids[order], values[order]
-    starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+    starts = run_starts(ids)
     summit = np.zeros(count + 1)
     if len(ids):
         summit[ids[starts]] = np.maximum.reduceat(values, starts)
@@ -245,11 +255,11 @@ def neighbours(shape: tuple[int, ...]) -> Iterator[tuple[tuple[slice, slice], ..
 
 def _borders(parts: np.ndarray, distance: np.ndarray) -> tuple[np.ndarray, ...]:
     """(first part, second part, neck) of every pair of parts that touch (8-neighbours), the
-    neck the highest distance on their shared border (of the lower of each pair of pixels)."""
-    ids = np.pad(parts, 1).ravel()  # a margin of 0: a neighbour off the array is none
-    heights = np.pad(distance, 1).ravel()
+    neck the highest distance on their shared border (of the lower of each pair of pixels);
+    ``parts`` has a margin of 0 around."""
+    ids, heights = parts.ravel(), distance.ravel()  # a margin of 0: no neighbour off the array
     (here,) = np.nonzero(ids)
-    row = parts.shape[1] + 2
+    row = parts.shape[1]
     keys, necks = [], []
     stride = np.int64(parts.max()) + 1
     for step in (1, row, row + 1, row - 1):  # right, below, below right, below left
@@ -265,7 +275,7 @@ def _borders(parts: np.ndarray, distance: np.ndarray) -> tuple[np.ndarray, ...]:
     key, neck = np.concatenate(keys), np.concatenate(necks)
     order = np.argsort(key, kind="stable")
     key, neck = key[order], neck[order]
-    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+    starts = run_starts(key)
     pairs = key[starts]
     return pairs // stride, pairs % stride, np.maximum.reduceat(neck, starts)
 

@@ -31,12 +31,22 @@ def solidity(labels: np.ndarray, count: int) -> np.ndarray:
     return area / _centres_between(_outline(*left, -1), _outline(*right, 1), count)
 
 
+def run_starts(*keys: np.ndarray) -> np.ndarray:
+    """Where each run of equal values begins in ``keys`` (arrays of one length, taken together
+    as one key per position), the first position included."""
+    changed = np.zeros(len(keys[0]), dtype=bool)
+    changed[:1] = True
+    for key in keys:
+        changed[1:] |= key[1:] != key[:-1]
+    return np.flatnonzero(changed)
+
+
 def _half_rows(ids: np.ndarray, rows: np.ndarray, cols: np.ndarray, side: int) -> Chain:
     """The outermost edge midpoint of each region on each half-row, on the ``side`` -1 (left)
     or 1 (right), sorted by region and row: of a row's end pixel (r, c), (2r, 2c + side) and
     (2r ± 1, 2c); a half-row between two rows takes the outer of theirs."""
-    starts = np.flatnonzero(np.r_[True, (ids[1:] != ids[:-1]) | (rows[1:] != rows[:-1])])
-    ends = np.r_[starts[1:], len(ids)] - 1
+    starts = run_starts(ids, rows)
+    ends = np.append(starts[1:], len(ids)) - 1
     region, row = ids[starts], rows[starts]
     end = cols[starts] if side < 0 else cols[ends]
     level = np.stack([2 * row - 1, 2 * row, 2 * row + 1], axis=1).ravel()
@@ -45,7 +55,7 @@ def _half_rows(ids: np.ndarray, rows: np.ndarray, cols: np.ndarray, side: int) -
     same = (region[1:] == region[:-1]) & (level[1:] == level[:-1])  # two rows' shared half-row
     outer = np.maximum if side > 0 else np.minimum
     column[:-1][same] = outer(column[:-1][same], column[1:][same])
-    keep = np.r_[True, ~same]
+    keep = np.insert(~same, 0, True)
     return region[keep], level[keep], column[keep]
 
 
@@ -63,7 +73,8 @@ def _outline(region: np.ndarray, row: np.ndarray, col: np.ndarray, side: int) ->
         drop = inner & (side * (col[here] * span - line) <= 0)
         if not drop.any():
             break
-        keep = np.r_[True, ~drop, True]
+        keep = np.ones(len(region), dtype=bool)
+        keep[1:-1] = ~drop
         region, row, col = region[keep], row[keep], col[keep]
     return region, row, col
 
@@ -72,8 +83,8 @@ def _centres_between(left: Chain, right: Chain, count: int) -> np.ndarray:
     """The number of pixel centres (even doubled rows and columns) between each region's left
     and right outlines, the outlines included (float64, exact)."""
     region, row, _ = left
-    starts = np.flatnonzero(np.r_[True, region[1:] != region[:-1]])
-    top, bottom = row[starts], row[np.r_[starts[1:], len(region)] - 1]
+    starts = run_starts(region)
+    top, bottom = row[starts], row[np.append(starts[1:], len(region)) - 1]
     rows_in = (bottom - top) // 2  # the centres' rows: top + 1, top + 3, …, bottom - 1
     wanted = np.repeat(region[starts], rows_in)
     offset = np.arange(len(wanted)) - np.repeat(np.cumsum(rows_in) - rows_in, rows_in)
