@@ -93,6 +93,8 @@ def cut_lines(labels: np.ndarray, split_neck: float) -> np.ndarray | None:
     background between them is nearer than the other object is. But an object inside
     another's hole is in that one's filled shape: those go alone, each."""
     rows, cols = np.flatnonzero(labels.any(axis=1)), np.flatnonzero(labels.any(axis=0))
+    if not len(rows):
+        return None
     around = slice(rows[0], rows[-1] + 1), slice(cols[0], cols[-1] + 1)
     padded = np.zeros((around[0].stop - around[0].start + 2, around[1].stop - around[1].start + 2),
                       dtype=labels.dtype)  # fmt: skip
