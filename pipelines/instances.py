@@ -20,6 +20,11 @@ objects themselves: whoever labels a mask the jobs wrote finds the objects they 
 piece smaller than ``min_area`` pixels is dropped, a component before cutting as well as a
 part after.
 
+The image is measured at once, as far as that gives each object's values alone (its filled
+shape's distances, summits, the merge; the parts' solidity counted exactly, all parts together,
+by :mod:`pipelines.solidity`); the watershed goes object by object, since its result depends on
+the order in which its summits leave the flood's queue.
+
 Whole images only: an image segmented window by window is labelled band by band and joined
 across bands (:mod:`pipelines.tiles`); a cut would need each object whole, so its objects are
 its connected components.
@@ -32,8 +37,9 @@ from collections.abc import Iterator
 
 import numpy as np
 from scipy import ndimage
-from skimage.measure import regionprops
 from skimage.segmentation import watershed
+
+from pipelines.solidity import run_starts, solidity
 
 EIGHT = np.ones((3, 3), dtype=bool)
 ROUND = 0.9  # a part a cut leaves is kept apart only if at least this solid (area / hull)
@@ -68,66 +74,151 @@ def mask_objects(mask: np.ndarray, min_area: int, split_neck: float) -> np.ndarr
     """Object ids, as :func:`label_objects` gives them, of a mask already thresholded (the
     inference job's device stage thresholds on the GPU)."""
     labels = components(mask, min_area)
-    if split_neck <= 0:
+    if split_neck <= 0 or not labels.any():
         return labels
-    kept, cut = labels > 0, False
-    for index, box in enumerate(ndimage.find_objects(labels), start=1):
-        if box is None:
-            continue
-        whole = labels[box] == index
-        gaps = cut_lines(whole, split_neck)
-        if gaps is not None:
-            kept[box] &= ~gaps
-            cut = True
-    return components(kept, min_area) if cut else labels
+    gaps = cut_lines(labels, split_neck)
+    if gaps is None:
+        return labels
+    return components((labels > 0) & ~gaps, min_area)
 
 
-def cut_lines(component: np.ndarray, split_neck: float) -> np.ndarray | None:
-    """The pixels of ``component`` (one 8-connected object, a boolean array around it) that
-    become background so that its parts with narrow necks between them are apart; None where
-    it stays whole. Each is measured alone: the array's edge counts as background."""
-    mask = np.zeros((component.shape[0] + 2, component.shape[1] + 2), dtype=bool)
-    mask[1:-1, 1:-1] = component
-    shape = ndimage.binary_fill_holes(mask)
-    distance = ndimage.distance_transform_edt(shape).astype(np.float32)
-    summits = shape & (distance == ndimage.maximum_filter(distance, size=3))
-    markers, count = ndimage.label(summits, structure=EIGHT)
-    if count <= 1:
+def cut_lines(labels: np.ndarray, split_neck: float) -> np.ndarray | None:
+    """The pixels that become background so that the parts of each object of ``labels``
+    (:func:`components`' ids) with narrow necks between them are apart; None where no object
+    is cut.
+
+    Each object is measured alone, its holes filled, the image's edge as background: as if it
+    were cut out with a margin of background. Done for the whole image at once, this gives the
+    same distances, summits and parts, since two objects' filled shapes never touch, and the
+    background between them is nearer than the other object is. But an object inside
+    another's hole is in that one's filled shape: those go alone, each."""
+    rows, cols = np.flatnonzero(labels.any(axis=1)), np.flatnonzero(labels.any(axis=0))
+    if not len(rows):
         return None
-    parts = watershed(-distance, markers, mask=shape, connectivity=2)
-    groups = _merge(parts, distance, count, split_neck)
-    if groups is None or min(part.solidity for part in regionprops(groups)) < ROUND:
+    around = slice(rows[0], rows[-1] + 1), slice(cols[0], cols[-1] + 1)
+    padded = np.zeros((around[0].stop - around[0].start + 2, around[1].stop - around[1].start + 2),
+                      dtype=labels.dtype)  # fmt: skip
+    padded[1:-1, 1:-1] = labels[around]  # beyond the objects' box: background, as the edge
+    background, _ = ndimage.label(padded == 0)  # 4-connected, as binary_fill_holes fills
+    filled = (background != background[0, 0]).view(np.int8)
+    count = 1 if labels.max() == 1 else 0  # one object: its filled shape is the one shape
+    if not count:
+        filled, count = ndimage.label(filled, structure=EIGHT)
+    inside = padded > 0
+    shape_of = np.zeros(int(labels.max()) + 1, dtype=np.int64)
+    shape_of[padded[inside]] = filled[inside]
+    crowded = np.flatnonzero(np.bincount(shape_of[1:], minlength=count + 1) > 1)
+    if len(crowded):  # a filled shape with an object in its hole: not measured here
+        filled[np.isin(filled, crowded)] = 0
+    gaps = np.zeros(labels.shape, dtype=bool)
+    found = _cut_filled(filled, count, split_neck)
+    if found is not None:
+        gaps[around] = found[1:-1, 1:-1] & inside[1:-1, 1:-1]
+    boxes = ndimage.find_objects(labels)
+    for index in np.flatnonzero(np.isin(shape_of, crowded)):
+        alone = cut_lines((labels[boxes[index - 1]] == index).astype(labels.dtype), split_neck)
+        if alone is not None:
+            gaps[boxes[index - 1]] |= alone
+    return gaps if gaps.any() else None
+
+
+def _cut_filled(filled: np.ndarray, count: int, split_neck: float) -> np.ndarray | None:
+    """Where each filled shape (``filled``'s ids 1…``count``, apart, a margin of 0 around)
+    is cut: its pixels 8-next to a part of higher id, for each shape whose parts stay more
+    than one and are all round enough; None where none is."""
+    distance = _distances(filled > 0)
+    summits = (filled > 0) & (distance == ndimage.maximum_filter(distance, size=3))
+    markers, peaks = ndimage.label(summits, structure=EIGHT)
+    shape_of = np.zeros(peaks + 1, dtype=np.int64)
+    shape_of[markers[summits]] = filled[summits]
+    several = np.flatnonzero(np.bincount(shape_of[1:], minlength=count + 1) > 1)
+    if not len(several):
         return None
-    return (mask & (_apart(groups) == 0))[1:-1, 1:-1]
+    parts = _watersheds(filled, distance, markers, several)
+    group = _merge(parts, distance, peaks, split_neck)
+    heads = np.flatnonzero(group == np.arange(peaks + 1))[1:]  # the parts that name a group
+    groups_of = np.bincount(shape_of[heads], minlength=count + 1)
+    candidates = heads[groups_of[shape_of[heads]] > 1]  # in shapes of two groups or more
+    if not len(candidates):
+        return None
+    number = np.zeros(peaks + 1, dtype=np.int32)  # groups renumbered 1…, in the parts' order
+    number[candidates] = np.arange(1, len(candidates) + 1, dtype=np.int32)
+    groups = number[group][parts]
+    round_enough = solidity(groups, len(candidates)) >= ROUND
+    failed = np.bincount(shape_of[candidates], weights=~round_enough, minlength=count + 1)
+    cut = np.flatnonzero(groups_of > 1)
+    cut = cut[failed[cut] == 0]
+    if not len(cut):
+        return None
+    keep = np.zeros(len(candidates) + 1, dtype=bool)
+    keep[1:] = np.isin(shape_of[candidates], cut)
+    groups = np.where(keep[groups], groups, 0)
+    return (groups > 0) & (_apart(groups) == 0)
 
 
-def _merge(
-    parts: np.ndarray, distance: np.ndarray, count: int, split_neck: float
-) -> np.ndarray | None:
-    """The parts joined where their neck is wide (one id per group of parts); None where they
-    all join into one.
+def _distances(shapes: np.ndarray) -> np.ndarray:
+    """``distance_transform_edt(shapes).astype(np.float32)``, the same values, computed only
+    where ``shapes`` is (the transform's own distances cost more than its search)."""
+    nearest = ndimage.distance_transform_edt(shapes, return_distances=False, return_indices=True)
+    rows, cols = np.nonzero(shapes)
+    across = (nearest[0][rows, cols] - rows).astype(np.float64) ** 2
+    across += (nearest[1][rows, cols] - cols).astype(np.float64) ** 2
+    distance = np.zeros(shapes.shape, dtype=np.float32)
+    distance[rows, cols] = np.sqrt(across)
+    return distance
+
+
+def _watersheds(
+    filled: np.ndarray, distance: np.ndarray, markers: np.ndarray, shapes: np.ndarray
+) -> np.ndarray:
+    """Each of ``shapes`` (ids of ``filled``) split into the basins of its summits
+    (``markers``' ids), one watershed each: its result depends on the order in which the
+    summits leave the flood's queue, which other shapes' summits would change."""
+    parts = np.zeros(filled.shape, dtype=np.int32)
+    boxes = ndimage.find_objects(filled)
+    for index in shapes:
+        rows, cols = boxes[index - 1]
+        box = slice(rows.start - 1, rows.stop + 1), slice(cols.start - 1, cols.stop + 1)
+        shape = filled[box] == index
+        basins = watershed(-distance[box], np.where(shape, markers[box], 0), mask=shape,
+                           connectivity=2)  # fmt: skip
+        parts[box][shape] = basins[shape]
+    return parts
+
+
+def _merge(parts: np.ndarray, distance: np.ndarray, count: int, split_neck: float) -> np.ndarray:
+    """The parts (ids 1…``count``, a margin of 0 around) joined where their neck is wide: for
+    each, the lowest id of its group (0 for 0). Parts that do not touch never join: the parts
+    of several objects are joined as each object's alone would be, in the same order.
 
     Greedy, widest neck (relative to the thinner side) first, and each join judged again with
     the joined part's summit: a lump that joins one spheroid no longer looks like a wide neck
     to the other one it also touches."""
-    summit = np.asarray(ndimage.maximum(distance, parts, np.arange(count + 1)), dtype=np.float64)
-    group = np.arange(count + 1)
-    necks: dict[int, dict[int, float]] = {part: {} for part in range(1, count + 1)}
-    for a, b, neck in zip(*_borders(parts, distance), strict=True):
-        necks[int(a)][int(b)] = necks[int(b)][int(a)] = float(neck)
-    version = dict.fromkeys(necks, 0)
+    summit = _summits(parts, distance, count).tolist()
+    first, second, width = (side.tolist() for side in _borders(parts, distance))
+    necks: list[dict[int, float]] = [{} for _ in range(count + 1)]
+    for a, b, neck in zip(first, second, width, strict=True):
+        necks[a][b] = necks[b][a] = neck
     heap = [(-neck / min(summit[a], summit[b]), a, b, 0, 0)
-            for a in necks for b, neck in necks[a].items() if a < b]  # fmt: skip
+            for a, b, neck in zip(first, second, width, strict=True)]  # fmt: skip
     heapq.heapify(heap)
+    head, members, version = (
+        list(range(count + 1)),
+        [[part] for part in range(count + 1)],
+        [0] * (count + 1),
+    )
     while heap:
         ratio, a, b, seen_a, seen_b = heapq.heappop(heap)
         if -ratio < split_neck:
             break
-        if group[a] != a or group[b] != b or (version[a], version[b]) != (seen_a, seen_b):
+        if head[a] != a or head[b] != b or version[a] != seen_a or version[b] != seen_b:
             continue  # a part already joined, or a neck judged before a join
-        group[group == b] = a
+        for part in members[b]:
+            head[part] = a
+        members[a] += members[b]
         summit[a] = max(summit[a], summit[b])
-        for c, neck in necks.pop(b).items():
+        gone, necks[b] = necks[b], {}
+        for c, neck in gone.items():
             del necks[c][b]
             if c != a:
                 necks[a][c] = necks[c][a] = max(necks[a].get(c, 0.0), neck)
@@ -136,10 +227,20 @@ def _merge(
             low, high = min(a, c), max(a, c)
             ratio = neck / min(summit[a], summit[c])
             heapq.heappush(heap, (-ratio, low, high, version[low], version[high]))
-    _, ids = np.unique(group, return_inverse=True)
-    if ids.max() <= 1:
-        return None
-    return ids.astype(np.int32)[parts]
+    return np.array(head)
+
+
+def _summits(parts: np.ndarray, distance: np.ndarray, count: int) -> np.ndarray:
+    """The highest distance in each part (float64; 0 for a part without pixels)."""
+    inside = parts > 0
+    ids, values = parts[inside], distance[inside]
+    order = np.argsort(ids, kind="stable")
+    ids, values = ids[order], values[order]
+    starts = run_starts(ids)
+    summit = np.zeros(count + 1)
+    if len(ids):
+        summit[ids[starts]] = np.maximum.reduceat(values, starts)
+    return summit
 
 
 def neighbours(shape: tuple[int, ...]) -> Iterator[tuple[tuple[slice, slice], ...]]:
@@ -156,24 +257,27 @@ def neighbours(shape: tuple[int, ...]) -> Iterator[tuple[tuple[slice, slice], ..
 
 def _borders(parts: np.ndarray, distance: np.ndarray) -> tuple[np.ndarray, ...]:
     """(first part, second part, neck) of every pair of parts that touch (8-neighbours), the
-    neck the highest distance on their shared border (of the lower of each pair of pixels)."""
+    neck the highest distance on their shared border (of the lower of each pair of pixels);
+    ``parts`` has a margin of 0 around."""
+    ids, heights = parts.ravel(), distance.ravel()  # a margin of 0: no neighbour off the array
+    (here,) = np.nonzero(ids)
+    row = parts.shape[1]
     keys, necks = [], []
     stride = np.int64(parts.max()) + 1
-    for here_at, there_at in neighbours(parts.shape):
-        here, there = parts[here_at], parts[there_at]
-        border = (here != there) & (here > 0) & (there > 0)
-        if not border.any():
-            continue
-        a, b = here[border].astype(np.int64), there[border].astype(np.int64)
+    for step in (1, row, row + 1, row - 1):  # right, below, below right, below left
+        there = here + step
+        mine, theirs = ids[here], ids[there]
+        border = (mine != theirs) & (theirs > 0)
+        a, b = mine[border].astype(np.int64), theirs[border].astype(np.int64)
         keys.append(np.minimum(a, b) * stride + np.maximum(a, b))
-        necks.append(np.minimum(distance[here_at][border], distance[there_at][border]))
-    if not keys:
+        necks.append(np.minimum(heights[here[border]], heights[there[border]]))
+    if not sum(len(key) for key in keys):
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, np.zeros(0, dtype=np.float32)
     key, neck = np.concatenate(keys), np.concatenate(necks)
     order = np.argsort(key, kind="stable")
     key, neck = key[order], neck[order]
-    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+    starts = run_starts(key)
     pairs = key[starts]
     return pairs // stride, pairs % stride, np.maximum.reduceat(neck, starts)
 

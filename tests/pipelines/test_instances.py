@@ -11,7 +11,7 @@ from hypothesis.extra.numpy import arrays
 from scipy import ndimage
 
 from daemon.contract.names import INFERENCE
-from pipelines.instances import EIGHT, components, label_objects
+from pipelines.instances import EIGHT, components, label_objects, mask_objects
 from pipelines.quality import matches
 
 
@@ -89,3 +89,43 @@ def test_objects_are_the_components_of_their_mask_above_threshold_and_large_enou
     if split_neck == 0:
         assert np.array_equal(found, plain)
     assert found.max() >= plain.max() or min_area > 0
+
+
+def alone_and_together(mask: np.ndarray, min_area: int, split_neck: float) -> None:
+    """The objects of ``mask`` are those of each of its components alone: no object's cut
+    depends on another's (the step measures the image at once)."""
+    found = mask_objects(mask, min_area, split_neck) > 0
+    labels = components(mask, min_area)
+    each = np.zeros(mask.shape, dtype=bool)
+    for index in range(1, int(labels.max()) + 1):
+        each |= mask_objects(labels == index, min_area, split_neck) > 0
+    assert np.array_equal(found, each)
+
+
+def test_objects_near_each_other_and_inside_a_hole_are_cut_as_alone(synth: ModuleType) -> None:
+    """Touching pairs side by side, at the image's edge, and one inside a ring's hole: each is
+    cut as it is alone, the ring (filled, one round shape) is not cut."""
+    pairs = [synth.sample(11, i, 96, synth.Look(touching=1.0)).mask for i in range(4)]
+    row = np.concatenate(pairs, axis=1)[10:-10]  # pairs close to each other and to the edge
+    yy, xx = np.mgrid[0:130, 0:130]
+    ring = (np.hypot(yy - 65, xx - 65) <= 62) & (np.hypot(yy - 65, xx - 65) > 52)
+    nested = ring.copy()
+    nested[17:113, 17:113] |= pairs[0]
+    for mask in (row, nested, row[:, 30:-30]):
+        alone_and_together(mask, 0, INFERENCE.split_neck)
+    assert label_objects(nested.astype(np.float32), 0.5, 0, INFERENCE.split_neck).max() == 3
+    assert label_objects(ring.astype(np.float32), 0.5, 0, INFERENCE.split_neck).max() == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    smooth=st.floats(0.8, 3.0),
+    split_neck=st.sampled_from([0.5, INFERENCE.split_neck, 0.99]),
+)
+def test_each_object_is_cut_as_it_would_be_alone(
+    seed: int, smooth: float, split_neck: float
+) -> None:
+    """Random blobs, holes and specks among them, objects on the image's edge."""
+    field = ndimage.gaussian_filter(np.random.default_rng(seed).standard_normal((48, 56)), smooth)
+    alone_and_together(field > 0.2 * field.std(), 4, split_neck)
