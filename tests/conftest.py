@@ -20,6 +20,8 @@ AWKWARD = "drop röot 'q' \"dq\""  # spaces, quotes and non-ASCII in every drop 
 # (scripts/test runs ``-n 2 --dist loadgroup``): the one-node Slurm cluster, whose two CPUs a
 # second worker's jobs would queue behind, and the sshfs test share, whose attribute cache the
 # share tests time their scenarios against.
+# A module's tests that use one of its module-scoped fixtures share a worker too: each worker
+# would otherwise build the fixture again (the bad-input catalogue's one daemon run, 3 minutes).
 SHARED_BY_FOLDER = {"slurm": "slurm-cluster"}
 SHARED_BY_FILE = {"test_share.py": "test-share"}
 
@@ -27,8 +29,17 @@ SHARED_BY_FILE = {"test_share.py": "test-share"}
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         group = SHARED_BY_FILE.get(item.path.name) or SHARED_BY_FOLDER.get(item.path.parent.name)
+        if group is None and _uses_a_module_fixture(item):
+            group = f"module-fixture:{item.path.relative_to(REPO)}"
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _uses_a_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(defs[-1].scope == "module" for defs in info.name2fixturedefs.values() if defs)
 
 
 def child_pids() -> set[int]:
