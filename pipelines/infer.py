@@ -69,14 +69,17 @@ _FIRST_GPU_BATCH = 64  # the batch a GPU's chunks are sized for before the first
 
 class Progress:
     """Logs "done/total images" at most every 30 s, and at the end; gives the shard's images
-    done (those the ledger had included) to ``say`` at most every 5 s, and at the end: the
-    daemon's progress per image."""
+    done (those the ledger had included) to ``say`` at most every 5 s, and at the end, with
+    when the shard expects to end at its pace so far (wall-clock time; None before its first
+    image): the daemon's progress per image, and what its fair order waits for."""
 
-    def __init__(self, total: int, say: Callable[[int], None], done_before: int = 0) -> None:
+    def __init__(
+        self, total: int, say: Callable[[int, float | None], None], done_before: int = 0
+    ) -> None:
         self.total, self.started, self.done = total, time.monotonic(), 0
         self.last = self.said = self.started
         self.say, self.before = say, done_before
-        say(done_before)
+        say(done_before, None)
 
     def tick(self, count: int = 1) -> None:
         self.done += count
@@ -87,7 +90,8 @@ class Progress:
             log.info("%d/%d images (%.3f s/image)", self.done, self.total, per_image)
         if now - self.said > _PROGRESS_SAY_S or self.done == self.total:
             self.said = now
-            self.say(self.before + self.done)
+            left = (self.total - self.done) * (now - self.started) / self.done
+            self.say(self.before + self.done, time.time() + left)
 
 
 def infer(spec: JobSpec, job_dir: Path, batch: HeldFolder) -> dict[str, Any]:
@@ -184,14 +188,17 @@ def _resumed(
     return resumed
 
 
-def _progress_file(spec: JobSpec, work: HeldFolder, total: int) -> Callable[[int], None]:
-    """Writes the job's progress file (what the daemon reads for ``watchctl``); a write that
-    fails is logged and the work goes on."""
+def _progress_file(
+    spec: JobSpec, work: HeldFolder, total: int
+) -> Callable[[int, float | None], None]:
+    """Writes the job's progress file (what the daemon reads for ``watchctl`` and its fair
+    order); a write that fails is logged and the work goes on."""
     name = f"{JOBS_DIR}/{spec.job_name}/{PROGRESS_FILE}"
 
-    def say(done: int) -> None:
+    def say(done: int, due_at: float | None) -> None:
+        said = {"done": done, "total": total, "due_at": due_at}
         try:
-            work.write_text(name, json.dumps({"done": done, "total": total}), fsync=False)
+            work.write_text(name, json.dumps(said), fsync=False)
         except OSError as exc:
             log.warning("progress not written: %s", exc)
 

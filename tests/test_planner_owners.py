@@ -69,12 +69,14 @@ def test_an_owner_holding_every_slot_yields_one_to_an_owner_who_waits() -> None:
 
 
 def test_a_waiting_owner_takes_the_slot_of_a_job_about_to_end_instead_of_stopping_one() -> None:
-    """Ann's first shard has done 80 of its 100 images in 10 s: it ends in about 2.5 s, within
-    the 30 s grace of Bob's job queued 5 s ago, so nothing is stopped; once Bob's job has waited
-    past the grace, or when no shard is near its end, one yields."""
-    def ann(done: int) -> BatchView:
-        shards = tuple(replace(job(i, JobState.RUNNING), images=100, images_done=done,
-                               submitted_at=NOW - 10) for i in (1, 2))  # fmt: skip
+    """Ann's first shard expects to end in 2.5 s (its progress file said so), within the 30 s
+    grace of Bob's job queued 5 s ago, so nothing is stopped; once Bob's job has waited past
+    the grace, or when no shard is near its end, one yields."""
+
+    def ann(*due_in: float | None) -> BatchView:
+        shards = tuple(replace(job(i, JobState.RUNNING), images=100, images_done=50,
+                               due_at=None if due is None else NOW + due)
+                       for i, due in enumerate(due_in, start=1))  # fmt: skip
         return BatchView(owned(1, "ann"), manifest(), shards)
 
     def bob(queued_ago: float) -> BatchView:
@@ -86,10 +88,12 @@ def test_a_waiting_owner_takes_the_slot_of_a_job_about_to_end_instead_of_stoppin
         return any(isinstance(a, Preempt) for a in plan(snapshot(*views, free=0)))
 
     assert Accounts().preempt_grace == 30.0
-    assert not preempts(ann(80), bob(5))
-    assert preempts(ann(80), bob(31))
-    assert preempts(ann(10), bob(5))  # 90 s left: longer than the grace
-    assert preempts(ann(0), bob(5))  # no image done yet: when it ends is not known
+    assert not preempts(ann(2.5, 300.0), bob(5))
+    assert preempts(ann(2.5, 300.0), bob(31))
+    assert preempts(ann(90.0, 300.0), bob(5))  # longer than the grace
+    assert preempts(ann(None, None), bob(5))  # no image done yet: when it ends is not known
+    assert preempts(ann(-11.0, 300.0), bob(5))  # overdue: not known either
+    assert not preempts(ann(-2.0, 300.0), bob(5))  # just due: about to end
 
 
 def test_a_slot_freed_while_another_owners_batch_is_planned_waits_one_round_for_it() -> None:

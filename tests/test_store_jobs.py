@@ -15,7 +15,7 @@ from daemon.contract.jobspec import PROGRESS_FILE, InputFile, Pipeline, Role
 from daemon.core.manifest_schema import Kind
 from daemon.core.records import Batch, IntentAction, JobChange, NewBatch, NewJob
 from daemon.core.states import BatchState, JobState
-from daemon.loop.dispatch import read_progress
+from daemon.loop.dispatch import Progress, read_progress
 from daemon.store import Store
 from daemon.store.migrations import MIGRATIONS
 
@@ -211,4 +211,10 @@ def test_a_progress_file_that_is_not_a_small_plain_file_is_not_believed(
     assert read_progress(job_dir) is None
     target.unlink()
     target.write_text('{"done": 5, "total": 9}')
-    assert read_progress(job_dir) == 5
+    assert read_progress(job_dir) == Progress(5, None)
+    target.unlink()
+    target.write_text('{"done": 5, "total": 9, "due_at": 1780000012.5}')
+    assert read_progress(job_dir) == Progress(5, 1780000012.5)
+    target.unlink()
+    target.write_text('{"done": 5, "total": 9, "due_at": "soon"}')
+    assert read_progress(job_dir) == Progress(5, None)

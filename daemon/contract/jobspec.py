@@ -28,7 +28,8 @@ from typing import Any
 SPEC_VERSION = 2  # 2: job folders in the spool (work_dir)
 SPEC_FILE = "spec.json"
 RESULT_FILE = "result.json"
-PROGRESS_FILE = "progress.json"  # an inference job's images done so far: {"done": n, "total": m}
+PROGRESS_FILE = "progress.json"  # an inference job's images done so far and when it expects to end:
+# {"done": n, "total": m, "due_at": wall-clock seconds or null}
 LOG_FILE = "log.txt"
 JOBS_DIR = "jobs"  # under a run's work folder (in the spool): one folder per job
 LOGS_DIR = "logs"  # under a run's results folder (the owner's): each ended job's log, copied

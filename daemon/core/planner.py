@@ -556,15 +556,16 @@ def fair_turns(snapshot: Snapshot, pending: Sequence[Job], held_back: int = 0) -
     )  # fmt: skip
 
 
+OVERDUE_SECONDS = 10.0  # a job this far past the end it expected: when it ends is not known
+
+
 def _due(job: Job, now: float) -> float | None:
-    """The seconds an inference job is expected to run still, at the rate of its images done
-    since it was handed out; None when that is not known (no image done yet, not inference)."""
-    if not job.images or job.images_done <= 0 or job.submitted_at is None:
+    """The seconds a job expects to run still, as its progress file last said (the job's own
+    pace on this attempt, start-up left out); None when that is not known: no image done yet,
+    not inference, or overdue by more than OVERDUE_SECONDS."""
+    if job.due_at is None or job.due_at < now - OVERDUE_SECONDS:
         return None
-    elapsed = now - job.submitted_at
-    if elapsed <= 0:
-        return None
-    return max(0, job.images - job.images_done) * elapsed / job.images_done
+    return max(0.0, job.due_at - now)
 
 
 def _submissions(pending: Sequence[Job], snapshot: Snapshot, held_back: int) -> list[Action]:

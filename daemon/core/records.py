@@ -114,6 +114,7 @@ class Job:
     attempts_base: int = 0
     images: int = 0  # an inference job's images
     images_done: int = 0  # … done, as its progress file said when last read
+    due_at: float | None = None  # … when it expects to end, as that file said (None: unknown)
 
     @property
     def tries(self) -> int:

@@ -21,6 +21,7 @@ attempt may still run.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -144,9 +145,13 @@ class Dispatcher:
         if job.pipeline is not Pipeline.INFER or now < self._progress_due.get(job.id, 0.0):
             return
         self._progress_due[job.id] = now + PROGRESS_SECONDS
-        done = read_progress(self._folders(job)[1])
-        if done is not None and done != job.images_done:
-            self.store.job_progress(job.id, max(0, min(done, job.images)))
+        said = read_progress(self._folders(job)[1])
+        if said is None:
+            return
+        done = max(0, min(said.done, job.images))
+        if (done, said.due_at) != (job.images_done, job.due_at):
+            self.store.job_progress(job.id, done, said.due_at)
+        if done != job.images_done:
             self._progressed.add(job.batch_id)
 
     def _result_may_come(self, job_id: int) -> bool:
@@ -331,12 +336,25 @@ def read_result(job_dir: Path) -> JobResult | None:
         return None
 
 
-def read_progress(job_dir: Path) -> int | None:
-    """The images done that a job's progress file says, or None."""
+@dataclass(frozen=True)
+class Progress:
+    """What a job's progress file says: images done, and when the job expects to end (None:
+    not said)."""
+
+    done: int
+    due_at: float | None = None
+
+
+def read_progress(job_dir: Path) -> Progress | None:
+    """What a job's progress file says, or None where it says nothing readable."""
     try:
         with HeldFolder.open(job_dir) as held, held.open_read(PROGRESS_FILE) as file:
-            return int(json.loads(file.read(4096))["done"])
-    except (OSError, ValueError, KeyError, TypeError):
+            data = json.loads(file.read(4096))
+        due_at = data.get("due_at")
+        known = isinstance(due_at, (int, float)) and not isinstance(due_at, bool)
+        due = float(due_at) if known and math.isfinite(due_at) else None
+        return Progress(int(data["done"]), due)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 

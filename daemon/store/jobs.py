@@ -109,11 +109,14 @@ class JobStore(StoreBase):
             sql = f"SELECT * FROM ({sql} DESC LIMIT {int(limit)}) ORDER BY id"
         return [_job(r) for r in self.db.query(sql, params)]
 
-    def job_progress(self, job_id: int, images_done: int) -> None:
-        """Record how many of its images a running inference job has done (no event: it is
-        not a change of state)."""
+    def job_progress(self, job_id: int, images_done: int, due_at: float | None = None) -> None:
+        """Record how many of its images a running inference job has done and when it expects
+        to end (no event: it is not a change of state)."""
         with self.atomic():
-            self.db.execute("UPDATE jobs SET images_done = ? WHERE id = ?", [images_done, job_id])
+            self.db.execute(
+                "UPDATE jobs SET images_done = ?, due_at = ? WHERE id = ?",
+                [images_done, due_at, job_id],
+            )
 
     def job_inputs(self, job_id: int) -> tuple[InputFile, ...]:
         row = self.db.execute("SELECT inputs FROM jobs WHERE id = ?", [job_id]).fetchone()
@@ -148,6 +151,7 @@ class JobStore(StoreBase):
             if change.new_attempt:
                 update["attempts"] = current.attempts + 1
                 update["submitted_at"] = now
+                update["due_at"] = None  # the new attempt says its own
             if target is JobState.PENDING:
                 update.update(exit_code=None, error_kind=None, finished_at=None)
             if target.terminal:

@@ -232,4 +232,13 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         CREATE INDEX intents_pending ON intents(id) WHERE applied_at IS NULL
         """,
     ),
+    # When a running inference job expects to end, at its own pace, as its progress file last
+    # said (NULL: not known): the fair order lets a waiting owner take a slot about to free
+    # instead of stopping a shard.
+    (
+        9,
+        """
+        ALTER TABLE jobs ADD COLUMN due_at REAL
+        """,
+    ),
 )

@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -90,6 +91,8 @@ def test_each_shard_leaves_its_progress_for_the_daemon_all_images_done(
     for job in inferred.shards:
         progress = json.loads((job.spec.job_dir / PROGRESS_FILE).read_text())
         images = [i for i in job.spec.inputs if i.role is Role.IMAGE]
+        due_at = progress.pop("due_at")  # when it expected to end: by then, it had
+        assert isinstance(due_at, float) and due_at <= time.time()
         assert progress == {"done": len(images), "total": len(images)}
 
 
