@@ -127,7 +127,13 @@ def _checked(job: Mapping[str, Any]) -> str:
         f"({'kept' if c['kept'] else 'not kept'})"
         for c in job["checks"]
     ]
-    return f"{job['job']} on {job['device']}: {', '.join(tried)} → {job['precision']}"
+    said = f"{job['job']} on {job['device']}: {', '.join(tried)} → {job['precision']}"
+    compiled = [  # gpu_compile's first full batch of each size against fp32's eager masks
+        f"{c['shape']} " + (f"{c['agreement']:.5f}" if "agreement" in c else "failed")
+        + f" ({'compiled' if c['kept'] else 'eager'})"
+        for c in job.get("compile_checks", [])
+    ]  # fmt: skip
+    return said + (f"; gpu_compile {job['compile']}: {', '.join(compiled)}" if compiled else "")
 
 
 def _training(part: Mapping[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,14 @@ In order:
 1. A U-Net of the demo's shape (depth 3, width 16) trained here for ``--train-steps`` steps on
    synthetic spheroids, and registered: a trained model's masks decide the precision.
 2. The limit: its bare forward pass (and sigmoid) over decoded images already on the GPU, fp32
-   and fp16 (autocast), 256² in batches of 64 and 128, 1024² in batches of 8 and 16; the best.
+   and fp16 (autocast), 256² in batches of 64 and 128, 1024² in batches of 8 and 16; the best
+   (eager, channels-last, torch's default math). Then the same forward as the job runs it with
+   ``gpu_compile`` (:func:`pipelines.inference.device.fast_forward`), at one batch per image
+   size (the job's own: about 8 Mpx), in fp32 and fp16: "compile" (torch.compile) and
+   "graphs" (a captured CUDA graph), each as a share of eager's rate at that batch, its build
+   time apart (not in the rate), fp16 first; once :data:`COMPILE_SECONDS` of builds are spent
+   the rows left say they were skipped. ``--no-compile`` leaves them out. On the CPU
+   (``--quick``): torch.compile of the 256² batch in fp32 only; CUDA graphs need a GPU.
 3. Whole batches through the daemon (local executor; the GPU handed out with
    ``--jobs-per-gpu`` jobs on it, ``--cpus-per-job`` workers each): ``--images`` × 256² and
    ``--big`` × 1024², queued → done, as a share of the fp16 limit (targets ≥ 0.5 and ≥ 0.6);
@@ -57,10 +64,13 @@ from daemon.contract.jobspec import ModelRef, Pipeline, Resources
 from models import registry
 from models.unet import UNet, segmentation_loss
 from pipelines.images import decode
+from pipelines.inference.device import fast_forward, forward
+from pipelines.inference.placement import BATCH_PIXELS, FULL, HALF
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "bench-unet"
 ARCHITECTURE = {"depth": 3, "width": 16}
+COMPILE_SECONDS = 180.0  # of gpu_compile builds in step 2, both sizes: the run stays < 10 min
 
 
 @dataclass
@@ -104,19 +114,8 @@ def train(device: str, size: int, steps: int) -> UNet:
 # -- the limit ------------------------------------------------------------------------------
 
 
-@torch.inference_mode()
-def bare_rate(net: UNet, images: np.ndarray, batch: int, half: bool, device: str) -> float:
-    """Images/s of the bare forward pass (and sigmoid) over ``images`` already on the device,
-    in batches of ``batch``, for about a second after a warm-up."""
-    net = net.to(device).to(memory_format=torch.channels_last)
-    stack = torch.from_numpy(images[:batch]).to(device)[:, None]
-    stack = stack.contiguous(memory_format=torch.channels_last)
-    cuda = device.startswith("cuda")
-
-    def once() -> None:
-        with torch.autocast("cuda", dtype=torch.float16, enabled=half and cuda):
-            torch.sigmoid(net(stack).float())
-
+def _rate(once: Any, images: int, cuda: bool) -> float:
+    """Images/s of ``once`` (a batch of ``images``), for about a second after a warm-up."""
     for _ in range(3):
         once()
     if cuda:
@@ -127,7 +126,69 @@ def bare_rate(net: UNet, images: np.ndarray, batch: int, half: bool, device: str
         done += 1
     if cuda:
         torch.cuda.synchronize()
-    return done * len(stack) / (time.perf_counter() - started)
+    return done * images / (time.perf_counter() - started)
+
+
+def _on(net: UNet, images: np.ndarray, batch: int, device: str) -> tuple[UNet, torch.Tensor]:
+    net = net.to(device).to(memory_format=torch.channels_last)
+    stack = torch.from_numpy(images[:batch]).to(device)[:, None]
+    return net, stack.contiguous(memory_format=torch.channels_last)
+
+
+@torch.inference_mode()
+def bare_rate(net: UNet, images: np.ndarray, batch: int, half: bool, device: str) -> float:
+    """Images/s of the bare forward pass (and sigmoid) over ``images`` already on the device,
+    in batches of ``batch``, eager (fp16: autocast, on a GPU only)."""
+    net, stack = _on(net, images, batch, device)
+    precision = HALF if half and device.startswith("cuda") else FULL
+    return _rate(lambda: forward(net, stack, precision), batch, device.startswith("cuda"))
+
+
+@torch.inference_mode()
+def fast_rate(
+    net: UNet, images: np.ndarray, batch: int, precision: str, mode: str, device: str
+) -> tuple[float, float]:
+    """Images/s of the job's ``gpu_compile`` forward (``mode``), and the seconds its build
+    (compilation or capture, from a clean compiler cache) took."""
+    net, stack = _on(net, images, batch, device)
+    cuda = device.startswith("cuda")
+    torch._dynamo.reset()
+    started = time.perf_counter()
+    run = fast_forward(net, mode, stack, precision)
+    if cuda:
+        torch.cuda.synchronize()
+    built = time.perf_counter() - started
+    return _rate(lambda: run(stack), batch, cuda), built
+
+
+def compiled_rows(
+    table: Table, net: UNet, images: np.ndarray, size: int, device: str, budget: float
+) -> float:
+    """The ``gpu_compile`` rows of one image size: each mode and precision at the job's batch,
+    as a share of eager's rate at that batch; a row is skipped, saying so, once ``budget``
+    seconds of builds are spent. The seconds its builds took."""
+    cuda = device.startswith("cuda")
+    batch = max(1, min(len(images), BATCH_PIXELS // size**2)) if cuda else 8  # as --quick's
+    spent = 0.0
+    for precision in (HALF, FULL) if cuda else (FULL,):  # fp16 first: the targets' limit
+        eager = bare_rate(net, images, batch, precision == HALF, device)
+        for mode in ("graphs", "compile"):  # a capture takes a second, a compilation tens
+            what = f"bare forward {size}² × {batch}, {precision}, {mode}"
+            if mode == "graphs" and not cuda:
+                table.add(what, "skipped: CUDA graphs need a GPU")
+                continue
+            if spent >= budget:
+                table.add(what, f"skipped: the step's {COMPILE_SECONDS:.0f} s of builds spent")
+                continue
+            try:
+                rate, built = fast_rate(net, images, batch, precision, mode, device)
+            except RuntimeError as exc:  # no compiler here: said, and the run goes on
+                table.add(what, f"skipped: {str(exc).strip().splitlines()[0][:160]}")
+                continue
+            spent += built
+            table.add(what, f"{rate:,.0f} images/s = {rate / eager:.2f}× eager "
+                      f"({eager:,.0f}); built in {built:.1f} s")  # fmt: skip
+    return spent
 
 
 def limits(
@@ -261,6 +322,8 @@ def main() -> int:
     parser.add_argument("--jobs-per-gpu", type=int, default=2)
     parser.add_argument("--cpus-per-job", type=int, default=7)
     parser.add_argument("--old", type=Path, help="a checkout of the old code")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="leave out the gpu_compile rows of step 2")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="small sizes, any device")
     args = parser.parse_args()
     if args.quick:
@@ -289,6 +352,10 @@ def main() -> int:
     for size, found in ((256, limit), (args.big_size, limit_big)):
         table.add(f"bare forward {size}², fp32 / fp16", f"{found['fp32']:,.0f} / "
                   f"{found['fp16']:,.0f} images/s")  # fmt: skip
+    if not args.no_compile:
+        spent = compiled_rows(table, net, decoded, 256, device, COMPILE_SECONDS)
+        if cuda:  # (on the CPU one compilation, 1-2 min here, shows that it works)
+            compiled_rows(table, net, decoded_big, args.big_size, device, COMPILE_SECONDS - spent)
 
     gpu = cuda and not args.quick
     slots = args.jobs_per_gpu

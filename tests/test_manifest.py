@@ -148,9 +148,22 @@ def test_parameters_are_bounded_and_unknown_ones_listed() -> None:
     found = problems_of(doc(params={"threshold": 2.0, "treshold": 0.1}))
     assert "manifest.toml, params.threshold: Input should be less than 1 (got 2.0)" in found
     assert (
-        "manifest.toml, params.treshold: unknown key 'treshold' (valid keys: batch_size, channel, glass_tolerance, gpu_batch_size, max_whole_pixels, min_object_area, mixed_precision, split_neck, threshold, tile_overlap, tile_size)"
+        "manifest.toml, params.treshold: unknown key 'treshold' (valid keys: batch_size, channel, glass_tolerance, gpu_batch_size, gpu_compile, max_whole_pixels, min_object_area, mixed_precision, split_neck, threshold, tile_overlap, tile_size)"
         in found
     )
+
+
+def test_gpu_compile_is_off_by_default_and_only_its_three_values_are_accepted() -> None:
+    assert parse_manifest(doc()).params["gpu_compile"] == "off"
+    for mode in ("off", "compile", "graphs"):
+        assert parse_manifest(doc(params={"gpu_compile": mode})).params["gpu_compile"] == mode
+    assert problems_of(doc(params={"gpu_compile": "fast"})) == [
+        "manifest.toml, params.gpu_compile: Input should be 'off', 'compile' or 'graphs' "
+        "(got 'fast')"
+    ]
+    assert problems_of(doc(params={"gpu_compile": True})) == [
+        "manifest.toml, params.gpu_compile: Input should be 'off', 'compile' or 'graphs' (got True)"
+    ]
 
 
 def test_augmentations_are_on_by_default_for_training_bounded_and_can_be_turned_off() -> None:

@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Literal
 
 from daemon.contract.jobspec import InputFile, Role
 
@@ -142,6 +142,9 @@ def model_name_problem(name: str) -> str:
     return f"must be {MODEL_NAME_RULE}, without '..'"
 
 
+GpuCompile = Literal["off", "compile", "graphs"]  # inference's gpu_compile
+
+
 @dataclass(frozen=True)
 class InferenceDefaults:
     """An inference batch's parameters where its manifest does not set them."""
@@ -158,6 +161,10 @@ class InferenceDefaults:
     # images at once on a GPU; 0: as many as make 8 Mpx, within half the GPU's free memory
     gpu_batch_size: int = 0  # (pipelines/inference/placement.py)
     mixed_precision: bool = True  # on a GPU, fp16 or bf16 where the first batch agrees
+    # on a GPU, the full batches of one size through torch.compile ("compile") or a captured
+    # CUDA graph ("graphs") where their masks agree (pipelines/inference/device.py); ignored
+    # on the CPU
+    gpu_compile: GpuCompile = "off"
     channel: int | str | None = None  # a multi-channel TIFF's plane: its name or number
     # a slide's windows over glass only (its smallest level's grey within this of the glass's)
     # are not run through the net (pipelines/tissue.py); 0: every window runs

@@ -19,7 +19,7 @@ import pydantic
 from pydantic import AfterValidator, Field
 
 from daemon.contract.jobspec import Role
-from daemon.contract.names import AUGMENT, INFERENCE, model_name_problem
+from daemon.contract.names import AUGMENT, INFERENCE, GpuCompile, model_name_problem
 from daemon.core.sweep import SweepModel
 from daemon.core.visible import hidden_characters
 
@@ -90,6 +90,7 @@ class InferenceParams(_Strict):
     max_whole_pixels: Annotated[int, Field(ge=1, le=2**31)] = INFERENCE.max_whole_pixels
     gpu_batch_size: Annotated[int, Field(ge=0, le=1024)] = INFERENCE.gpu_batch_size
     mixed_precision: bool = INFERENCE.mixed_precision
+    gpu_compile: GpuCompile = INFERENCE.gpu_compile
     channel: Channel = INFERENCE.channel
     glass_tolerance: Annotated[float, Field(ge=0, le=1)] = INFERENCE.glass_tolerance
 

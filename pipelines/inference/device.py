@@ -15,6 +15,12 @@ only when asked to (the main process has nothing else to do). The first batch de
 precision (:func:`pipelines.inference.placement.precision_verdict`) and the batch size
 follows the GPU's free memory (:func:`pipelines.inference.placement.sized_batch`).
 
+With ``gpu_compile`` (:func:`pipelines.inference.placement.compile_plan`), a GPU's full batches
+of one size run through :func:`fast_forward` (torch.compile, or a CUDA graph captured once per
+size), once the first of them gives masks that agree with full precision's eager ones under the
+precision rule (:func:`pipelines.inference.placement.precision_verdict`); if it does not, or the
+compiler fails, that size runs eager, and the log says why. Smaller batches run eager.
+
 Windows of a slide take :meth:`DeviceStage.probabilities` instead: they are blended, so their
 probabilities come back whole.
 """
@@ -24,8 +30,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,11 +47,13 @@ from models.unet import UNet
 from pipelines.inference.finish import Rules
 from pipelines.inference.placement import (
     BFLOAT,
+    EAGER,
     FULL,
     HALF,
     TF32,
     Placement,
     Verdict,
+    compile_plan,
     decided,
     precision_verdict,
     sized_batch,
@@ -53,6 +62,7 @@ from pipelines.inference.placement import (
 log = logging.getLogger("pipelines")
 IN_FLIGHT = 3  # GPU batches queued at once: one copied in, one running, one copied out
 Result = tuple[Any, np.ndarray, np.ndarray]  # (tag, masks (N, H, W) uint8 0/1, confidences)
+Forward = Callable[[torch.Tensor], torch.Tensor]  # a batch (N, 1, H, W) → probabilities (N, H, W)
 
 
 def load_model(spec: JobSpec) -> tuple[UNet, ModelVersion]:
@@ -83,6 +93,45 @@ def _fp32_math(tf32: bool) -> None:
 
 
 _AUTOCAST = {HALF: torch.float16, BFLOAT: torch.bfloat16}
+
+
+def forward(net: torch.nn.Module, images: torch.Tensor, precision: str, cache: bool = True
+            ) -> torch.Tensor:  # fmt: skip
+    """Sigmoid probabilities (N, H, W) of a batch (N, 1, H, W) on the GPU, the net run under
+    ``precision``'s autocast (fp32 and TF32: none; see :func:`_fp32_math`); ``cache``: whether
+    autocast keeps its casts of the weights (not inside a CUDA graph's capture)."""
+    dtype = _AUTOCAST.get(precision)
+    with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None,
+                        cache_enabled=cache):  # fmt: skip
+        logits = net(images.contiguous(memory_format=torch.channels_last))
+    return torch.sigmoid(logits.float())[:, 0]
+
+
+def fast_forward(net: torch.nn.Module, mode: str, example: torch.Tensor, precision: str) -> Forward:
+    """:func:`forward` for batches shaped as ``example`` (on the GPU, on the current stream),
+    compiled by torch.compile (``mode`` "compile": inductor's default mode, one shape, no
+    dynamic shapes) or captured as a CUDA graph (``mode`` "graphs"; its input and output are
+    buffers of its own: a result must be used before the next call). Built and run once on
+    ``example`` here, so that the compilation or capture happens now."""
+    if mode == "compile":
+        compiled = torch.compile(net, dynamic=False)
+        run: Forward = lambda images: forward(compiled, images, precision)  # noqa: E731
+        run(example)
+        return run
+    static = example.contiguous(memory_format=torch.channels_last).clone()
+    for _ in range(3):  # cuDNN and the allocator settle before the capture
+        forward(net, static, precision, cache=False)
+    torch.cuda.current_stream().synchronize()  # type: ignore[no-untyped-call]
+    graph = torch.cuda.CUDAGraph()  # type: ignore[no-untyped-call]
+    with torch.cuda.graph(graph):
+        out = forward(net, static, precision, cache=False)
+
+    def replay(images: torch.Tensor) -> torch.Tensor:
+        static.copy_(images)
+        graph.replay()  # type: ignore[no-untyped-call]
+        return out
+
+    return replay
 
 
 @contextlib.contextmanager
@@ -142,6 +191,10 @@ class DeviceStage:
         self.bytes_per_pixel = 0.0
         self.ready: deque[Result] = deque()
         self.in_flight: deque[tuple[_Slot, Any, int, tuple[int, ...]]] = deque()
+        self.compile, said = compile_plan(where)
+        log.info("%s", said)
+        self.fast: dict[tuple[int, ...], Forward | None] = {}  # by shape; None: eager
+        self.compile_checks: list[dict[str, Any]] = []
         if where.cuda:
             self.stream = torch.cuda.Stream(where.device)  # type: ignore[no-untyped-call]
             self.slots = [_Slot() for _ in range(IN_FLIGHT)]
@@ -175,10 +228,43 @@ class DeviceStage:
     def _probabilities(self, images: torch.Tensor, precision: str) -> torch.Tensor:
         """Sigmoid probabilities (N, H, W) of a batch (N, 1, H, W) on the GPU."""
         _fp32_math(precision == TF32)
-        dtype = _AUTOCAST.get(precision)
-        with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
-            logits = self.net(images.contiguous(memory_format=torch.channels_last))
-        return torch.sigmoid(logits.float())[:, 0]
+        return forward(self.net, images, precision)
+
+    def _forward(self, batch: torch.Tensor, count: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """Probabilities of a batch in the precision decided: compiled if it is a full batch
+        of its size and ``gpu_compile`` is on (and held), eager otherwise."""
+        if self.compile == EAGER or count != self.sizes.get(shape):
+            return self._probabilities(batch, self.precision)
+        if shape not in self.fast:
+            self.fast[shape] = self._build(batch, shape)
+        run = self.fast[shape]
+        return self._probabilities(batch, self.precision) if run is None else run(batch)
+
+    def _build(self, batch: torch.Tensor, shape: tuple[int, ...]) -> Forward | None:
+        """The compiled forward of batches like ``batch``, if it builds and its masks of this
+        batch agree with full precision's eager ones under the precision rule; else None."""
+        size, started = "×".join(map(str, (len(batch), *shape))), time.monotonic()
+        _fp32_math(self.precision == TF32)
+        try:
+            run = fast_forward(self.net, self.compile, batch, self.precision)
+        except RuntimeError as exc:  # no compiler, a capture refused: the eager path is whole
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            log.warning("gpu_compile %r failed for %s, eager instead: %s", self.compile, size,
+                        first)  # fmt: skip
+            self.compile_checks.append({"shape": size, "kept": False, "error": first})
+            return None
+        built = time.monotonic() - started
+        full = (self._probabilities(batch, FULL) > self.threshold).cpu().numpy()
+        _fp32_math(self.precision == TF32)
+        fast = (run(batch) > self.threshold).cpu().numpy()
+        verdict = precision_verdict(f"{self.precision} {self.compile}", list(full), list(fast),
+                                    self._count)  # fmt: skip
+        log.info("gpu_compile for %s, built in %.1f s: %s", size, built, verdict.said())
+        self.compile_checks.append({"shape": size, "seconds": round(built, 1),
+                                    "agreement": round(verdict.agreement, 6),
+                                    "counts_equal": verdict.counts_equal,
+                                    "kept": verdict.accepted})  # fmt: skip
+        return run if verdict.accepted else None
 
     def _decide(self, images: torch.Tensor) -> None:
         """Decide the precision on this first batch: full precision against each candidate."""
@@ -204,7 +290,13 @@ class DeviceStage:
         checks = [{"precision": v.precision, "agreement": round(v.agreement, 6),
                    "counts_equal": v.counts_equal, "images": v.images, "kept": v.accepted}
                   for v in self.verdicts]  # fmt: skip
-        return {"device": self.where.device, "precision": self.precision, "checks": checks}
+        return {
+            "device": self.where.device,
+            "precision": self.precision,
+            "checks": checks,
+            "compile": self.compile,
+            "compile_checks": self.compile_checks,
+        }
 
     # -- whole images --------------------------------------------------------------------
     @torch.inference_mode()
@@ -237,7 +329,7 @@ class DeviceStage:
             batch = batch.to(self.where.device, non_blocking=True)
             if not self.checked:
                 self._decide(batch)
-            probabilities = self._probabilities(batch, self.precision)
+            probabilities = self._forward(batch, count, shape)
             masks = (probabilities > self.threshold).to(torch.uint8)
             sure = (2 * probabilities - 1).abs().sum(dim=(1, 2), dtype=torch.float64) / pixels
             slot.masks[: count * pixels].view(count, *shape).copy_(masks, non_blocking=True)

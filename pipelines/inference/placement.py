@@ -20,17 +20,25 @@ their pixels, with the same number of objects in every image, is kept for the jo
 (:func:`precision_verdict`); none: full precision. Without ``mixed_precision``, TF32 alone is
 tried. The decision and its measured agreement are in the job's log, its summary, each table
 row (``precision``) and the report.
+
+**Compiled.** ``gpu_compile`` (off by default) runs a GPU's full batches of one image size
+through ``torch.compile`` ("compile") or as a CUDA graph captured once per size ("graphs"); the
+last, smaller batch of a size, and a slide's windows, run eager. The first full batch of each
+size is held to the precision rule against full precision's eager masks and goes back to eager
+if it fails (:mod:`pipelines.inference.device`). On the CPU the setting is ignored, with a line
+in the job's log (:func:`compile_plan`): a manifest written for a GPU node runs unchanged on a
+machine without one, as ``mixed_precision`` does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 
-from daemon.contract.names import inference_params
+from daemon.contract.names import GpuCompile, inference_params
 
 NO_DEVICES = frozenset({"", "-1", "none", "NoDevFiles"})  # what hides every GPU
 FULL = "fp32"  # IEEE single precision: the reference every other precision is held to
@@ -39,6 +47,8 @@ AGREEMENT = 0.999  # of the first batch's pixels, for a faster precision to be k
 BATCH_PIXELS = 2**23  # pixels of one GPU batch when its size is not given (8 Mpx)
 MEMORY_SHARE = 0.5  # of the GPU's free memory one batch's forward pass may take
 MOST_AT_ONCE = 1024
+EAGER = "off"
+COMPILE_MODES: tuple[str, ...] = get_args(GpuCompile)  # off, compile, graphs
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,7 @@ class Placement:
     batch_size: int  # 0: sized by the images and the GPU's memory (sized_batch)
     mixed_precision: bool  # fp16 and bf16 wanted: kept only if the first batch agrees
     reason: str
+    compile: str = EAGER  # gpu_compile as asked: "off", "compile" or "graphs"
 
     @property
     def cuda(self) -> bool:
@@ -64,25 +75,42 @@ def choose_device(
 ) -> Placement:
     """Where the net runs: ``gpus_given`` from the spec, ``environ`` the job's environment,
     ``cuda_devices`` what torch sees (``torch.cuda.device_count()``), ``params`` the job's
-    inference parameters (``batch_size``, ``gpu_batch_size``, ``mixed_precision``)."""
+    inference parameters (``batch_size``, ``gpu_batch_size``, ``mixed_precision``,
+    ``gpu_compile``: a value other than those the manifest allows is a ValueError)."""
     params = inference_params(params)
-    cpu_batch = int(params["batch_size"])
+    cpu_batch, compiled = int(params["batch_size"]), str(params["gpu_compile"])
+    if compiled not in COMPILE_MODES:  # the manifest refuses it: a spec written by hand
+        raise ValueError(f"gpu_compile {compiled!r}: must be one of {', '.join(COMPILE_MODES)}")
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if gpus_given <= 0:
-        return Placement("cpu", cpu_batch, False, "no GPU was given to this job")
+        return Placement("cpu", cpu_batch, False, "no GPU was given to this job", compiled)
     if visible is not None and visible.strip() in NO_DEVICES:
-        return Placement(
-            "cpu", cpu_batch, False, f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU"
-        )
+        return Placement("cpu", cpu_batch, False,
+                         f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU", compiled)  # fmt: skip
     if cuda_devices <= 0:
         return Placement(
             "cpu", cpu_batch, False,
             f"{gpus_given} GPU(s) given, but CUDA shows none (no driver, or a CPU build of torch)",
+            compiled,
         )  # fmt: skip
     half = bool(params["mixed_precision"])
     where = f"CUDA_VISIBLE_DEVICES={visible}" if visible is not None else "every GPU visible"
     return Placement("cuda:0", int(params["gpu_batch_size"]), half,
-                     f"{gpus_given} GPU(s) given, {where}")  # fmt: skip
+                     f"{gpus_given} GPU(s) given, {where}", compiled)  # fmt: skip
+
+
+def compile_plan(where: Placement) -> tuple[str, str]:
+    """The compilation the job uses (``gpu_compile`` on a GPU, "off" on the CPU) and the log
+    line that says so."""
+    if where.compile == EAGER:
+        return EAGER, "gpu_compile: off, the net runs eager"
+    if not where.cuda:
+        return EAGER, f"gpu_compile {where.compile!r} ignored: the net runs on the CPU, eager"
+    how = "through torch.compile" if where.compile == "compile" else "as a captured CUDA graph"
+    return where.compile, (
+        f"gpu_compile {where.compile!r}: full batches of one size run {how} once their first "
+        "agrees with full precision's eager masks; the last, smaller one of a size runs eager"
+    )
 
 
 def sized_batch(pixels: int, bytes_per_pixel: float, free_bytes: int, given: int = 0) -> int:

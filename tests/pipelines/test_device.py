@@ -1,12 +1,19 @@
-"""Where an inference job runs its net, how many images at once and in what precision
-(pipelines/inference/placement.py, pure), and the device stage on this GPU-less machine."""
+"""Where an inference job runs its net, how many images at once, in what precision and whether
+compiled (pipelines/inference/placement.py, pure), and the device stage on this GPU-less
+machine."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
 import torch
 
+from daemon.contract.jobspec import JobSpec, ModelRef, Pipeline, Resources
+from models import registry
 from models.unet import UNet
 from pipelines.inference.device import DeviceStage
 from pipelines.inference.finish import Rules
@@ -18,6 +25,7 @@ from pipelines.inference.placement import (
     TF32,
     Placement,
     choose_device,
+    compile_plan,
     decided,
     precision_verdict,
     sized_batch,
@@ -140,5 +148,55 @@ def test_on_the_cpu_the_stage_gives_the_masks_and_confidences_the_job_always_mad
     expected = [float(np.abs(2 * p - 1).mean()) for p in probabilities]
     np.testing.assert_allclose(np.concatenate([sure_1, sure_4]), expected, rtol=1e-6)
     np.testing.assert_array_equal(stage.probabilities(images[:2]), probabilities[:2])
-    assert stage.summary() == {"device": "cpu", "precision": FULL, "checks": []}
+    assert stage.summary() == {"device": "cpu", "precision": FULL, "checks": [],
+                               "compile": "off", "compile_checks": []}  # fmt: skip
     assert Placement("cpu", 1, True, "").candidates() == ()
+
+
+def test_gpu_compile_is_used_on_a_gpu_ignored_on_the_cpu_and_a_bad_value_refused() -> None:
+    """The manifest refuses a value it does not know; a spec written by hand with one fails
+    the job with the values it could have had."""
+    for mode in ("compile", "graphs"):
+        on_gpu = choose_device(1, {}, 1, {**PARAMS, "gpu_compile": mode})
+        used, said = compile_plan(on_gpu)
+        assert (on_gpu.compile, used) == (mode, mode)
+        assert f"gpu_compile {mode!r}: full batches of one size run" in said
+        on_cpu = choose_device(0, {}, 1, {**PARAMS, "gpu_compile": mode})
+        assert compile_plan(on_cpu) == (
+            "off",
+            f"gpu_compile {mode!r} ignored: the net runs on the CPU, eager",
+        )
+    assert compile_plan(choose_device(1, {}, 1, PARAMS)) == (
+        "off",
+        "gpu_compile: off, the net runs eager",
+    )
+    with pytest.raises(ValueError, match="gpu_compile 'fast': must be one of off, compile, graphs"):
+        choose_device(1, {}, 1, {**PARAMS, "gpu_compile": "fast"})
+
+
+def test_on_the_cpu_a_job_with_gpu_compile_writes_the_masks_it_writes_without(
+    tmp_path: Path, synth: ModuleType, job_spec: Callable[..., JobSpec],
+    manifest_inputs: Callable[..., tuple], run: Callable[..., object],
+) -> None:  # fmt: skip
+    """Asked for a GPU it does not get, the job says the setting is ignored and runs eager."""
+    torch.manual_seed(0)
+    net = UNet(depth=2, width=4)
+    registry.register(tmp_path / "registry", "tiny", net.state_dict(),
+                      {"architecture": net.architecture()})  # fmt: skip
+    masks = {}
+    for mode in ("off", "graphs"):
+        batch_dir = tmp_path / mode
+        files = synth.make_batch(batch_dir, "inference", count=3, size=48, seed=5)
+        spec = job_spec(batch_dir, Pipeline.INFER, manifest_inputs(batch_dir, files),
+                        registry=tmp_path / "registry", model=ModelRef("tiny"),
+                        params={**PARAMS, "gpu_compile": mode},
+                        resources=Resources(cpus=1, gpus=1))  # fmt: skip
+        job = run(spec)
+        assert job.returncode == 0, job.log
+        assert "inference on cpu" in job.log
+        said = "gpu_compile 'graphs' ignored" if mode == "graphs" else "gpu_compile: off"
+        assert said in job.log
+        found = sorted(p for p in (batch_dir / "results").rglob("*.png") if "masks" in p.parts)
+        assert len(found) == 3
+        masks[mode] = [path.read_bytes() for path in found]
+    assert masks["graphs"] == masks["off"]

@@ -179,8 +179,8 @@ def test_a_shard_on_three_cpus_makes_the_masks_and_rows_of_one_cpu_in_as_many_wo
     assert job.returncode == 0 and job.result is not None, job.log
     assert "3 worker(s)" in job.log
     inference = job.result.summary["inference"]
-    assert inference == {"device": "cpu", "precision": "fp32", "checks": [], "workers": 3,
-                         "masks_durable": "syncfs"}  # fmt: skip
+    assert inference == {"device": "cpu", "precision": "fp32", "checks": [], "compile": "off",
+                         "compile_checks": [], "workers": 3, "masks_durable": "syncfs"}  # fmt: skip
     for item in inferred.inputs:
         mine = read_mask(batch_dir / "results" / "masks" / item.path)
         theirs = read_mask(inferred.batch_dir / "results" / "masks" / item.path)

@@ -421,7 +421,7 @@ def test_windows_run_and_skipped_as_glass_are_summed_and_shown_where_the_table_h
 def test_the_precision_each_image_was_made_in_and_the_checks_that_decided_it_are_shown() -> None:
     """A GPU job kept fp16 after its first batch agreed with fp32 well enough; the summary
     counts the images per precision and the page says which checks were tried and how they
-    agreed."""
+    agreed, and, for a job with gpu_compile, how each size's compiled batch did."""
     base = {column: "1" for column in TABLE_COLUMNS} | {"model_version": "1", "tiled": "0"}
     rows = [
         base | {"path": f"{i}.png", "precision": p} for i, p in enumerate(["fp16"] * 2 + ["fp32"])
@@ -430,8 +430,14 @@ def test_the_precision_each_image_was_made_in_and_the_checks_that_decided_it_are
     assert summary["precision"] == {"fp16": 2, "fp32": 1}
     checks = [{"precision": "fp16", "agreement": 0.99987, "counts_equal": True, "images": 128,
                "kept": True}]  # fmt: skip
+    compiled = {"compile": "graphs", "compile_checks": [
+        {"shape": "128×256×256", "seconds": 0.4, "agreement": 0.99995, "counts_equal": True,
+         "kept": True},
+        {"shape": "8×1024×1024", "kept": False, "error": "capture refused"}]}  # fmt: skip
     jobs = [{"job": "infer-0000", "inference": {"device": "cuda:0", "precision": "fp16",
                                                 "checks": checks}},
+            {"job": "infer-0001", "inference": {"device": "cuda:0", "precision": "fp16",
+                                                "checks": checks} | compiled},
             {"job": "report"}]  # fmt: skip
     summary["precision_checks"] = precision_checks(jobs)
     meta = {"batch": {"id": 1, "revision": 1, "kind": "inference", "title": "t", "dir": "d"},
@@ -442,5 +448,7 @@ def test_the_precision_each_image_was_made_in_and_the_checks_that_decided_it_are
     assert "<th>net precision</th><td>fp16: 2 image(s), fp32: 1 image(s)</td>" in page
     assert (
         "<th>precision checks (first batch against fp32)</th><td>infer-0000 on cuda:0: fp16 "
-        "0.99987 of pixels, same object counts (kept) → fp16</td>"
+        "0.99987 of pixels, same object counts (kept) → fp16; infer-0001 on cuda:0: fp16 "
+        "0.99987 of pixels, same object counts (kept) → fp16; gpu_compile graphs: "
+        "128×256×256 0.99995 (compiled), 8×1024×1024 failed (eager)</td>"
     ) in page

@@ -492,7 +492,7 @@ CASES: tuple[Case, ...] = (
         "param-unknown",
         "an unknown parameter",
         with_manifest(replace("[params]", "[params]\ntreshold = 0.4")),
-        "params.treshold: unknown key 'treshold' (valid keys: batch_size, channel, glass_tolerance, gpu_batch_size, max_whole_pixels, min_object_area, mixed_precision, split_neck, threshold, tile_overlap, tile_size)",
+        "params.treshold: unknown key 'treshold' (valid keys: batch_size, channel, glass_tolerance, gpu_batch_size, gpu_compile, max_whole_pixels, min_object_area, mixed_precision, split_neck, threshold, tile_overlap, tile_size)",
         "manifest",
     ),
     Case(
