@@ -136,7 +136,7 @@ def test_migration_8_keeps_the_intents_and_batches_recorded_before_it(tmp_path: 
     db.commit()
     db.close()
     store = Store.open(path)
-    assert store.schema_version() == 8
+    assert store.schema_version() == MIGRATIONS[-1][0]  # 8 and every one after it
     (kept,) = store.pending_intents()
     assert (kept.action, kept.root, kept.subject, kept.value) == (
         IntentAction.PAUSE,
