@@ -1,5 +1,7 @@
 """The fault campaign's short version: a few runs of SIGKILLed daemons and workers, with the
-invariants checked after each (the full campaign is `scripts/fault_campaign.py --runs 100`)."""
+invariants checked after each (the full campaign is `scripts/fault_campaign.py --runs 100`).
+Behind the ``campaign`` marker, out of the default run (3 minutes of CI's 30): `scripts/test -m
+campaign`."""
 
 from __future__ import annotations
 
@@ -8,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.campaign
 def test_a_short_fault_campaign_keeps_every_invariant() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO / "scripts")}
     done = subprocess.run(

@@ -90,6 +90,7 @@ def planted(level: str, kind: str) -> tuple[hostile.Hostile, ...]:
                             swaps=swaps),)  # fmt: skip
 
 
+@pytest.mark.campaign  # four daemon runs, 2.5 minutes: `scripts/test -m campaign`
 @settings(CI, max_examples=1)
 @given(fuzz_campaign.scenarios("all", SCALE))
 @example(case=planted("log", "link"))
