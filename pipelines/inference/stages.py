@@ -7,12 +7,15 @@ come free, feeds the net the chunks' images in input order, in batches of one si
 chunk back to its worker once every image of it has its mask, and passes what the workers
 finished to the :class:`Committer`. It waits only when nothing is ready: for the device when
 a batch is in flight, for a worker otherwise; a partial batch goes to an idle device rather
-than leave it waiting. An image too large to decode whole is segmented here, window by window
-(the ``tiled`` callback), when its turn comes.
+than leave it waiting. A run a worker cut short (its slab full) is asked for again before any
+later run, the lowest first: the slabs that come free go to the images the net needs next,
+never all to chunks ahead of them that wait for them. An image too large to decode whole is
+segmented here, window by window (the ``tiled`` callback), when its turn comes.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -119,7 +122,7 @@ class Stages:
         self.tiled, self.whole, self.chunk_images = tiled, whole, chunk_images
         self.problems: list[Problem] = []
         self.cursor = self.next_read = 0  # next input to take in order; next to ask for
-        self.again: deque[tuple[int, int]] = deque()  # runs a worker did not get to
+        self.again: list[tuple[int, int]] = []  # runs a worker did not get to: a heap
         self.tasks: dict[int, Chunk] = {}
         self.by_first: dict[int, Chunk] = {}
         self.pending: list[tuple[Chunk, Entry]] = []
@@ -152,8 +155,8 @@ class Stages:
             worker = self.workers.idlest()
             if worker is None:
                 return
-            if self.again:
-                first, end = self.again.popleft()
+            if self.again:  # the lowest first: the one the device needs next, if any
+                first, end = heapq.heappop(self.again)
             else:
                 first = self.next_read
                 end = self.next_read = min(first + self.chunk_images, len(self.items))
@@ -235,8 +238,8 @@ class Stages:
             self.workers.slab(worker, chunk.slab, size)  # mapped again if it grew
             chunk.entries = entries
             read_to = entries[-1].index + 1
-            if read_to < chunk.end:  # the slab was full: the rest is asked for next
-                self.again.appendleft((read_to, chunk.end))
+            if read_to < chunk.end:  # the slab was full: the rest is asked for again
+                heapq.heappush(self.again, (read_to, chunk.end))
                 chunk.end = read_to
             return
         assert kind == FINISH

@@ -211,3 +211,56 @@ def test_failures_cross_the_pipe_as_what_they_were() -> None:
     except ValueError as exc:
         bug = raised(failure(exc))
     assert isinstance(bug, RuntimeError) and "ValueError: a bug" in str(bug)
+
+
+def test_runs_cut_short_go_out_again_in_input_order_so_the_next_image_always_gets_a_slab(
+    tmp_path: Path,
+) -> None:
+    """Images large for their slabs (two to a slab), more chunks than slabs: each chunk is cut
+    short and its rest asked again. The rest the net needs next is asked first, so the slabs
+    freed go to it, never all to chunks ahead of it that wait for it (a job of 1,024² images on
+    a GPU hung so: 7 workers, chunks of 10, 4 images a slab). Every image is segmented, in a
+    bounded time, as one chunk each would segment it."""
+    import threading
+
+    import torch
+
+    from models.unet import UNet
+    from pipelines.inference.device import DeviceStage
+    from pipelines.inference.placement import Placement
+    from pipelines.inference.stages import Committer, Stages
+    from pipelines.ledger import Ledger
+
+    rng = np.random.default_rng(3)
+    images = tmp_path / "batch" / "images"
+    images.mkdir(parents=True)
+    items = []
+    for number in range(48):
+        Image.fromarray(rng.integers(0, 256, (40, 60), dtype=np.uint8)).save(
+            images / f"{number:02d}.png"
+        )
+        path = images / f"{number:02d}.png"
+        items.append(
+            InputFile(f"images/{path.name}", hashlib.sha256(path.read_bytes()).hexdigest())
+        )
+    torch.manual_seed(0)
+    net = UNet(depth=1, width=2).eval()
+    rules = Rules(0, 0.0, False)
+    with HeldFolder.open(tmp_path / "batch") as batch, batch.folder("results", create=True) as run, \
+            batch.folder("work", create=True) as work:  # fmt: skip
+        workers = Workers(2, Setup(batch, run, MAX_PIXELS, None, rules, 2 * (40 * 60 * 5) + 1))
+        ledger = Ledger(work, "shard-0000.jsonl", "0" * 64, {})
+        committer = Committer(run, ledger, lambda count: None, False, {})
+        device = DeviceStage(net, Placement("cpu", 4, False, "test"), 0.5, rules)
+        stages = Stages(items, workers, device, committer, lambda item: [], True, 10)
+        found: list[Any] = []
+        thread = threading.Thread(target=lambda: found.append(stages.run()), daemon=True)
+        thread.start()
+        thread.join(60)
+        hung = thread.is_alive()
+        workers.close()  # (a hung main loop then ends on the closed pipes)
+        committer.close()
+        ledger.close()
+    assert not hung, "the job's main loop waits forever: every slab is held by chunks ahead"
+    assert found == [[]]
+    assert sorted(committer.rows) == sorted(item.path for item in items)
