@@ -314,6 +314,8 @@ class DeviceStage:
         self._submit_gpu(images, tag)
 
     def _submit_gpu(self, images: Sequence[np.ndarray], tag: Any) -> None:
+        if len(self.in_flight) >= IN_FLIGHT:  # the slot to reuse holds a batch not handed over
+            self._set_aside()
         slot = self.slots[self.turn]
         self.turn = (self.turn + 1) % IN_FLIGHT
         if slot.event is not None:
@@ -337,6 +339,16 @@ class DeviceStage:
             slot.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             slot.event.record(self.stream)
         self.in_flight.append((slot, tag, count, shape))
+
+    def _set_aside(self) -> None:
+        """The oldest batch in flight, waited for and copied out of its pinned buffers into
+        :attr:`ready`: its slot is about to take another batch (the main process submitted
+        more batches than :data:`IN_FLIGHT` between two :meth:`done`)."""
+        slot, tag, count, shape = self.in_flight.popleft()
+        slot.event.synchronize()
+        pixels = math.prod(shape)
+        masks = slot.masks[: count * pixels].numpy().reshape(count, *shape).copy()
+        self.ready.append((tag, masks, slot.confidences[:count].numpy().copy()))
 
     def done(self, wait: bool = False) -> list[Result]:
         """The results back from the device, in the order submitted; ``wait``: at least one

@@ -132,8 +132,8 @@ def test_on_the_cpu_the_stage_gives_the_masks_and_confidences_the_job_always_mad
     """Threshold of the sigmoid, and the mean of |2p - 1|, from numpy as before; batches come
     back in the order submitted; no precision is checked (full precision on the CPU)."""
     images = np.random.default_rng(0).random((5, 32, 32), dtype=np.float32)
-    where = choose_device(1, {}, torch.cuda.device_count(), PARAMS)
-    assert where.device == "cpu"  # no CUDA here: the GPU path is reviewed, not run
+    where = choose_device(1, {}, 0, PARAMS)  # CUDA shows no GPU (on a GPU node too)
+    assert where.device == "cpu"
     torch.set_num_threads(2)
     stage = DeviceStage(net, where, 0.5, Rules(0, 0.0, False))
     assert stage.batch_size((32, 32)) == 1
@@ -151,6 +151,39 @@ def test_on_the_cpu_the_stage_gives_the_masks_and_confidences_the_job_always_mad
     assert stage.summary() == {"device": "cpu", "precision": FULL, "checks": [],
                                "compile": "off", "compile_checks": []}  # fmt: skip
     assert Placement("cpu", 1, True, "").candidates() == ()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on a GPU node)")
+def test_on_a_gpu_more_batches_than_its_pinned_slots_come_back_each_with_its_own_masks(
+    net: UNet,
+) -> None:
+    """The main process may submit more batches than :data:`IN_FLIGHT` before it asks for
+    any: each still comes back, in order, with the masks of its own images (not those of the
+    batch that took its pinned buffers next): the masks of each batch submitted alone."""
+    from pipelines.inference.device import IN_FLIGHT
+
+    rng = np.random.default_rng(1)
+    batches = [rng.random((n, 64, 64), dtype=np.float32) for n in (2, 4, 4, 3, 4, 4, 1)]
+    assert len(batches) > IN_FLIGHT
+    where = choose_device(1, {}, torch.cuda.device_count(),
+                          {**PARAMS, "gpu_batch_size": 4, "mixed_precision": False})  # fmt: skip
+
+    def through(stage: DeviceStage, wait_each: bool) -> list[tuple[int, np.ndarray]]:
+        found = []
+        for number, images in enumerate(batches):
+            stage.submit(list(images), number)
+            while wait_each and stage.busy:
+                found += [(tag, masks.copy()) for tag, masks, _ in stage.done(wait=True)]
+        while stage.busy:
+            found += [(tag, masks.copy()) for tag, masks, _ in stage.done(wait=True)]
+        return found
+
+    alone = through(DeviceStage(net, where, 0.5, Rules(0, 0.0, False)), wait_each=True)
+    together = through(DeviceStage(net, where, 0.5, Rules(0, 0.0, False)), wait_each=False)
+    assert [tag for tag, _ in together] == list(range(len(batches)))
+    for (_, masks), (_, expected) in zip(together, alone, strict=True):
+        differ = np.count_nonzero(masks != expected)
+        assert differ <= masks.size // 1000, f"{differ} of {masks.size} pixels differ"
 
 
 def test_gpu_compile_is_used_on_a_gpu_ignored_on_the_cpu_and_a_bad_value_refused() -> None:
@@ -174,6 +207,7 @@ def test_gpu_compile_is_used_on_a_gpu_ignored_on_the_cpu_and_a_bad_value_refused
         choose_device(1, {}, 1, {**PARAMS, "gpu_compile": "fast"})
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a GPU that CUDA must not show")
 def test_on_the_cpu_a_job_with_gpu_compile_writes_the_masks_it_writes_without(
     tmp_path: Path, synth: ModuleType, job_spec: Callable[..., JobSpec],
     manifest_inputs: Callable[..., tuple], run: Callable[..., object],
