@@ -193,40 +193,46 @@ def _merge(parts: np.ndarray, distance: np.ndarray, count: int, split_neck: floa
 
     Greedy, widest neck (relative to the thinner side) first, and each join judged again with
     the joined part's summit: a lump that joins one spheroid no longer looks like a wide neck
-    to the other one it also touches."""
+    to the other one it also touches. A join weighs again only the necks whose ratio it
+    changed (those the part took over, and all of its own only when its summit rose): an
+    object the net drew ragged, cut into thousands of parts, costs about its parts, not their
+    square."""
     summit = _summits(parts, distance, count).tolist()
     first, second, width = (side.tolist() for side in _borders(parts, distance))
     necks: list[dict[int, float]] = [{} for _ in range(count + 1)]
     for a, b, neck in zip(first, second, width, strict=True):
         necks[a][b] = necks[b][a] = neck
-    heap = [(-neck / min(summit[a], summit[b]), a, b, 0, 0)
-            for a, b, neck in zip(first, second, width, strict=True)]  # fmt: skip
+    ratios = {(a, b): neck / min(summit[a], summit[b])  # (lower, higher): its ratio now
+              for a, b, neck in zip(first, second, width, strict=True)}  # fmt: skip
+    heap = [(-ratio, a, b) for (a, b), ratio in ratios.items()]
     heapq.heapify(heap)
-    head, members, version = (
-        list(range(count + 1)),
-        [[part] for part in range(count + 1)],
-        [0] * (count + 1),
-    )
+    head = list(range(count + 1))  # a part joined to a lower one points to it
     while heap:
-        ratio, a, b, seen_a, seen_b = heapq.heappop(heap)
-        if -ratio < split_neck:
+        negative, a, b = heapq.heappop(heap)
+        if -negative < split_neck:
             break
-        if head[a] != a or head[b] != b or version[a] != seen_a or version[b] != seen_b:
+        if head[a] != a or head[b] != b or ratios.get((a, b)) != -negative:
             continue  # a part already joined, or a neck judged before a join
-        for part in members[b]:
-            head[part] = a
-        members[a] += members[b]
+        head[b] = a
+        del ratios[(a, b)]
+        rose = summit[b] > summit[a]
         summit[a] = max(summit[a], summit[b])
         gone, necks[b] = necks[b], {}
+        changed = set()
         for c, neck in gone.items():
             del necks[c][b]
+            ratios.pop((min(b, c), max(b, c)), None)
             if c != a:
                 necks[a][c] = necks[c][a] = max(necks[a].get(c, 0.0), neck)
-        version[a] += 1
-        for c, neck in necks[a].items():
+                changed.add(c)
+        for c in necks[a] if rose else changed:
             low, high = min(a, c), max(a, c)
-            ratio = neck / min(summit[a], summit[c])
-            heapq.heappush(heap, (-ratio, low, high, version[low], version[high]))
+            ratio = necks[a][c] / min(summit[a], summit[c])
+            if ratios.get((low, high)) != ratio:
+                ratios[(low, high)] = ratio
+                heapq.heappush(heap, (-ratio, low, high))
+    for part in range(count + 1):  # each part names its group's lowest id
+        head[part] = head[head[part]]
     return np.array(head)
 
 
