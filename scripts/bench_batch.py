@@ -191,9 +191,11 @@ def limit(net: UNet, images: list[np.ndarray], cpus: int) -> tuple[float, float]
     return threaded, len(images) / max(seconds)
 
 
-def one_run(daemon: BatchDaemon, template: Path, name: str, images: int) -> dict[str, float]:
+def one_run(
+    daemon: BatchDaemon, template: Path, name: str, images: int, timeout: float = 3600
+) -> dict[str, float]:
     _, landed = drop(template, daemon.mount, name)
-    done = wait_done(daemon, name, 3600)
+    done = wait_done(daemon, name, timeout)
     queued = daemon.state_at(name, "queued") or landed
     return {
         "queued_to_done": images / (done - queued),

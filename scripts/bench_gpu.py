@@ -9,13 +9,7 @@ In order:
    synthetic spheroids, and registered: a trained model's masks decide the precision.
 2. The limit: its bare forward pass (and sigmoid) over decoded images already on the GPU, fp32
    and fp16 (autocast), 256² in batches of 64 and 128, 1024² in batches of 8 and 16; the best
-   (eager, channels-last, torch's default math). Then the same forward as the job runs it with
-   ``gpu_compile`` (:func:`pipelines.inference.device.fast_forward`), at one batch per image
-   size (the job's own: about 8 Mpx), in fp32 and fp16: "compile" (torch.compile) and
-   "graphs" (a captured CUDA graph), each as a share of eager's rate at that batch, its build
-   time apart (not in the rate), fp16 first; once :data:`COMPILE_SECONDS` of builds are spent
-   the rows left say they were skipped. ``--no-compile`` leaves them out. On the CPU
-   (``--quick``): torch.compile of the 256² batch in fp32 only; CUDA graphs need a GPU.
+   (eager, channels-last, torch's default math).
 3. Whole batches through the daemon (local executor; the GPU handed out with
    ``--jobs-per-gpu`` jobs on it, ``--cpus-per-job`` workers each): ``--images`` × 256² and
    ``--big`` × 1024², queued → done, as a share of the fp16 limit (targets ≥ 0.5 and ≥ 0.6);
@@ -25,6 +19,13 @@ In order:
    ≥ 8× faster, ≥ 80 Mpx/s over the slide's area).
 5. The host pipeline alone: the 256² batch through one job whose net is a zero-cost stand-in
    (scripts/standin_job.py), on ``--cpus-per-job`` CPUs: what the host side can feed.
+6. Last, since a short lease can spare it: the same forward as the job runs it with
+   ``gpu_compile`` (:func:`pipelines.inference.device.fast_forward`), at one batch per image
+   size (the job's own: about 8 Mpx), in fp32 and fp16: "compile" (torch.compile) and
+   "graphs" (a captured CUDA graph), each as a share of eager's rate at that batch, its build
+   time apart (not in the rate), fp16 first; once ``--compile-seconds`` of builds are spent
+   the rows left say they were skipped. ``--skip compile`` leaves them out. On the CPU
+   (``--quick``): torch.compile of the 256² batch in fp32 only; CUDA graphs need a GPU.
 
 ``--quick`` runs the same steps at small sizes on whatever device there is: the check that the
 script works, on a machine without a GPU (the targets are then not judged).
@@ -70,7 +71,7 @@ from pipelines.inference.placement import BATCH_PIXELS, FULL, HALF
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "bench-unet"
 ARCHITECTURE = {"depth": 3, "width": 16}
-COMPILE_SECONDS = 180.0  # of gpu_compile builds in step 2, both sizes: the run stays < 10 min
+COMPILE_SECONDS = 180.0  # of gpu_compile builds in step 6, both sizes: the run stays < 10 min
 
 
 @dataclass
@@ -178,7 +179,7 @@ def compiled_rows(
                 table.add(what, "skipped: CUDA graphs need a GPU")
                 continue
             if spent >= budget:
-                table.add(what, f"skipped: the step's {COMPILE_SECONDS:.0f} s of builds spent")
+                table.add(what, "skipped: the step's seconds of builds are spent")
                 continue
             try:
                 rate, built = fast_rate(net, images, batch, precision, mode, device)
@@ -258,19 +259,37 @@ def decided(batch_dir: Path) -> str:
     return "; ".join(sorted(said)) or "no summary.json"
 
 
+def stacks(pattern: str) -> str:
+    """The Python stacks of the processes whose command line matches ``pattern`` (py-spy, where
+    it is on PATH): what a job that never ends is doing, on a node nobody can log in to."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return "(py-spy is not on PATH: no stacks)"
+    found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+    return "\n".join(
+        subprocess.run([spy, "dump", "--pid", pid], capture_output=True, text=True).stdout
+        for pid in found.split()
+    )
+
+
 def through_daemon(
-    name: str, code: Path, work: Path, template: Path, count: int, local: dict[str, Any]
-) -> tuple[float, str]:
-    """Images/s queued → done of one batch through a daemon of ``code``; the precision."""
+    name: str, code: Path, work: Path, template: Path, count: int, local: dict[str, Any],
+    timeout: float,
+) -> tuple[float | None, str]:  # fmt: skip
+    """Images/s queued → done of one batch through a daemon of ``code`` (None: not done within
+    ``timeout`` seconds: the stacks of its jobs are printed); the precision."""
     daemon = GpuDaemon(name, code, work / name, work / name / "drop", work / name / "state",
                        registry=work / "registry", local=local)  # fmt: skip
     daemon.mount.mkdir(parents=True)
     daemon.start()
     try:
-        run = one_run(daemon, template, "batch", count)
+        rate = one_run(daemon, template, "batch", count, timeout)["queued_to_done"]
+    except SystemExit as exc:  # failed, or not done in time: said, and the run goes on
+        print(f"{exc}; the stacks of its jobs:\n{stacks('pipelines')}", flush=True)
+        rate = None
     finally:
         daemon.stop()
-    return run["queued_to_done"], decided(daemon.mount / "batch")
+    return rate, decided(daemon.mount / "batch")
 
 
 # -- the slide ------------------------------------------------------------------------------
@@ -322,8 +341,20 @@ def main() -> int:
     parser.add_argument("--jobs-per-gpu", type=int, default=2)
     parser.add_argument("--cpus-per-job", type=int, default=7)
     parser.add_argument("--old", type=Path, help="a checkout of the old code")
-    parser.add_argument("--no-compile", action="store_true",
-                        help="leave out the gpu_compile rows of step 2")  # fmt: skip
+    parser.add_argument(
+        "--skip",
+        default="",
+        type=lambda text: set(text.split(",")) - {""},
+        help="steps left out, by name: small, big, old, slide, host, compile",
+    )
+    parser.add_argument(
+        "--batch-timeout",
+        type=float,
+        default=3600,
+        help="seconds a batch may take before its jobs' stacks are printed",
+    )
+    parser.add_argument("--compile-seconds", type=float, default=COMPILE_SECONDS,
+                        help="the builds step 6 may spend, both sizes together")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="small sizes, any device")
     args = parser.parse_args()
     if args.quick:
@@ -352,10 +383,6 @@ def main() -> int:
     for size, found in ((256, limit), (args.big_size, limit_big)):
         table.add(f"bare forward {size}², fp32 / fp16", f"{found['fp32']:,.0f} / "
                   f"{found['fp16']:,.0f} images/s")  # fmt: skip
-    if not args.no_compile:
-        spent = compiled_rows(table, net, decoded, 256, device, COMPILE_SECONDS)
-        if cuda:  # (on the CPU one compilation, 1-2 min here, shows that it works)
-            compiled_rows(table, net, decoded_big, args.big_size, device, COMPILE_SECONDS - spent)
 
     gpu = cuda and not args.quick
     slots = args.jobs_per_gpu
@@ -366,39 +393,61 @@ def main() -> int:
         (f"{args.images:,} × 256²", small, args.images, limit["fp16"], 0.5),
         (f"{args.big:,} × {args.big_size}²", big, args.big, limit_big["fp16"], 0.6),
     ):
+        if template.name in args.skip:
+            continue
         rate, precision = through_daemon(f"new-{template.name}", REPO, work, template, count,
-                                         local)  # fmt: skip
-        share = rate / fp16
-        table.add(f"{label}, queued → done (new)", f"{rate:,.1f} images/s = {share:.3f} of "
-                  "the fp16 limit", f"≥ {target}", share >= target if gpu else None)  # fmt: skip
+                                         local, args.batch_timeout)  # fmt: skip
+        if rate is None:
+            table.add(f"{label}, queued → done (new)", f"not done in {args.batch_timeout:.0f} s",
+                      f"≥ {target}", False)  # fmt: skip
+        else:
+            share = rate / fp16
+            said = f"{rate:,.1f} images/s = {share:.3f} of the fp16 limit"
+            table.add(f"{label}, queued → done (new)", said, f"≥ {target}",
+                      share >= target if gpu else None)  # fmt: skip
         table.add(f"{label}: precision decided", precision)
-    if args.old is not None:
+    if args.old is not None and "old" not in args.skip:
         old_local = {"max_parallel": 4, "cpus_per_job": 1, "max_gpus": 1, "inference_gpus": 1}
         rate, _ = through_daemon("old-small", args.old.resolve(), work, small, args.images,
-                                 old_local)  # fmt: skip
+                                 old_local, args.batch_timeout)  # fmt: skip
         table.add(
             f"{args.images:,} × 256², queued → done (old, 4 jobs)",
-            f"{rate:,.1f} images/s = {rate / limit['fp16']:.3f} of the fp16 limit",
+            "not done"
+            if rate is None
+            else f"{rate:,.1f} images/s = {rate / limit['fp16']:.3f} of the fp16 limit",
         )
 
-    slide = work / "slide"
-    started = time.monotonic()
-    synth.write_slide(slide / "images" / "slide.tif", args.slide, seed=4, tissue=0.3)
-    print(f"slide written in {time.monotonic() - started:.0f} s", flush=True)
-    on_gpu = slide_job(slide, work / "registry", args.cpus_per_job, 1 if cuda else 0, "gpu")
-    on_cpu = slide_job(slide, work / "registry", 8, 0, "cpu8")
-    mpx = args.slide**2 / on_gpu / 1e6
-    table.add(f"slide {args.slide:,}², 30 % tissue, on {device}", f"{on_gpu:.1f} s = "
-              f"{mpx:.1f} Mpx/s", "≥ 80 Mpx/s", mpx >= 80 if gpu else None)  # fmt: skip
-    table.add("the slide on 8 CPU threads", f"{on_cpu:.1f} s: {device} {on_cpu / on_gpu:.1f}× "
-              "as fast", "≥ 8×", on_cpu / on_gpu >= 8 if gpu else None)  # fmt: skip
-    table.add(
-        f"host pipeline alone (stand-in net), {args.cpus_per_job} CPUs",
-        f"{host_pipeline(small, work / 'registry', args.cpus_per_job):,.0f} images/s",
-    )
+    if "slide" not in args.skip:
+        slide_rows(table, work, args.slide, args.cpus_per_job, device, gpu)
+    if "host" not in args.skip:
+        table.add(
+            f"host pipeline alone (stand-in net), {args.cpus_per_job} CPUs",
+            f"{host_pipeline(small, work / 'registry', args.cpus_per_job):,.0f} images/s",
+        )
+    if "compile" not in args.skip:  # last: its builds are the step a short lease can spare
+        spent = compiled_rows(table, net, decoded, 256, device, args.compile_seconds)
+        if cuda:  # (on the CPU one compilation, 1-2 min here, shows that it works)
+            compiled_rows(table, net, decoded_big, args.big_size, device,
+                          args.compile_seconds - spent)  # fmt: skip
     table.print()
     print(f"took {time.monotonic() - table.started:.0f} s; logs under {work}")
     return 0
+
+
+def slide_rows(table: Table, work: Path, size: int, cpus: int, device: str, gpu: bool) -> None:
+    """A ``size``² slide, 30 % tissue: one job on the device, one on 8 CPU threads."""
+    slide = work / "slide"
+    started = time.monotonic()
+    synth.write_slide(slide / "images" / "slide.tif", size, seed=4, tissue=0.3)
+    print(f"slide written in {time.monotonic() - started:.0f} s", flush=True)
+    cuda = device.startswith("cuda")
+    on_gpu = slide_job(slide, work / "registry", cpus, 1 if cuda else 0, "gpu")
+    on_cpu = slide_job(slide, work / "registry", 8, 0, "cpu8")
+    mpx = size**2 / on_gpu / 1e6
+    table.add(f"slide {size:,}², 30 % tissue, on {device}", f"{on_gpu:.1f} s = "
+              f"{mpx:.1f} Mpx/s", "≥ 80 Mpx/s", mpx >= 80 if gpu else None)  # fmt: skip
+    table.add("the slide on 8 CPU threads", f"{on_cpu:.1f} s: {device} {on_cpu / on_gpu:.1f}× "
+              "as fast", "≥ 8×", on_cpu / on_gpu >= 8 if gpu else None)  # fmt: skip
 
 
 if __name__ == "__main__":
