@@ -96,33 +96,6 @@ def test_a_waiting_owner_takes_the_slot_of_a_job_about_to_end_instead_of_stoppin
     assert not preempts(ann(-2.0, 300.0), bob(5))  # just due: about to end
 
 
-def test_a_shard_that_has_not_said_when_it_ends_is_expected_at_the_pace_of_its_ended_siblings(
-) -> None:  # fmt: skip
-    """Ann's shards 1 and 2 ended on their first attempt in 20 s for 100 images each; shards 3
-    and 4 went out 8 s ago and have done no image yet. At that pace they end in about 12 s,
-    within the grace of Bob's job: nothing is stopped. At a pace of 60 s a shard, or once the
-    ended shards are only retried ones, their end is not known and one yields."""
-
-    def ann(seconds: float, attempts: int = 1) -> BatchView:
-        ended = tuple(replace(job(i, JobState.SUCCEEDED), images=100, attempts=attempts,
-                              submitted_at=NOW - 100.0, finished_at=NOW - 100.0 + seconds)
-                      for i in (1, 2))  # fmt: skip
-        running = tuple(replace(job(i, JobState.RUNNING), images=100, submitted_at=NOW - 8.0)
-                        for i in (3, 4))  # fmt: skip
-        return BatchView(owned(1, "ann"), manifest(), ended + running)
-
-    bob = BatchView(owned(2, "bob", BatchState.QUEUED), manifest(),
-                    (replace(job(9, JobState.PENDING, batch_id=2, attempts=0),
-                             created_at=NOW - 2.0),))  # fmt: skip
-
-    def preempts(view: BatchView) -> bool:
-        return any(isinstance(a, Preempt) for a in plan(snapshot(view, bob, free=0)))
-
-    assert not preempts(ann(20.0))
-    assert preempts(ann(60.0))
-    assert preempts(ann(20.0, attempts=2))
-
-
 def test_a_slot_freed_while_another_owners_batch_is_planned_waits_one_round_for_it() -> None:
     ann = BatchView(owned(1, "ann"), manifest(),
                     (job(1, JobState.RUNNING), job(2, JobState.PENDING)))  # fmt: skip

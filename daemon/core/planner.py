@@ -8,7 +8,6 @@ job after the last shard succeeded) is taken on the next tick.
 from __future__ import annotations
 
 import json
-import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
@@ -550,8 +549,7 @@ def fair_turns(snapshot: Snapshot, pending: Sequence[Job], held_back: int = 0) -
     for job in pending:  # the grace less what the subject's longest-waiting job has waited
         left = accounts.preempt_grace - (snapshot.now - job.created_at)
         patience[subject_of(job)] = min(patience.get(subject_of(job), left), left)
-    pace = _pace(snapshot)
-    due = {j.id: eta for j in live if (eta := _due(j, snapshot.now, pace)) is not None}
+    due = {j.id: eta for j in live if (eta := _due(j, snapshot.now)) is not None}
     return fairshare.share_out(
         pending, live, subject_of, stakes, free,
         preempt=accounts.preempt and not held_back, served=served, patience=patience, due=due,
@@ -561,32 +559,13 @@ def fair_turns(snapshot: Snapshot, pending: Sequence[Job], held_back: int = 0) -
 OVERDUE_SECONDS = 10.0  # a job this far past the end it expected: when it ends is not known
 
 
-def _pace(snapshot: Snapshot) -> dict[tuple[int, int], float]:
-    """Seconds per image, submission to end, of each batch's stage, from its inference jobs that
-    ended on their first attempt (the median): how long a shard of it takes, start-up and
-    queueing included."""
-    found: dict[tuple[int, int], list[float]] = {}
-    for view in snapshot.batches:
-        for job in view.jobs:
-            if (job.state is JobState.SUCCEEDED and job.attempts == 1 and job.images > 0
-                    and job.submitted_at is not None and job.finished_at is not None):  # fmt: skip
-                per_image = (job.finished_at - job.submitted_at) / job.images
-                found.setdefault((job.batch_id, job.stage), []).append(per_image)
-    return {key: statistics.median(values) for key, values in found.items()}
-
-
-def _due(job: Job, now: float, pace: Mapping[tuple[int, int], float]) -> float | None:
-    """The seconds a job expects to run still: as its progress file last said (the job's own
-    pace on this attempt, start-up left out), or, before it has said (no image done yet), at
-    the pace of the shards of its batch's stage that ended (:func:`_pace`), from its
-    submission. None when neither is known (not inference, a first shard) or the end is past
-    by more than OVERDUE_SECONDS."""
-    end = job.due_at
-    if end is None and (job.batch_id, job.stage) in pace and job.submitted_at is not None:
-        end = job.submitted_at + pace[(job.batch_id, job.stage)] * job.images
-    if end is None or end < now - OVERDUE_SECONDS:
+def _due(job: Job, now: float) -> float | None:
+    """The seconds a job expects to run still, as its progress file last said (the job's own
+    pace on this attempt, start-up left out); None when that is not known: no image done yet,
+    not inference, or overdue by more than OVERDUE_SECONDS."""
+    if job.due_at is None or job.due_at < now - OVERDUE_SECONDS:
         return None
-    return max(0.0, end - now)
+    return max(0.0, job.due_at - now)
 
 
 def _submissions(pending: Sequence[Job], snapshot: Snapshot, held_back: int) -> list[Action]:
