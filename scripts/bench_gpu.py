@@ -30,7 +30,7 @@ In order:
 ``--quick`` runs the same steps at small sizes on whatever device there is: the check that the
 script works, on a machine without a GPU (the targets are then not judged).
 
-    PYTHONPATH=/tmp/site python3 scripts/bench_gpu.py [--old ../wt-base]
+    PYTHONPATH=/tmp/site:$PWD python3 scripts/bench_gpu.py [--old ../wt-base]
     .venv/bin/python scripts/bench_gpu.py --quick
 """
 
