@@ -178,6 +178,13 @@ class _Slot:
             self.confidences = torch.empty(count, dtype=torch.float64).pin_memory()
 
 
+def _landed(slot: _Slot, tag: Any, count: int, shape: tuple[int, ...]) -> Result:
+    """A batch back from the GPU: views of its masks and confidences in ``slot``'s pinned
+    buffers (valid until the slot takes another batch)."""
+    masks = slot.masks[: count * math.prod(shape)].numpy().reshape(count, *shape)
+    return tag, masks, slot.confidences[:count].numpy()
+
+
 class DeviceStage:
     """The net on its device: batches of whole images in, (masks, confidences) out."""
 
@@ -344,11 +351,10 @@ class DeviceStage:
         """The oldest batch in flight, waited for and copied out of its pinned buffers into
         :attr:`ready`: its slot is about to take another batch (the main process submitted
         more batches than :data:`IN_FLIGHT` between two :meth:`done`)."""
-        slot, tag, count, shape = self.in_flight.popleft()
-        slot.event.synchronize()
-        pixels = math.prod(shape)
-        masks = slot.masks[: count * pixels].numpy().reshape(count, *shape).copy()
-        self.ready.append((tag, masks, slot.confidences[:count].numpy().copy()))
+        flight = self.in_flight.popleft()
+        flight[0].event.synchronize()
+        tag, masks, confidences = _landed(*flight)
+        self.ready.append((tag, masks.copy(), confidences.copy()))
 
     def done(self, wait: bool = False) -> list[Result]:
         """The results back from the device, in the order submitted; ``wait``: at least one
@@ -356,15 +362,12 @@ class DeviceStage:
         found = list(self.ready)
         self.ready.clear()
         while self.in_flight:
-            slot, tag, count, shape = self.in_flight[0]
+            slot = self.in_flight[0][0]
             if not slot.event.query():
                 if not wait or found:
                     break
                 slot.event.synchronize()
-            self.in_flight.popleft()
-            pixels = math.prod(shape)
-            masks = slot.masks[: count * pixels].numpy().reshape(count, *shape)
-            found.append((tag, masks, slot.confidences[:count].numpy()))
+            found.append(_landed(*self.in_flight.popleft()))
         return found
 
     @property
