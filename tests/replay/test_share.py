@@ -3,7 +3,8 @@ own on 127.0.0.1 serves a folder, mounted with NFS-like caching): the batch is w
 server side, as an instrument PC writes to the share, so no inotify event reaches the daemon,
 which watches the mount with ``observer = "auto"`` (it polls there) and writes its results
 through it. ``scripts/test`` starts the share before pytest; run on their own, these tests
-start it (and stop it at the end). They skip only where it cannot run: not root, or no apt-get.
+start it, and stop it at the end unless pytest-xdist runs them (another worker may still use
+it). They skip only where it cannot run: not root, or no apt-get.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +74,8 @@ def share() -> Iterator[Share]:
     started = netshare("start")
     assert started.returncode == 0, started.stderr
     yield Share(SHARE_DIR / "server", SHARE_DIR / "mount")
-    if not was_up:
+    # Under pytest-xdist another worker may still be using it (tests/replay/test_fuzz.py): left up.
+    if not was_up and "PYTEST_XDIST_WORKER" not in os.environ:
         netshare("stop")
 
 
@@ -82,10 +85,18 @@ def share_root(share: Share) -> Iterator[tuple[Path, Path]]:
     name = f"drop {uuid.uuid4().hex[:8]} 'q'"
     server = share.server / name
     server.mkdir()
+    log = SHARE_DIR / "sshfs.log"  # how each sshfs ended (scripts/netshare's keeper)
+    seen = log.stat().st_size if log.exists() else 0
     yield server, share.mount / name
     if netshare("status").returncode != 0:
         share.back()
     shutil.rmtree(server, ignore_errors=True)
+    if log.exists():
+        with log.open("rb") as ended:
+            ended.seek(seen)
+            died = [line for line in ended.read().decode().splitlines() if "by itself" in line]
+        if died:  # mounted again by the keeper; said, so that a crash of sshfs is not hidden
+            warnings.warn(f"the test share's sshfs died during this test: {died}", stacklevel=1)
 
 
 @pytest.fixture
