@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import uuid
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,18 +84,10 @@ def share_root(share: Share) -> Iterator[tuple[Path, Path]]:
     name = f"drop {uuid.uuid4().hex[:8]} 'q'"
     server = share.server / name
     server.mkdir()
-    log = SHARE_DIR / "sshfs.log"  # how each sshfs ended (scripts/netshare's keeper)
-    seen = log.stat().st_size if log.exists() else 0
     yield server, share.mount / name
     if netshare("status").returncode != 0:
         share.back()
     shutil.rmtree(server, ignore_errors=True)
-    if log.exists():
-        with log.open("rb") as ended:
-            ended.seek(seen)
-            died = [line for line in ended.read().decode().splitlines() if "by itself" in line]
-        if died:  # mounted again by the keeper; said, so that a crash of sshfs is not hidden
-            warnings.warn(f"the test share's sshfs died during this test: {died}", stacklevel=1)
 
 
 @pytest.fixture
