@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,21 +19,47 @@ AWKWARD = "drop röot 'q' \"dq\""  # spaces, quotes and non-ASCII in every drop 
 
 # Tests that share one machine-wide thing run one after another on one pytest-xdist worker
 # (scripts/test runs ``-n 2 --dist loadgroup``): the one-node Slurm cluster, whose two CPUs a
-# second worker's jobs would queue behind, and the sshfs test share, whose attribute cache the
-# share tests time their scenarios against.
+# second worker's jobs would queue behind, and the sshfs test share (every test that uses it),
+# whose attribute cache the share tests time their scenarios against and which one of them
+# takes away and brings back.
 # A module's tests that use one of its module-scoped fixtures share a worker too: each worker
 # would otherwise build the fixture again (the bad-input catalogue's one daemon run, 3 minutes).
 SHARED_BY_FOLDER = {"slurm": "slurm-cluster"}
 SHARED_BY_FILE = {"test_share.py": "test-share"}
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# A wrapper, first: the markers are set before pytest-xdist's hook of the same name reads them
+# (it suffixes each test's id with its group, which is what its scheduler goes by). pytest 9.2
+# keeps a test's id where pytest-xdist 3.8 writes the group: the groups were then silently
+# split over both workers (the share's outage test ran beside another share test: ENOTCONN in
+# CI; each module fixture was built twice). pyproject.toml pins pytest below 9.2, and the
+# controller checks that the groups took (below).
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_collection_modifyitems(
+    items: list[pytest.Item],
+) -> Iterator[None]:
     for item in items:
         group = SHARED_BY_FILE.get(item.path.name) or SHARED_BY_FOLDER.get(item.path.parent.name)
+        if group is None and "share" in getattr(item, "fixturenames", ()):
+            group = SHARED_BY_FILE["test_share.py"]  # elsewhere, on the share (test_fuzz.py)
         if group is None and _uses_a_module_fixture(item):
             group = f"module-fixture:{item.path.relative_to(REPO)}"
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+    yield
+
+
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    """On the controller, as each worker reports what it collected: fail unless the groups
+    took (the Slurm tests always have one)."""
+    if node.config.getoption("dist") != "loadgroup":
+        return
+    for nodeid in ids:
+        if nodeid.startswith("tests/slurm/") and "@" not in nodeid:
+            raise pytest.UsageError(
+                f"pytest-xdist did not apply the test groups ({nodeid} has none): this pytest "
+                "and pytest-xdist do not work together (see pyproject.toml's pins)"
+            )
 
 
 def _uses_a_module_fixture(item: pytest.Item) -> bool:
