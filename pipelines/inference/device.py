@@ -343,7 +343,9 @@ class DeviceStage:
             sure = (2 * probabilities - 1).abs().sum(dim=(1, 2), dtype=torch.float64) / pixels
             slot.masks[: count * pixels].view(count, *shape).copy_(masks, non_blocking=True)
             slot.confidences[:count].copy_(sure, non_blocking=True)
-            slot.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            # blocking: a wait on it sleeps instead of spinning (CUDA's default with more
+            # cores than GPUs), leaving the core to the job's workers
+            slot.event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
             slot.event.record(self.stream)
         self.in_flight.append((slot, tag, count, shape))
 
