@@ -3,8 +3,7 @@ own on 127.0.0.1 serves a folder, mounted with NFS-like caching): the batch is w
 server side, as an instrument PC writes to the share, so no inotify event reaches the daemon,
 which watches the mount with ``observer = "auto"`` (it polls there) and writes its results
 through it. ``scripts/test`` starts the share before pytest; run on their own, these tests
-start it, and stop it at the end unless pytest-xdist runs them (another worker may still use
-it). They skip only where it cannot run: not root, or no apt-get.
+start it (and stop it at the end). They skip only where it cannot run: not root, or no apt-get.
 """
 
 from __future__ import annotations
@@ -73,8 +72,7 @@ def share() -> Iterator[Share]:
     started = netshare("start")
     assert started.returncode == 0, started.stderr
     yield Share(SHARE_DIR / "server", SHARE_DIR / "mount")
-    # Under pytest-xdist another worker may still be using it (tests/replay/test_fuzz.py): left up.
-    if not was_up and "PYTEST_XDIST_WORKER" not in os.environ:
+    if not was_up:
         netshare("stop")
 
 
