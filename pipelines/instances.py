@@ -114,11 +114,13 @@ def cut_lines(labels: np.ndarray, split_neck: float) -> np.ndarray | None:
     found = _cut_filled(filled, count, split_neck)
     if found is not None:
         gaps[around] = found[1:-1, 1:-1] & inside[1:-1, 1:-1]
-    boxes = ndimage.find_objects(labels)
-    for index in np.flatnonzero(np.isin(shape_of, crowded)):
-        alone = cut_lines((labels[boxes[index - 1]] == index).astype(labels.dtype), split_neck)
-        if alone is not None:
-            gaps[boxes[index - 1]] |= alone
+    if len(crowded):  # the boxes cost a pass over the image: only for those that need them
+        boxes = ndimage.find_objects(labels)
+        for index in np.flatnonzero(np.isin(shape_of, crowded)):
+            alone = cut_lines((labels[boxes[index - 1]] == index).astype(labels.dtype),
+                              split_neck)  # fmt: skip
+            if alone is not None:
+                gaps[boxes[index - 1]] |= alone
     return gaps if gaps.any() else None
 
 
