@@ -106,7 +106,7 @@ def _infer(spec: JobSpec, batch: HeldFolder, run: HeldFolder, work: HeldFolder) 
     params = inference_params(spec.params)
     items = [item for item in spec.inputs if item.role is Role.IMAGE]
     masks = MaskFolders(run)
-    started, cpu_started = time.monotonic(), _cpu_seconds()
+    started, cpu_started, main_started = time.monotonic(), _cpu_seconds(), _cpu_seconds(False)
     rules = Rules(int(params["min_object_area"]), float(params["split_neck"]),
                   durable.each_file(run.fd))
     cpus = max(1, spec.resources.cpus)
@@ -171,6 +171,11 @@ def _infer(spec: JobSpec, batch: HeldFolder, run: HeldFolder, work: HeldFolder) 
         },
         "seconds_per_image": round((time.monotonic() - started) / max(len(rows), 1), 4),
         "cpu_seconds_per_image": round((_cpu_seconds() - cpu_started) / max(len(rows), 1), 4),
+        # of which this process's (steering, the device stage, the committer): on a GPU, the
+        # share no worker can take over
+        "main_cpu_seconds_per_image": round(
+            (_cpu_seconds(False) - main_started) / max(len(rows), 1), 4
+        ),
     }
 
 
@@ -205,14 +210,14 @@ def _progress_file(
     return say
 
 
-def _cpu_seconds() -> float:
-    """CPU time of this process and its ended children (the workers, once joined): on a
-    shared machine it shows the work done, whatever else competes for the cores."""
-    own, children = (
-        resource.getrusage(resource.RUSAGE_SELF),
-        resource.getrusage(resource.RUSAGE_CHILDREN),
-    )
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+def _cpu_seconds(children: bool = True) -> float:
+    """CPU time of this process and (``children``) its ended children (the workers, once
+    joined): on a shared machine it shows the work done, whatever else competes for the
+    cores."""
+    used = [resource.getrusage(resource.RUSAGE_SELF)]
+    if children:
+        used.append(resource.getrusage(resource.RUSAGE_CHILDREN))
+    return sum(usage.ru_utime + usage.ru_stime for usage in used)
 
 
 if __name__ == "__main__":

@@ -76,10 +76,15 @@ class Run:
     wall_s: float
     images_s: float  # over the images alone (the job's own seconds_per_image)
     cpu_ms_per_image: float  # the job's and its workers' CPU time, over its images alone
+    main_ms_per_image: float | None  # of which the job's main process (None: not reported)
 
     @property
     def whole_rate(self) -> float:
         return self.images / self.wall_s
+
+
+def _ms(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"
 
 
 def spec_for(code: Path, spec: JobSpec) -> tuple[Path, str]:
@@ -196,21 +201,24 @@ def main() -> int:
                 )  # fmt: skip
                 wall, result = run_job(code, batch_dir, spec, cpus, cores[:cpus])
                 summary = result.summary
+                main_s = summary.get("main_cpu_seconds_per_image")
                 run = Run(name, cpus, summary["segmented"], wall, 1 / summary["seconds_per_image"],
-                          1000 * summary["cpu_seconds_per_image"])  # fmt: skip
+                          1000 * summary["cpu_seconds_per_image"],
+                          None if main_s is None else 1000 * main_s)  # fmt: skip
                 runs.append(run)
                 print(f"round {round_ + 1}: {name}, {cpus} CPU(s): {wall:.1f} s, "
                       f"{run.whole_rate:.0f} images/s whole job, {run.images_s:.0f} over its "
-                      f"images, {run.cpu_ms_per_image:.2f} CPU-ms per image, "
+                      f"images, {run.cpu_ms_per_image:.2f} CPU-ms per image "
+                      f"({_ms(run.main_ms_per_image)} in the main process), "
                       f"load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
                 if round_ == 0 and cpus == 2 and name != CUT:
                     keep(batch_dir, work / f"kept-{name}")
     print()
     print(
         "| code | CPUs | images/s, whole job | images/s, its images | per CPU (whole job) "
-        "| CPU-ms per image |"
+        "| CPU-ms per image | of which the main process |"
     )
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     rate: dict[tuple[str, int], tuple[float, float]] = {}
     for name, _, _ in codes:
         for cpus in (1, 2):
@@ -219,9 +227,10 @@ def main() -> int:
             inner = statistics.median(r.images_s for r in mine)
             rate[name, cpus] = (whole, inner)
             cpu = statistics.median(r.cpu_ms_per_image for r in mine)
-            print(
-                f"| {name} | {cpus} | {whole:.0f} | {inner:.0f} | {whole / cpus:.0f} | {cpu:.2f} |"
-            )
+            main_ms = [r.main_ms_per_image for r in mine if r.main_ms_per_image is not None]
+            main_ms_at = statistics.median(main_ms) if main_ms else None
+            print(f"| {name} | {cpus} | {whole:.0f} | {inner:.0f} | {whole / cpus:.0f} | "
+                  f"{cpu:.2f} | {_ms(main_ms_at)} |")  # fmt: skip
     print()
     for label, at in (("whole job", 0), ("its images", 1)):
         scaling = rate["new", 2][at] / rate["new", 1][at]
