@@ -99,12 +99,15 @@ def cut_lines(labels: np.ndarray, split_neck: float) -> np.ndarray | None:
     padded = np.zeros((around[0].stop - around[0].start + 2, around[1].stop - around[1].start + 2),
                       dtype=labels.dtype)  # fmt: skip
     padded[1:-1, 1:-1] = labels[around]  # beyond the objects' box: background, as the edge
-    background, _ = ndimage.label(padded == 0)  # 4-connected, as binary_fill_holes fills
-    filled = (background != background[0, 0]).view(np.int8)
-    count = 1 if labels.max() == 1 else 0  # one object: its filled shape is the one shape
-    if not count:
-        filled, count = ndimage.label(filled, structure=EIGHT)
+    background, pieces = ndimage.label(padded == 0)  # 4-connected, as binary_fill_holes fills
     inside = padded > 0
+    if pieces == 1:  # no holes: each filled shape is its object, with the object's id
+        filled, count = padded, int(labels.max())
+    else:
+        filled = (background != background[0, 0]).view(np.int8)
+        count = 1 if labels.max() == 1 else 0  # one object: its filled shape is the one shape
+        if not count:
+            filled, count = ndimage.label(filled, structure=EIGHT)
     shape_of = np.zeros(int(labels.max()) + 1, dtype=np.int64)
     shape_of[padded[inside]] = filled[inside]
     crowded = np.flatnonzero(np.bincount(shape_of[1:], minlength=count + 1) > 1)
