@@ -51,6 +51,18 @@ def test_a_link_planted_as_the_file_is_replaced_not_followed(batch: Path) -> Non
     assert not (batch / "summary.json").is_symlink()
 
 
+def test_a_folder_planted_as_the_file_is_refused_naming_it_and_left_as_it_was(batch: Path) -> None:
+    """Looked for only once the rename onto it failed: the temporary file goes again."""
+    (batch / "masks" / "a.png").mkdir(parents=True)
+    (batch / "masks" / "a.png" / "inside.txt").write_text("theirs")
+    with HeldFolder.open(batch) as held, pytest.raises(UnsafeEntry) as caught:
+        held.write_bytes("masks/a.png", b"mask")
+    assert "masks/a.png" in str(caught.value) and "is a folder, not a file" in str(caught.value)
+    assert caught.value.folder == batch
+    assert sorted(p.name for p in (batch / "masks").iterdir()) == ["a.png"]
+    assert (batch / "masks" / "a.png" / "inside.txt").read_text() == "theirs"
+
+
 @pytest.mark.parametrize("planted", ["link", "fifo", "hardlink"])
 def test_appending_never_opens_a_planted_link_fifo_or_hard_link(batch: Path, planted: str) -> None:
     secret = batch.parent.parent / "outside" / "secret.txt"

@@ -221,13 +221,12 @@ class HeldFolder:
     @contextlib.contextmanager
     def writer(self, relative: str | PurePosixPath, *, fsync: bool = True) -> Iterator[IO[bytes]]:
         """Yield a file whose content replaces ``relative`` when the block exits cleanly; the
-        folders on the way are made. A folder, FIFO or link planted at the name is refused."""
+        folders on the way are made. A link or FIFO planted at the name is replaced, never
+        followed or opened; a folder planted there is refused (:class:`UnsafeEntry`), and is
+        looked for only when the rename onto it fails: a write asks the filesystem for no more
+        than its create and its rename."""
         *above, name = parts_of(relative)
         with self._writing(), self._parent(above, create=True) as parent:
-            existing = _lstat_or_none(name, parent.fd)
-            if existing is not None and stat.S_ISDIR(existing.st_mode):
-                with self._located():
-                    raise UnsafeEntry(errno.EISDIR, str(relative), "is a folder, not a file")
             tmp = temporary_name()
             fd = os.open(tmp, _NEW_FLAGS, 0o666, dir_fd=parent.fd)
             try:
@@ -236,7 +235,16 @@ class HeldFolder:
                     handle.flush()
                     if fsync:
                         os.fsync(handle.fileno())
-                os.rename(tmp, name, src_dir_fd=parent.fd, dst_dir_fd=parent.fd)
+                try:
+                    os.rename(tmp, name, src_dir_fd=parent.fd, dst_dir_fd=parent.fd)
+                except OSError:  # EISDIR here; sshfs says only EPERM: is a folder there?
+                    existing = _lstat_or_none(name, parent.fd)
+                    if existing is not None and stat.S_ISDIR(existing.st_mode):
+                        with self._located():
+                            raise UnsafeEntry(
+                                errno.EISDIR, str(relative), "is a folder, not a file"
+                            ) from None
+                    raise
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp, dir_fd=parent.fd)
