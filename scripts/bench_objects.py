@@ -1,8 +1,9 @@
 """Benchmark: the object step (:mod:`pipelines.instances`, touching objects cut apart) alone,
 in CPU-ms per image, the old code's against this tree's, in one process, on the masks that
 ``scripts/bench_host.py``'s stand-in job makes (a synthetic image's pixels brighter than
-mid-grey: the droplet's bright rim, arcs and specks, the hard case), and on the true masks of
-touching spheroids (the case the step is for).
+mid-grey: the droplet's bright rim, arcs and specks, the hard case), on the true masks of
+the same images (what a trained net draws), and on the true masks of touching spheroids (the
+case the step is for).
 
     .venv/bin/python scripts/bench_objects.py --old ../wt-base/pipelines/instances.py \\
         [--images 300] [--rounds 5]
@@ -49,14 +50,19 @@ def standin_masks(count: int, size: int) -> list[np.ndarray]:
     return masks
 
 
+def true_masks(count: int, size: int) -> list[np.ndarray]:
+    """The true masks of bench_host's images: spheroids as a trained net outlines them."""
+    return [synth.sample(11, index, size).mask for index in range(count)]
+
+
 def touching_masks(count: int, size: int) -> list[np.ndarray]:
     """The true masks of synthetic images where two spheroids touch."""
     return [synth.sample(11, index, size, Look(touching=1.0)).mask for index in range(count)]
 
 
-def load(path: Path) -> ModuleType:
-    """The old code's instances module, from its file, under a name of its own."""
-    spec = importlib.util.spec_from_file_location("old_instances", path)
+def load(path: Path, name: str = "old_instances") -> ModuleType:
+    """The old code's module (here: instances) from its file, under a name of its own."""
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise SystemExit(f"cannot load {path}")
     module = importlib.util.module_from_spec(spec)
@@ -108,6 +114,7 @@ def main() -> int:
           "new | old / new | labels equal |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- |")
     compare(f"stand-in {args.size}²", standin_masks(args.images, args.size), old, args.rounds)
+    compare(f"true masks {args.size}²", true_masks(args.images, args.size), old, args.rounds)
     compare("touching spheroids 96²", touching_masks(args.images, 96), old, args.rounds)
     print()
     print(f"medians of {args.rounds} rounds; load {os.getloadavg()[0]:.2f} at the end")
