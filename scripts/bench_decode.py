@@ -13,7 +13,6 @@ image (they must be: a mask depends on them).
 
 from __future__ import annotations
 
-import argparse
 import io
 import os
 import statistics
@@ -28,7 +27,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import synth
-from bench_objects import load
+from bench_objects import old_against_new
 
 from pipelines import images
 
@@ -66,14 +65,7 @@ def compare(name: str, files: list[bytes], old: ModuleType, rounds: int) -> None
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--old", type=Path, required=True,
-                        help="the old code's pipelines/images.py")  # fmt: skip
-    parser.add_argument("--images", type=int, default=300)
-    parser.add_argument("--size", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=7)
-    args = parser.parse_args()
-    old = load(args.old, "old_images")
+    args, old = old_against_new(__doc__, "images", rounds=7)
     drawn = [synth.sample(11, index, args.size).image for index in range(args.images)]
     print(f"old: {args.old.resolve()}; new: {images.__file__}; {args.images} images "
           f"{args.size}²; load {os.getloadavg()[0]:.2f}")  # fmt: skip

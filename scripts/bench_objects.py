@@ -60,8 +60,8 @@ def touching_masks(count: int, size: int) -> list[np.ndarray]:
     return [synth.sample(11, index, size, Look(touching=1.0)).mask for index in range(count)]
 
 
-def load(path: Path, name: str = "old_instances") -> ModuleType:
-    """The old code's module (here: instances) from its file, under a name of its own."""
+def load(path: Path, name: str) -> ModuleType:
+    """The old code's module from its file, under a name of its own."""
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise SystemExit(f"cannot load {path}")
@@ -96,15 +96,21 @@ def compare(name: str, masks: list[np.ndarray], old: ModuleType, rounds: int) ->
           f"{before / after:.1f} | {equal} of {len(masks)} |", flush=True)  # fmt: skip
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def old_against_new(doc: str, module: str, rounds: int) -> tuple[argparse.Namespace, ModuleType]:
+    """The arguments of a benchmark of one module, old against new (``--old`` its file,
+    ``--images``, ``--size``, ``--rounds``), and the old module loaded."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--old", type=Path, required=True,
-                        help="the old code's pipelines/instances.py")  # fmt: skip
+                        help=f"the old code's pipelines/{module}.py")  # fmt: skip
     parser.add_argument("--images", type=int, default=300)
     parser.add_argument("--size", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=rounds)
     args = parser.parse_args()
-    old = load(args.old)
+    return args, load(args.old, f"old_{module}")
+
+
+def main() -> int:
+    args, old = old_against_new(__doc__, "instances", rounds=5)
     print(
         f"old: {args.old.resolve()}; new: {instances.__file__}; split_neck "
         f"{INFERENCE.split_neck}, min_area {MIN_AREA}; load {os.getloadavg()[0]:.2f}"
