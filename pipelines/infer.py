@@ -42,12 +42,20 @@ import resource
 import time
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from daemon.contract.heldfolder import HeldFolder
-from daemon.contract.jobspec import JOBS_DIR, PROGRESS_FILE, JobSpec, Pipeline, Role
+from daemon.contract.jobspec import (
+    JOBS_DIR,
+    PROGRESS_FILE,
+    InputFile,
+    JobSpec,
+    Pipeline,
+    Problem,
+    Role,
+)
 from daemon.contract.names import inference_params
 from daemon.contract.version import code_version
 from pipelines.inference import durable
@@ -55,12 +63,13 @@ from pipelines.inference.device import DeviceStage, load_model
 from pipelines.inference.finish import MaskFolders, Rules
 from pipelines.inference.placement import choose_device
 from pipelines.inference.pool import Setup, Workers
-from pipelines.inference.slides import Slides
 from pipelines.inference.stages import Committer, Stages, chunk_images
 from pipelines.job import InputError, log, run_folder, run_job, work_folder
-from pipelines.layout import PARTS_DIR, ledger_name, table_csv, table_name
+from pipelines.layout import PARTS_DIR, job_region, ledger_name, table_csv, table_name
 from pipelines.ledger import Ledger
-from pipelines.tiles import job_region
+
+if TYPE_CHECKING:
+    from pipelines.inference.slides import Slides
 
 _PROGRESS_EVERY_S = 30.0
 _PROGRESS_SAY_S = 5.0
@@ -131,17 +140,28 @@ def _infer(spec: JobSpec, batch: HeldFolder, run: HeldFolder, work: HeldFolder) 
         device = DeviceStage(net, where, float(params["threshold"]), rules)
         progress = Progress(len(todo), _progress_file(spec, work, len(items)), len(resumed))
         committer = Committer(run, ledger, progress.tick, rules.fsync_each, provenance)
-        slides = Slides(batch, masks, work, device, params, provenance, committer.add, cpus)
+        region = job_region(spec.params)
+        slides: list[Slides] = []  # made for the first image too large to decode whole
+
+        def tiled(item: InputFile) -> list[Problem]:
+            """Segment ``item`` window by window (or this job's region of it): the code for
+            large images (zarr, the window readers: 0.2–0.3 s of imports) is imported then."""
+            if not slides:
+                from pipelines.inference.slides import Slides
+
+                slides.append(Slides(batch, masks, work, device, params, provenance,
+                                     committer.add, cpus))  # fmt: skip
+            return slides[0].tiled(item) if region is None else slides[0].region(item, *region)
+
         try:
-            region = job_region(spec.params)
-            tiled = slides.tiled if region is None else lambda item: slides.region(item, *region)
             wanted = where.batch_size or _FIRST_GPU_BATCH
             problems = Stages(todo, workers, device, committer, tiled,
                               region is None or region[0] == 0,
                               chunk_images(wanted, cpus)).run()  # fmt: skip
         finally:
             workers.close()
-            slides.close()
+            for made in slides:
+                made.close()
             committer.close()
         rows = committer.rows
     finally:

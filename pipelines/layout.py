@@ -137,6 +137,14 @@ def image_stats(
     }
 
 
+def job_region(params: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(index, count) of the region a job segments of its one image (its ``region`` param,
+    set by the daemon for a slide split across jobs: its ``regions/`` above), or None: whole
+    images."""
+    region = params.get("region")
+    return None if region is None else (int(region["index"]), int(region["count"]))
+
+
 def objects_table_name(input_path: str) -> str:
     return f"{OBJECTS_DIR}/{input_path}.csv"
 

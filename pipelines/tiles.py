@@ -529,13 +529,6 @@ def tiled_row(result: TiledResult) -> dict[str, Any]:
             "windows_run": result.windows_run, "windows_glass": result.windows_glass}  # fmt: skip
 
 
-def job_region(params: Mapping[str, Any]) -> tuple[int, int] | None:
-    """(index, count) of the region a job segments of its one image (its ``region`` param,
-    set by the daemon for a slide split across jobs), or None: whole images."""
-    region = params.get("region")
-    return None if region is None else (int(region["index"]), int(region["count"]))
-
-
 def window_cache_rows(params: Mapping[str, Any]) -> int:
     """Rows of the input the window-by-window reader keeps decoded: a window's and two tiles."""
     return int(params["tile_size"]) + 2 * TILE
