@@ -237,7 +237,7 @@ class HeldFolder:
                         os.fsync(handle.fileno())
                 try:
                     os.rename(tmp, name, src_dir_fd=parent.fd, dst_dir_fd=parent.fd)
-                except OSError:  # EISDIR here; sshfs says only EPERM: is a folder there?
+                except OSError:  # EISDIR (sshfs too), or what another filesystem says
                     existing = _lstat_or_none(name, parent.fd)
                     if existing is not None and stat.S_ISDIR(existing.st_mode):
                         with self._located():
