@@ -150,7 +150,7 @@ def _infer(spec: JobSpec, batch: HeldFolder, run: HeldFolder, work: HeldFolder) 
                 from pipelines.inference.slides import Slides
 
                 slides.append(Slides(batch, masks, work, device, params, provenance,
-                                     committer.add, cpus))  # fmt: skip
+                                     committer.add, cpus, workers))  # fmt: skip
             return slides[0].tiled(item) if region is None else slides[0].region(item, *region)
 
         try:

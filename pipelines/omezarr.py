@@ -22,8 +22,9 @@ report reads the overview and the matching label level back the same way
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future
 from typing import Any
 
@@ -260,11 +261,18 @@ class RowWriter:
         self._wait()
 
 
+# a pass over chunks of the label image, done elsewhere (the job's workers, side by side):
+# (level made: 0 from the ids, n from level n - 1; its chunks (row, column) to make)
+Passes = Callable[[int, list[tuple[int, int]]], None]
+
+
 class LabelImage:
     """An OME-Zarr label image made from provisional ids: :meth:`relabelled` maps each stored
     chunk through a lookup table to the final object ids; :meth:`finish` builds the lower
     levels from the level above (only where something is stored) and writes the overview and
-    the metadata. No pass holds more than a few chunks."""
+    the metadata. No pass holds more than a few chunks. The passes over chunks
+    (:func:`relabel_chunks`, :func:`halve_chunks`) may run in other processes, each on chunks
+    of its own, on the arrays they open (:func:`label_levels`)."""
 
     def __init__(self, folder: HeldFolder, height: int, width: int, name: str = "") -> None:
         self.store = FolderStore(folder)
@@ -280,25 +288,24 @@ class LabelImage:
 
     def relabelled(self, ids: Any, chunks: Iterable[tuple[int, int]], lookup: np.ndarray) -> None:
         """Level 0's ``chunks`` from the provisional ``ids`` through ``lookup`` (0: none)."""
-        for row, col in sorted(chunks):
-            ys = slice(row * CHUNK, (row + 1) * CHUNK)
-            xs = slice(col * CHUNK, (col + 1) * CHUNK)
-            self.levels[0][ys, xs] = lookup[ids[ys, xs]].astype(np.uint32)
-            self.stored.add((row, col))
+        chunks = sorted(chunks)
+        relabel_chunks(self.levels[0], ids, chunks, lookup)
+        self.stored.update(chunks)
 
-    def finish(self, overview: np.ndarray, step: int) -> None:
-        """The lower levels, the overview image (the input sampled every ``step`` pixels) and
-        the NGFF metadata."""
+    def made(self, chunks: Iterable[tuple[int, int]]) -> None:
+        """Level 0's ``chunks``, made by :func:`relabel_chunks` in another process."""
+        self.stored.update(chunks)
+
+    def finish(self, overview: np.ndarray, step: int, passes: Passes | None = None) -> None:
+        """The lower levels (each by ``passes`` where given, else here), the overview image
+        (the input sampled every ``step`` pixels) and the NGFF metadata."""
         stored = self.stored
         for number in range(1, len(self.levels)):
-            above, level = self.levels[number - 1], self.levels[number]
             stored = {(row // 2, col // 2) for row, col in stored}
-            for row, col in sorted(stored):
-                ys = slice(2 * row * CHUNK, 2 * (row + 1) * CHUNK)
-                xs = slice(2 * col * CHUNK, 2 * (col + 1) * CHUNK)
-                block = above[ys, xs][::2, ::2]
-                level[row * CHUNK : row * CHUNK + len(block),
-                      col * CHUNK : col * CHUNK + block.shape[1]] = block  # fmt: skip
+            if passes is None:
+                halve_chunks(self.levels[number - 1], self.levels[number], sorted(stored))
+            else:
+                passes(number, sorted(stored))
         self._write_overview(overview, step)
         self.labels.attrs.update(
             multiscales=[_multiscale(LABEL_NAME, self.shapes, 1.0)],
@@ -321,6 +328,43 @@ class LabelImage:
 
     def close(self) -> None:
         self.store.close()
+
+
+def relabel_chunks(
+    level: Any, ids: Any, chunks: Iterable[tuple[int, int]], lookup: np.ndarray
+) -> None:
+    """The label image's level-0 ``chunks`` from the provisional ``ids`` through ``lookup``."""
+    for row, col in chunks:
+        ys = slice(row * CHUNK, (row + 1) * CHUNK)
+        xs = slice(col * CHUNK, (col + 1) * CHUNK)
+        level[ys, xs] = lookup[ids[ys, xs]].astype(np.uint32)
+
+
+def halve_chunks(above: Any, level: Any, chunks: Iterable[tuple[int, int]]) -> None:
+    """``chunks`` of a level from the level above it, every second pixel (nearest)."""
+    for row, col in chunks:
+        ys = slice(2 * row * CHUNK, 2 * (row + 1) * CHUNK)
+        xs = slice(2 * col * CHUNK, 2 * (col + 1) * CHUNK)
+        block = above[ys, xs][::2, ::2]
+        level[row * CHUNK : row * CHUNK + len(block),
+              col * CHUNK : col * CHUNK + block.shape[1]] = block  # fmt: skip
+
+
+@contextlib.contextmanager
+def label_levels(folder: HeldFolder) -> Iterator[list[Any]]:
+    """The levels of the label image :class:`LabelImage` is building in ``folder``, opened
+    for writing chunks (by another process than the one that made them)."""
+    store = FolderStore(folder)
+    try:
+        group = zarr.open_group(store, path=f"labels/{LABEL_NAME}", mode="r+", zarr_format=2,
+                                use_consolidated=False)  # fmt: skip
+        levels, number = [], 0
+        while str(number) in group:
+            levels.append(group[str(number)])
+            number += 1
+        yield levels
+    finally:
+        store.close()
 
 
 def overview_and_labels(folder: HeldFolder) -> tuple[np.ndarray, np.ndarray]:

@@ -36,8 +36,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 import tifffile
@@ -617,11 +618,19 @@ def region_record_name(index: int) -> str:
 def segment_region(
     reader: Regions, predict: Predict, threshold: float, ids: Any, index: int, count: int,
     window: int = 512, overlap: int = 64, batch: int = 1, progress: Progress | None = None,
+    rows_weigh: bool = False,
 ) -> RegionRecord:  # fmt: skip
     """Segment region ``index`` of ``count`` of the image: its provisional ids (its own
-    numbering) go to the level-0 array ``ids``, the rest to the record it returns."""
+    numbering) go to the level-0 array ``ids``, the rest to the record it returns. The
+    regions share the windows the net runs; ``rows_weigh``: the rows as much (where the net
+    is cheap, on a GPU, the rows' labelling, measuring and writing weigh as much as the
+    windows' reading)."""
     # every region's task finds the same split: the same file, the same tissue mask
-    first, end = region_rows(reader.height, index, count, tissue_work(reader, window, overlap))
+    work = tissue_work(reader, window, overlap)
+    if rows_weigh and work is not None and work.sum():
+        rows = np.minimum(CHUNK, reader.height - CHUNK * np.arange(len(work)))
+        work = work / work.sum() + rows / reader.height
+    first, end = region_rows(reader.height, index, count, work)
     components = Components(rows=first)
     writer = RowWriter(ids, first, reader.pool)
     step = overview_step(reader.height, reader.width)
@@ -676,10 +685,11 @@ def joined(records: list[RegionRecord]) -> tuple[Components, list[int]]:
 
 def assemble(
     records: list[RegionRecord], ids: Any, folder: HeldFolder, target: str, min_area: int,
-    height: int, width: int,
+    height: int, width: int, side_by_side: SideBySide | None = None, work: str = "",
 ) -> TiledResult:  # fmt: skip
     """The label image ``target`` (a folder name in ``folder``, replaced whole) and the
-    statistics and object table of an image from all its regions' records and ids."""
+    statistics and object table of an image from all its regions' records and ids (in the
+    temporary folder ``work`` of ``folder`` where its passes run ``side_by_side``)."""
     if [r.index for r in records] != list(range(len(records))) or any(
         r.count != len(records) for r in records
     ):
@@ -692,12 +702,20 @@ def assemble(
         with folder.folder(building) as inside:
             labels = LabelImage(inside, height, width, target.removesuffix(LABEL_IMAGE_SUFFIX))
             try:
+                parts: list[tuple[Chunks, np.ndarray]] = []
                 for record, base in zip(records, bases, strict=True):
                     nodes = len(record.parents) - 1
                     local = np.concatenate([[0], final[base + 1 : base + 1 + nodes]])
-                    labels.relabelled(ids, map(tuple, record.chunks.tolist()), local)
+                    parts.append(([(r, c) for r, c in record.chunks.tolist()], local))
+                if side_by_side is None:
+                    for chunks, local in parts:
+                        labels.relabelled(ids, chunks, local)
+                else:
+                    side_by_side.relabel(work, building, parts)
+                    labels.made([chunk for chunks, _ in parts for chunk in chunks])
+                halve = None if side_by_side is None else partial(side_by_side.halve, building)
                 step = overview_step(height, width)
-                labels.finish(np.concatenate([r.overview for r in records]), step)
+                labels.finish(np.concatenate([r.overview for r in records]), step, halve)
             finally:
                 labels.close()
             os.fsync(inside.fd)
@@ -713,15 +731,35 @@ def assemble(
                        run, glass)  # fmt: skip
 
 
+class SideBySide(Protocol):
+    """The passes over one image that other processes run side by side, each on a part of
+    its own (the inference job's workers: :mod:`pipelines.inference.slides`), on the arrays in
+    the temporary folders of the label image's folder: ``work`` (the provisional ids),
+    ``building`` (the label image)."""
+
+    def regions(self, reader: Regions, ids: Any, work: str) -> list[RegionRecord]:
+        """The image's regions, segmented into ``ids``: their records, in order."""
+
+    def relabel(self, work: str, building: str, parts: list[tuple[Chunks, np.ndarray]]) -> None:
+        """The label image's level 0: each part's chunks through its lookup table."""
+
+    def halve(self, building: str, level: int, chunks: Chunks) -> None:
+        """``chunks`` of the label image's ``level`` from the level above it."""
+
+
+Chunks = list[tuple[int, int]]  # (row, column) of label chunks
+
+
 def segment_tiled(
     source: Path | BinaryIO | Regions, folder: HeldFolder, target: str, predict: Predict,
     threshold: float, min_area: int, window: int = 512, overlap: int = 64, batch: int = 1,
     progress: Progress | None = None, channel: Any = None, glass_tolerance: float = 0.0,
-    name: str = "",
+    name: str = "", side_by_side: SideBySide | None = None,
 ) -> TiledResult:  # fmt: skip
     """Segment ``source`` (a TIFF: its plane ``channel``, ``name`` its file's name; or an
     image's reader, which the caller made and closes) in one task into the OME-Zarr label
-    image ``target`` (a folder name in ``folder``, replaced whole): one region, assembled at
+    image ``target`` (a folder name in ``folder``, replaced whole): one region, or the
+    regions ``side_by_side`` segments (in other processes, into the same array), assembled at
     once; the provisional ids lie in a temporary folder beside it meanwhile."""
     if isinstance(source, Regions):
         reader = source
@@ -734,10 +772,13 @@ def segment_tiled(
         with folder.folder(work) as held:
             store, ids = work_array(held, reader.height, reader.width)
             try:
-                record = segment_region(reader, predict, threshold, ids, 0, 1, window, overlap,
-                                        batch, progress)  # fmt: skip
-                return assemble([record], ids, folder, target, min_area, reader.height,
-                                reader.width)  # fmt: skip
+                if side_by_side is None:
+                    records = [segment_region(reader, predict, threshold, ids, 0, 1, window,
+                                              overlap, batch, progress)]  # fmt: skip
+                else:
+                    records = side_by_side.regions(reader, ids, work)
+                return assemble(records, ids, folder, target, min_area, reader.height,
+                                reader.width, side_by_side, work)  # fmt: skip
             finally:
                 store.close()
     finally:

@@ -10,6 +10,13 @@ masks the main process wrote there. A chunk stays with the worker that read it: 
 needs its pixels (for the statistics), which are still in its slab. A worker dies with the job
 (``PR_SET_PDEATHSIG``): killed, the job leaves nothing running.
 
+An image too large to decode whole is segmented by the workers side by side
+(:mod:`pipelines.inference.slides`), each asked for a *part* of a pass over it
+(:meth:`Workers.parts`): a callable the worker runs, such as one region of the image's rows,
+whose windows it sends, in a slab of its own, to the main process for the net, which sends back
+their probabilities in the same slab. Replies to the requests asked before the parts wait
+for the stages (:meth:`Workers.replies`).
+
 Failures cross the pipe as what they were: an entry planted under ``results/`` as
 :class:`UnsafeEntry` (the job fails with it as an INPUT problem), a write the results folder's
 filesystem refused as :class:`NotWritable` (the owner's problem too), another OS error as an
@@ -26,11 +33,13 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from daemon.contract.heldfolder import HeldFolder, NotWritable, UnsafeEntry
 from daemon.contract.jobspec import InputFile
@@ -39,6 +48,7 @@ from pipelines.inference.slabs import Slab
 from pipelines.inference.source import CHUNK_BYTES, read_chunk
 
 READ, FINISH, STOP, FAILED = "read", "finish", "stop", "failed"
+PART, WINDOWS, LARGE = "part", "windows", "large"
 SLABS_PER_WORKER = 4  # chunks a worker has at once: reading, waiting for the net, finishing
 _PR_SET_PDEATHSIG = 1
 _STOP_SECONDS = 10.0
@@ -69,6 +79,8 @@ class ToFinish:
 
 
 Failure = tuple[str, Any]  # (kind, details), see :func:`failure` and :func:`raised`
+Predict = Callable[[np.ndarray], np.ndarray]  # windows (N, h, w) → their probabilities
+Part = Callable[[Setup, Predict], Any]  # a part of a pass, run by a worker (picklable)
 
 
 def failure(exc: BaseException) -> Failure:
@@ -122,7 +134,22 @@ def _finish_all(
     return done
 
 
-def _serve(conn: Connection, slabs: list[Slab], setup: Setup, parent: int) -> None:
+def _remote(conn: Connection, slab: Slab) -> Predict:
+    """The net, for a part in a worker: its windows go to the main process in ``slab``, and
+    their probabilities come back in it (valid until the next call)."""
+
+    def predict(tiles: np.ndarray) -> np.ndarray:
+        slab.grow(tiles.nbytes)
+        slab.pixels(0, tiles.shape)[...] = tiles
+        conn.send((WINDOWS, tiles.shape, slab.size))
+        if conn.recv()[0] != WINDOWS:  # told to stop: the job is failing
+            raise EOFError
+        return slab.pixels(0, tiles.shape)  # the probabilities, in place
+
+    return predict
+
+
+def _serve(conn: Connection, slabs: list[Slab], windows: Slab, setup: Setup, parent: int) -> None:
     """A worker's life: serve the main process's requests until it says stop or is gone."""
     _die_with_parent(parent)
     masks = MaskFolders(setup.run)
@@ -136,6 +163,11 @@ def _serve(conn: Connection, slabs: list[Slab], setup: Setup, parent: int) -> No
                 entries = read_chunk(setup.batch, items, slabs[slab], setup.max_pixels,
                                      setup.channel, setup.chunk_bytes)  # fmt: skip
                 conn.send((READ, task, slabs[slab].size, entries))
+            elif request[0] == LARGE:  # a large image comes: its code (zarr) imported ahead
+                import pipelines.inference.slides  # noqa: F401
+            elif request[0] == PART:  # (its class's module imported as it is unpickled)
+                _, task, part = request
+                conn.send((PART, task, part(setup, _remote(conn, windows))))
             else:
                 _, task, slab, work = request
                 conn.send((FINISH, task, _finish_all(masks, slabs[slab], work, setup.rules)))
@@ -157,13 +189,16 @@ class Workers:
         context = multiprocessing.get_context("fork")
         self.slabs = [[Slab.make() for _ in range(SLABS_PER_WORKER)] for _ in range(count)]
         self.free = [list(range(SLABS_PER_WORKER)) for _ in range(count)]
+        self.windows = [Slab.make() for _ in range(count)]  # a part's windows, each worker's
+        self.deferred: list[tuple[int, Any]] = []  # replies that came while parts ran
+        self.large_told = False  # told that a large image comes
         self.conns: list[Connection] = []
         self.processes: list[multiprocessing.process.BaseProcess] = []
         sys.stdout.flush()
         sys.stderr.flush()
         for number in range(count):
             ours, theirs = context.Pipe(duplex=True)
-            args = (theirs, self.slabs[number], setup, os.getpid())
+            args = (theirs, self.slabs[number], self.windows[number], setup, os.getpid())
             process = context.Process(target=_serve, name=f"worker-{number}", args=args,
                                       daemon=True)  # fmt: skip
             process.start()
@@ -190,6 +225,15 @@ class Workers:
         self.conns[worker].send((READ, task, slab, list(items)))
         return slab
 
+    def large_comes(self) -> None:
+        """Tell every worker, once, that an image too large to decode whole comes: each
+        imports the code for it (zarr, the window readers) before its parts are asked for
+        (one worker alone is given none: :func:`pipelines.inference.slides.parts`)."""
+        if not self.large_told and self.count > 1:
+            self.large_told = True
+            for conn in self.conns:
+                conn.send((LARGE,))
+
     def finish(self, worker: int, task: int, slab: int, work: Sequence[ToFinish]) -> None:
         self.conns[worker].send((FINISH, task, slab, list(work)))
 
@@ -202,10 +246,17 @@ class Workers:
         found.follow(size)
         return found
 
-    def replies(self, timeout: float | None) -> list[tuple[int, Any]]:
-        """(worker, reply) of every reply waiting, after waiting up to ``timeout`` for one."""
+    def replies(
+        self, timeout: float | None, kinds: frozenset[str] | None = None
+    ) -> list[tuple[int, Any]]:
+        """(worker, reply) of every reply waiting, after waiting up to ``timeout`` for one;
+        those of other ``kinds`` kept for the next call without kinds (which has them first,
+        without waiting)."""
+        if kinds is None and self.deferred:
+            found, self.deferred = self.deferred, []
+            return found
         ready = set(wait(self.conns, timeout))
-        found: list[tuple[int, Any]] = []
+        found = []
         for worker, conn in enumerate(self.conns):
             if conn not in ready:
                 continue
@@ -216,8 +267,52 @@ class Workers:
                 raise RuntimeError(f"worker {worker} of the job died (exit {code})") from None
             if reply[0] == FAILED:
                 raise raised(reply[1])
+            if kinds is not None and reply[0] not in kinds:
+                self.deferred.append((worker, reply))
+                continue
             found.append((worker, reply))
         return found
+
+    def parts(
+        self, parts: Sequence[Part], predict: Predict | None = None, batch: int = 1
+    ) -> list[Any]:
+        """Each of ``parts`` to a worker of its own, their windows through ``predict`` (the
+        net, in this process) in batches of at most ``batch`` windows, several workers'
+        together: what each part gave back, in order."""
+        if len(parts) > self.count:
+            raise ValueError(f"{len(parts)} parts for {self.count} workers")
+        for worker, part in enumerate(parts):
+            self.conns[worker].send((PART, worker, part))
+        results: dict[int, Any] = {}
+        while len(results) < len(parts):
+            asked = []
+            for worker, reply in self.replies(None, frozenset((PART, WINDOWS))):
+                if reply[0] == PART:
+                    results[reply[1]] = reply[2]
+                    continue
+                if predict is None:
+                    raise RuntimeError(f"worker {worker} asked for the net, and none was given")
+                self.windows[worker].follow(reply[2])
+                asked.append((worker, self.windows[worker].pixels(0, reply[1])))
+            if asked:
+                assert predict is not None
+                self._predicted(asked, predict, batch)
+        return [results[number] for number in range(len(parts))]
+
+    def _predicted(self, asked: list[tuple[int, np.ndarray]], predict: Predict, batch: int) -> None:
+        """The probabilities of the windows workers asked for, into their slabs, each told."""
+        while asked:
+            group: list[tuple[int, np.ndarray]] = []
+            total = 0
+            while asked and (not group or total + len(asked[0][1]) <= batch):
+                group.append(asked.pop(0))
+                total += len(group[-1][1])
+            tiles = group[0][1] if len(group) == 1 else np.concatenate([t for _, t in group])
+            probabilities, at = predict(tiles), 0
+            for worker, windows in group:
+                windows[...] = probabilities[at : at + len(windows)]
+                at += len(windows)
+                self.conns[worker].send((WINDOWS,))
 
     def close(self) -> None:
         """Stop the workers (each after the request in hand) and free the slabs."""
@@ -231,7 +326,6 @@ class Workers:
                 process.join()
         for conn in self.conns:
             conn.close()
-        for slabs in self.slabs:
-            for slab in slabs:
-                slab.close()
-        self.conns, self.processes, self.slabs = [], [], []
+        for slab in [s for slabs in self.slabs for s in slabs] + self.windows:
+            slab.close()
+        self.conns, self.processes, self.slabs, self.windows = [], [], [], []

@@ -237,6 +237,8 @@ class Stages:
             _, _, size, entries = reply
             self.workers.slab(worker, chunk.slab, size)  # mapped again if it grew
             chunk.entries = entries
+            if any(entry.tiled for entry in entries):
+                self.workers.large_comes()
             read_to = entries[-1].index + 1
             if read_to < chunk.end:  # the slab was full: the rest is asked for again
                 heapq.heappush(self.again, (read_to, chunk.end))

@@ -66,6 +66,19 @@ def read_mask(path: Path) -> np.ndarray:
         return np.asarray(image)
 
 
+def same_slide_outputs(results: Path, expected: Path, image: str) -> list[np.ndarray]:
+    """Assert that two results folders hold the same label image of ``image`` (every level,
+    pixel for pixel) and the same object table; the levels."""
+    label = f"masks/images/{image}.ome.zarr"
+    levels = zarr_levels(results / label, "labels/segmentation")
+    wanted = zarr_levels(expected / label, "labels/segmentation")
+    for got, want in zip(levels, wanted, strict=True):
+        np.testing.assert_array_equal(got, want)
+    objects = f"objects/images/{image}.csv"
+    assert (results / objects).read_text() == (expected / objects).read_text()
+    return levels
+
+
 def in_regions(
     run: Callable[..., JobRun], job_spec: Callable[..., JobSpec], batch_dir: Path,
     inputs: tuple[InputFile, ...], image: str, order: tuple[int, ...], params: dict[str, Any],
@@ -474,12 +487,7 @@ def test_an_ome_zarr_store_is_segmented_like_the_same_slide_as_a_tiff_in_one_tas
     inputs = manifest_inputs(regions_dir, [regions_dir / "images" / "slide.ome.zarr"])
     in_regions(run, job_spec, regions_dir, inputs, "images/slide.ome.zarr", (1, 0, 2), params,
                registry=registry_dir, model=model)  # fmt: skip
-    results = regions_dir / "results"
-    label = "masks/images/slide.ome.zarr.ome.zarr"
-    for got, want in zip(zarr_levels(results / label, "labels/segmentation"),
-                         zarr_levels(one / label, "labels/segmentation"), strict=True):  # fmt: skip
-        np.testing.assert_array_equal(got, want)
-    assert (results / "objects/images/slide.ome.zarr.csv").read_text() == objects
+    same_slide_outputs(regions_dir / "results", one, "slide.ome.zarr")
     with open(work_dir_for(regions_dir) / "parts" / "table-regions.csv", newline="") as handle:
         (row,) = list(csv.DictReader(handle))
     assert row == store_row
@@ -618,6 +626,45 @@ def test_any_legal_file_name_round_trips_through_the_shard_table_and_the_report(
     assert all((batch_dir / "results" / "masks" / "images" / name).is_file() for name in ODD_NAMES)
 
 
+@pytest.mark.parametrize("name", ["slide.tif", "slide.ome.zarr"], ids=["tiff", "ome-zarr"])
+def test_a_slide_segmented_by_the_jobs_workers_side_by_side_is_the_one_process_label_image(
+    name: str,
+    tmp_path: Path,
+    synth: ModuleType,
+    inferred: InferredBatch,
+    job_spec: Callable[..., JobSpec],
+    manifest_inputs: Callable[..., Any],
+    run: Callable[..., JobRun],
+    infer_params: dict[str, Any],
+) -> None:
+    """A job of 3 CPUs segments a slide (a TIFF, an OME-Zarr store) in 3 regions at once, its
+    workers each opening it, reading and labelling their region while the net runs in the
+    job's main process, then relabelling and halving the label image's chunks: every level,
+    the object table and the table row equal those of a job of 1 CPU (which segments it
+    alone), with the trained model; no temporary folder is left beside the label image."""
+    params = {**infer_params, "max_whole_pixels": 100_000, "tile_size": 96, "tile_overlap": 16}
+    registry_dir, model = inferred.model.registry, ModelRef(inferred.model.name, "1")
+    outputs = {}
+    for cpus in (1, 3):
+        batch_dir = tmp_path / f"cpus-{cpus}"
+        synth.write_slide(batch_dir / "images" / name, 1100, seed=4, tissue=0.3)
+        inputs = manifest_inputs(batch_dir, [batch_dir / "images" / name], checksums=True)
+        job = run(job_spec(batch_dir, Pipeline.INFER, inputs, registry=registry_dir, model=model,
+                           params=params, resources=Resources(cpus=cpus)))  # fmt: skip
+        assert job.returncode == 0, job.log
+        assert ("3 regions side by side" in job.log) == (cpus == 3), job.log
+        outputs[cpus] = batch_dir
+    one, three = (outputs[cpus] / "results" for cpus in (1, 3))
+    levels = same_slide_outputs(three, one, name)
+    assert len(levels) == 3 and int(levels[0].max()) > 10  # objects: the comparison means something
+    rows = []
+    for cpus in (1, 3):
+        with open(work_dir_for(outputs[cpus]) / "parts" / "table-0000.csv", newline="") as handle:
+            rows.append(next(csv.DictReader(handle)))
+    assert rows[0] == rows[1]
+    assert sorted(p.name for p in (three / "masks" / "images").iterdir()) == [f"{name}.ome.zarr"]
+
+
 def test_a_slide_split_across_region_jobs_assembles_into_the_one_job_label_image(
     tmp_path: Path,
     synth: ModuleType,
@@ -649,13 +696,7 @@ def test_a_slide_split_across_region_jobs_assembles_into_the_one_job_label_image
     batch_dir, inputs = slides["regions"]
     in_regions(run, job_spec, batch_dir, inputs, "images/slide.tif", (2, 0, 1), params,
                registry=registry_dir, model=model)  # fmt: skip
-    results, expected = batch_dir / "results", one_dir / "results"
-    label = "masks/images/slide.tif.ome.zarr"
-    for got, want in zip(zarr_levels(results / label, "labels/segmentation"),
-                         zarr_levels(expected / label, "labels/segmentation"), strict=True):  # fmt: skip
-        np.testing.assert_array_equal(got, want)
-    objects = "objects/images/slide.tif.csv"
-    assert (results / objects).read_text() == (expected / objects).read_text()
+    same_slide_outputs(batch_dir / "results", one_dir / "results", "slide.tif")
     with open(work_dir_for(batch_dir) / "parts" / "table-regions.csv", newline="") as handle:
         (row,) = list(csv.DictReader(handle))
     with open(work_dir_for(one_dir) / "parts" / "table-0000.csv", newline="") as handle:

@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 import tifffile
 from PIL import Image
+from zarr.core.sync import cleanup_resources
 
 from daemon.contract.heldfolder import HeldFolder, NotWritable, UnsafeEntry
 from daemon.contract.jobspec import InputFile
-from daemon.contract.names import INFERENCE
-from pipelines.images import read_image_hashed
+from daemon.contract.names import INFERENCE, inference_params
+from pipelines.images import open_item, read_image_hashed
 from pipelines.inference.finish import Rules
 from pipelines.inference.pool import (
     FINISH,
@@ -33,8 +34,11 @@ from pipelines.inference.pool import (
     failure,
     raised,
 )
+from pipelines.inference.slides import RegionPart
 from pipelines.inference.source import Entry
 from pipelines.instances import label_objects
+from pipelines.omezarr import work_array
+from pipelines.tiles import RegionReader, segment_region
 
 MAX_PIXELS = 100 * 100
 
@@ -264,3 +268,73 @@ def test_runs_cut_short_go_out_again_in_input_order_so_the_next_image_always_get
     assert not hung, "the job's main loop waits forever: every slab is held by chunks ahead"
     assert found == [[]]
     assert sorted(committer.rows) == sorted(item.path for item in items)
+
+
+def _net(tiles: np.ndarray) -> np.ndarray:
+    """A stand-in for the net: each window's own pixels as its probabilities."""
+    return tiles.copy()
+
+
+def test_workers_segment_a_large_images_regions_as_this_process_does_and_say_a_changed_file(
+    held: Any,
+) -> None:
+    """Parts of a large image to two workers, after a read one of them has yet to answer: the
+    region whose worker finds the file the job checked gives the record that this process's
+    segment_region gives (its windows through the net here, in its slab), the other, told of
+    another file, says it changed; the read's reply then comes to the stages as it was."""
+    items, batch, run = held
+    big = next(item for item in items if item.path == "images/big.tif")
+    params = inference_params({"tile_size": 48, "tile_overlap": 8, "threshold": 0.5})
+    with open_item(batch, big) as handle:
+        seen = os.fstat(handle.fileno())
+    true = {"size": seen.st_size, "mtime_ns": seen.st_mtime_ns}
+    workers = Workers(2, Setup(batch, run, MAX_PIXELS, None, Rules(0, 0.0, False)))
+    try:
+        workers.read(0, 7, [(0, items[0])])  # its reply waits while the parts run
+        with run.folder("masks/images", create=True) as masks:
+            masks.mkdir("work")
+            with masks.folder("work") as work:
+                store, _ = work_array(work, 128, 128)
+                store.close()
+        parts = [RegionPart(big, true, "work", 0, 1, params, 4),
+                 RegionPart(big, {**true, "size": seen.st_size + 1}, "work", 0, 1, params, 4)]  # fmt: skip
+        record, problems = workers.parts(parts, _net, 6)
+        ((worker, reply),) = workers.replies(None)
+    finally:
+        workers.close()
+    assert (worker, reply[0], reply[1]) == (0, READ, 7)
+    assert [p.message for p in problems] == [
+        "changed while it was being segmented (a region's read found another size or "
+        "modification time)"
+    ]
+    with run.folder("masks/images") as masks:
+        masks.mkdir("here")
+        with masks.folder("here") as here, open_item(batch, big) as handle:
+            store, ids = work_array(here, 128, 128)
+            reader = RegionReader(handle, 48 + 512, None, 0.0, big.path)
+            try:
+                expected = segment_region(reader, _net, 0.5, ids, 0, 1, 48, 8, 4,
+                                          rows_weigh=True)  # fmt: skip
+            finally:
+                reader.close()
+                store.close()
+    np.testing.assert_array_equal(record.parents, expected.parents)
+    np.testing.assert_array_equal(record.measures, expected.measures)
+    assert (record.first, record.end, record.certainty) == (
+        expected.first, expected.end, expected.certainty
+    )  # fmt: skip
+    assert len(record.parents) > 2  # objects found, so the comparison means something
+    try:
+        assert np.array_equal(*(_ids(run, name) for name in ("work", "here")))
+    finally:
+        cleanup_resources()  # zarr's threads, which this process started
+
+
+def _ids(run: HeldFolder, name: str) -> np.ndarray:
+    """The provisional ids in the folder ``name`` of the run folder's masks/images."""
+    with run.folder(f"masks/images/{name}") as folder:
+        store, ids = work_array(folder, 128, 128)
+        try:
+            return np.asarray(ids[:, :])
+        finally:
+            store.close()
