@@ -17,8 +17,16 @@ apart, :mod:`pipelines.instances`), so at 0 both do the same work and their mask
 ``--object-step`` adds the new code at the default ``split_neck``, 1 CPU and 2, as rows of
 their own (what the step costs on top; not in the ratios).
 
+``--slide SIZE``: instead of the images, one ``SIZE``² slide (a tiled TIFF, 30 % tissue in
+islands, as ``bench_gpu.py``'s), segmented window by window by the same stand-in job: what a
+GPU node's slide job spends besides its GPU. Printed per code and CPU count: Mpx/s over the
+slide's area (the job's whole run, and its image alone), its CPU seconds (of which the main
+process's), then new ÷ old and whether the two codes' label images (every level, pixel for
+pixel, over the chunks either stores) and object tables are the same.
+
     .venv/bin/python scripts/bench_host.py --old ../wt-base [--images 6000] [--rounds 3]
     .venv/bin/python scripts/bench_host.py --old ../wt-base --work /mnt/share/bench  # a share
+    .venv/bin/python scripts/bench_host.py --old ../wt-base --slide 12288 --rounds 3
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jobrun
 import synth
 from bench_share import _commit
+from bench_slide import compare_labels
 from jobrun import work_dir_for
 from standin_job import THRESHOLD
 
@@ -155,6 +164,73 @@ def agreement(old: Path, new: Path) -> str:
             "shared columns (code_version aside)")  # fmt: skip
 
 
+def slide(old: Path, work: Path, size: int, rounds: int, cores: list[int]) -> int:
+    """The ``--slide`` run: one slide, both codes, 1 CPU and 2, ``rounds`` times."""
+    batch_dir = work / "batch"
+    made = time.perf_counter()
+    synth.write_slide(batch_dir / "images" / "slide.tif", size, seed=4, tissue=0.3)
+    inputs = jobrun.inputs_of(batch_dir, sorted((batch_dir / "images").iterdir()), checksums=True)
+    (batch_dir / "images" / "slide.tif").read_bytes()  # the page cache warm for every run alike
+    print(f"old: {old} ({_commit(old)}); new: {REPO} ({_commit(REPO)})")
+    print(f"a {size:,}² slide, 30 % tissue, made in {time.perf_counter() - made:.0f} s in {work};"
+          f" {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")  # fmt: skip
+    pixels = size * size / 1e6
+    found: dict[tuple[str, int], list[tuple[float, float, float, float]]] = {}
+    for round_ in range(rounds):
+        for cpus in (1, 2):
+            for name, code in (("old", old), ("new", REPO)):
+                spec = JobSpec(
+                    job_id=1, job_name=f"slide-{name}-{cpus}", pipeline=Pipeline.INFER,
+                    attempt=1, batch_id=1, batch_revision=1, batch_kind="inference",
+                    batch_dir=str(batch_dir), run_dir=str(batch_dir / "results"),
+                    work_dir=str(work_dir_for(batch_dir)), manifest_sha256="0" * 64,
+                    inputs=inputs, model=ModelRef(MODEL), registry_dir=str(work / "registry"),
+                    params={"threshold": THRESHOLD, "min_object_area": 16},
+                    resources=Resources(cpus=cpus), title="host benchmark, a slide",
+                )  # fmt: skip
+                wall, result = run_job(code, batch_dir, spec, cpus, cores[:cpus])
+                summary = result.summary
+                own = summary["seconds_per_image"]
+                cpu, main_cpu = summary["cpu_seconds_per_image"], summary.get(
+                    "main_cpu_seconds_per_image", float("nan"))  # fmt: skip
+                found.setdefault((name, cpus), []).append((wall, own, cpu, main_cpu))
+                print(f"round {round_ + 1}: {name}, {cpus} CPU(s): {wall:.1f} s, "
+                      f"{pixels / wall:.1f} Mpx/s whole job, {pixels / own:.1f} over its image, "
+                      f"{cpu:.2f} CPU-s ({main_cpu:.2f} in the main process), "
+                      f"load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+                if round_ == 0 and cpus == 2:
+                    shutil.rmtree(work / f"kept-{name}", ignore_errors=True)
+                    shutil.move(batch_dir / "results", work / f"kept-{name}")
+    print()
+    print("| code | CPUs | Mpx/s, whole job | Mpx/s, its image | CPU-s | of which the main one |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    rate = {}
+    for name in ("old", "new"):
+        for cpus in (1, 2):
+            runs = found[name, cpus]
+            whole = statistics.median(pixels / r[0] for r in runs)
+            inner = statistics.median(pixels / r[1] for r in runs)
+            rate[name, cpus] = (whole, inner)
+            print(f"| {name} | {cpus} | {whole:.1f} | {inner:.1f} | "
+                  f"{statistics.median(r[2] for r in runs):.2f} | "
+                  f"{statistics.median(r[3] for r in runs):.2f} |")  # fmt: skip
+    print()
+    for label, at in (("whole job", 0), ("its image", 1)):
+        print(f"{label}: new / old {rate['new', 1][at] / rate['old', 1][at]:.2f} on 1 CPU, "
+              f"{rate['new', 2][at] / rate['old', 2][at]:.2f} on 2; new 2 CPUs / 1 CPU "
+              f"{rate['new', 2][at] / rate['new', 1][at]:.2f}")  # fmt: skip
+    label = Path("masks/images/slide.tif.ome.zarr/labels/segmentation")
+    levels = compare_labels(work / "kept-old" / label, work / "kept-new" / label)
+    objects = Path("objects/images/slide.tif.csv")
+    same = (work / "kept-old" / objects).read_bytes() == (work / "kept-new" / objects).read_bytes()
+    print("label images (2 CPUs): " + "; ".join(
+        f"level {lv.key}: {lv.differing} of {lv.pixels:,} pixels differ, chunks stored "
+        f"{lv.stored[0]} / {lv.stored[1]}" for lv in levels))  # fmt: skip
+    print(f"object tables: {'the same' if same else 'DIFFERENT'}")
+    print(f"medians of {rounds} round(s); work in {work}")
+    return 0 if same and not any(lv.differing for lv in levels) else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", type=Path, required=True, help="a checkout of the old code")
@@ -164,6 +240,8 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=None, help="where the batch lies")
     parser.add_argument("--object-step", action="store_true",
                         help="also the new code with touching objects cut apart")  # fmt: skip
+    parser.add_argument("--slide", type=int, default=0, metavar="SIZE",
+                        help="one SIZE² slide instead of the images")  # fmt: skip
     args = parser.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
@@ -173,6 +251,8 @@ def main() -> int:
     net = UNet(depth=3, width=16)
     registry.register(work / "registry", MODEL, net.state_dict(),
                       {"architecture": net.architecture()})  # fmt: skip
+    if args.slide:
+        return slide(args.old.resolve(), work, args.slide, args.rounds, cores)
     batch_dir = work / "batch"
     made = time.perf_counter()
     files = synth.make_batch(batch_dir, "inference", args.images, args.size, seed=11)
