@@ -485,7 +485,7 @@ class Components:
         parent = np.asarray(self.parent, dtype=np.int64)
         found = np.flatnonzero(parent == np.arange(len(parent)))[1:]  # node 0: the background
         area = np.fromiter((self.measures[n][_AREA] for n in found), np.float64, len(found))
-        return found[area >= max(min_area, 1)].tolist()
+        return [int(node) for node in found[area >= max(min_area, 1)]]
 
     def all_roots(self) -> np.ndarray:
         """Each node's root (what :meth:`find` gives it), for all nodes at once: every node
@@ -493,7 +493,7 @@ class Components:
         deepest chain), where finding them one by one is a Python loop over every node."""
         nodes = np.asarray(self.parent, dtype=np.int64)
         while True:
-            above = nodes[nodes]
+            above: np.ndarray = nodes[nodes]
             if np.array_equal(above, nodes):
                 return nodes
             nodes = above
@@ -635,9 +635,9 @@ def segment_region(
 ) -> RegionRecord:  # fmt: skip
     """Segment region ``index`` of ``count`` of the image: its provisional ids (its own
     numbering) go to the level-0 array ``ids``, the rest to the record it returns. The
-    regions share the windows the net runs; ``rows_weigh``: the rows as much (where the net
-    is cheap, on a GPU, the rows' labelling, measuring and writing weigh as much as the
-    windows' reading)."""
+    regions share the windows the net runs; ``rows_weigh``: the rows as much (regions whose
+    net runs elsewhere, for all of them: what is theirs is the rows' labelling, measuring
+    and writing as much as the windows' reading)."""
     # every region's task finds the same split: the same file, the same tissue mask
     work = tissue_work(reader, window, overlap)
     if rows_weigh and work is not None and work.sum():

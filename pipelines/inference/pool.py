@@ -134,6 +134,10 @@ def _finish_all(
     return done
 
 
+class _Stopped(Exception):
+    """A worker waiting for probabilities was told to stop: the job is failing."""
+
+
 def _remote(conn: Connection, slab: Slab) -> Predict:
     """The net, for a part in a worker: its windows go to the main process in ``slab``, and
     their probabilities come back in it (valid until the next call)."""
@@ -142,8 +146,8 @@ def _remote(conn: Connection, slab: Slab) -> Predict:
         slab.grow(tiles.nbytes)
         slab.pixels(0, tiles.shape)[...] = tiles
         conn.send((WINDOWS, tiles.shape, slab.size))
-        if conn.recv()[0] != WINDOWS:  # told to stop: the job is failing
-            raise EOFError
+        if conn.recv()[0] != WINDOWS:
+            raise _Stopped
         return slab.pixels(0, tiles.shape)  # the probabilities, in place
 
     return predict
@@ -171,8 +175,8 @@ def _serve(conn: Connection, slabs: list[Slab], windows: Slab, setup: Setup, par
             else:
                 _, task, slab, work = request
                 conn.send((FINISH, task, _finish_all(masks, slabs[slab], work, setup.rules)))
-    except EOFError:
-        pass  # the job is gone
+    except (EOFError, _Stopped):
+        pass  # the job is gone, or failing
     except BaseException as exc:
         with contextlib.suppress(OSError):
             conn.send((FAILED, failure(exc)))
@@ -273,46 +277,56 @@ class Workers:
             found.append((worker, reply))
         return found
 
-    def parts(
-        self, parts: Sequence[Part], predict: Predict | None = None, batch: int = 1
-    ) -> list[Any]:
+    def parts(self, parts: Sequence[Part], predict: Predict | None = None) -> list[Any]:
         """Each of ``parts`` to a worker of its own, their windows through ``predict`` (the
-        net, in this process) in batches of at most ``batch`` windows, several workers'
-        together: what each part gave back, in order."""
+        net, in this process), each worker's batch as it asks (so as one process batches
+        them), the first worker's first before any other (the batch a GPU's precision is
+        decided on: :mod:`pipelines.inference.placement`): what each part gave back, in order.
+        Should it fail, every worker is killed before the failure is raised: none writes on
+        while the caller cleans up."""
         if len(parts) > self.count:
             raise ValueError(f"{len(parts)} parts for {self.count} workers")
+        try:
+            return self._parts(parts, predict)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _parts(self, parts: Sequence[Part], predict: Predict | None) -> list[Any]:
         for worker, part in enumerate(parts):
             self.conns[worker].send((PART, worker, part))
         results: dict[int, Any] = {}
+        asked: list[tuple[int, np.ndarray]] = []
+        first = True  # the first worker's first batch not yet run
         while len(results) < len(parts):
-            asked = []
             for worker, reply in self.replies(None, frozenset((PART, WINDOWS))):
                 if reply[0] == PART:
                     results[reply[1]] = reply[2]
+                    first = first and worker != 0  # no windows from it: no order to keep
                     continue
                 if predict is None:
                     raise RuntimeError(f"worker {worker} asked for the net, and none was given")
                 self.windows[worker].follow(reply[2])
                 asked.append((worker, self.windows[worker].pixels(0, reply[1])))
-            if asked:
+            if first and asked:
+                if all(worker != 0 for worker, _ in asked):
+                    continue
+                asked.sort(key=lambda ask: ask[0] != 0)
+                first = False
+            for worker, windows in asked:
                 assert predict is not None
-                self._predicted(asked, predict, batch)
+                windows[...] = predict(windows)
+                self.conns[worker].send((WINDOWS,))
+            asked = []
         return [results[number] for number in range(len(parts))]
 
-    def _predicted(self, asked: list[tuple[int, np.ndarray]], predict: Predict, batch: int) -> None:
-        """The probabilities of the windows workers asked for, into their slabs, each told."""
-        while asked:
-            group: list[tuple[int, np.ndarray]] = []
-            total = 0
-            while asked and (not group or total + len(asked[0][1]) <= batch):
-                group.append(asked.pop(0))
-                total += len(group[-1][1])
-            tiles = group[0][1] if len(group) == 1 else np.concatenate([t for _, t in group])
-            probabilities, at = predict(tiles), 0
-            for worker, windows in group:
-                windows[...] = probabilities[at : at + len(windows)]
-                at += len(windows)
-                self.conns[worker].send((WINDOWS,))
+    def kill(self) -> None:
+        """Kill every worker now (what they were doing is lost; :meth:`close` still frees
+        the rest)."""
+        for process in self.processes:
+            process.kill()
+        for process in self.processes:
+            process.join()
 
     def close(self) -> None:
         """Stop the workers (each after the request in hand) and free the slabs."""

@@ -11,9 +11,11 @@ With several CPUs, the job's workers segment such an image side by side, each on
 its rows (:func:`parts`), as the regions' tasks of a slide split across jobs do: each opens the
 file itself (it must be the file the job checked), reads and decodes its windows, blends,
 thresholds, labels and measures them and writes its rows of provisional ids; their windows go
-through the net here, several regions' in one batch (:meth:`pipelines.inference.pool.Workers.
-parts`); the regions are then joined into the label image (:func:`pipelines.tiles.assemble`),
-whose chunks the workers relabel and halve, each its share.
+through the net here, in the batches one process would make of them (:meth:`pipelines.
+inference.pool.Workers.parts`); the regions are then joined into the label image
+(:func:`pipelines.tiles.assemble`), whose chunks the workers relabel and halve, each its share.
+The temporary folders they write in lie in the owner's results folder: a worker opens them
+by name, so it checks that they are the very folders the job made.
 Alone, on threads as many as the job has CPUs, a TIFF's tiles for the next row of windows are
 read and decoded while the net runs on this row's, and each chunk row of provisional ids is
 compressed and written while the next bands are labelled. Either way the results are those of
@@ -23,6 +25,7 @@ one thread, bit for bit.
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import time
@@ -35,7 +38,7 @@ import numpy as np
 from numcodecs import blosc
 
 from daemon.contract.checksums import sha256_of_stream
-from daemon.contract.heldfolder import HeldFolder
+from daemon.contract.heldfolder import HeldFolder, UnsafeEntry
 from daemon.contract.jobspec import InputFile, Problem
 from daemon.contract.names import is_store
 from pipelines.bounds import stored, where
@@ -159,7 +162,7 @@ class Slides:
         log.info("%s: %d regions side by side", item.path, count)
         seen = {key: value for key, value in meta.items() if key != "digest"}
         return Beside(self.workers, count, item, seen, self.params, self.device.probabilities,
-                      self._batch())  # fmt: skip
+                      self._batch(), self.masks.of(item.path)[0])  # fmt: skip
 
     def region(self, item: InputFile, index: int, count: int) -> list[Problem]:
         """Segment region ``index`` of ``count`` of one large TIFF or OME-Zarr store: its
@@ -232,9 +235,9 @@ def parts(reader: Regions, window: int, overlap: int, cuda: bool, workers: int) 
     """Into how many regions the job's ``workers`` split an image to segment it side by side:
     one each, but no more than its rows of label chunks (a region is whole chunk rows), nor
     than :data:`_REGIONS_BYTES` of their memory holds; on the CPU, where the net is most of
-    the work, each region runs :data:`_CPU_WINDOW_ROWS` rows of windows or more (a region
-    runs again the windows of the row above its first that reach into it: a quarter more at
-    most). 1: the job segments it alone."""
+    the work, no more than one for every :data:`_CPU_WINDOW_ROWS` rows of windows (a region
+    runs again the windows of the row above its first that reach into it). 1: the job
+    segments it alone."""
     rows = len(starts(reader.height, window, max(window - overlap, 1)))
     memory = _REGIONS_BYTES // (_COLUMN_BYTES * reader.width)
     most = [workers, math.ceil(reader.height / CHUNK), memory]
@@ -250,15 +253,23 @@ class Beside:
 
     def __init__(
         self, workers: Workers, count: int, item: InputFile, seen: dict[str, Any],
-        params: dict[str, Any], predict: Predict, batch: int,
+        params: dict[str, Any], predict: Predict, batch: int, masks: HeldFolder,
     ) -> None:  # fmt: skip
+        """``masks``: the folder of the image's mask, where the temporary folders are made."""
         self.workers, self.count, self.item, self.seen = workers, count, item, seen
-        self.params, self.predict, self.batch = params, predict, batch
+        self.params, self.predict, self.batch, self.masks = params, predict, batch, masks
+
+    def _held(self, name: str) -> Held:
+        """The temporary folder ``name`` of the mask's folder, as this process holds it."""
+        with self.masks.folder(name) as folder:
+            found = os.fstat(folder.fd)
+        return Held(name, found.st_dev, found.st_ino)
 
     def regions(self, reader: Regions, ids: Any, work: str) -> list[RegionRecord]:
+        held = self._held(work)
         found = self.workers.parts(
-            [RegionPart(self.item, self.seen, work, index, self.count, self.params, self.batch)
-             for index in range(self.count)], self.predict, self.batch,
+            [RegionPart(self.item, self.seen, held, index, self.count, self.params, self.batch)
+             for index in range(self.count)], self.predict,
         )  # fmt: skip
         records = [record for record in found if isinstance(record, RegionRecord)]
         if len(records) < len(found):  # each region's problems, once
@@ -269,16 +280,27 @@ class Beside:
         return records
 
     def relabel(self, work: str, building: str, parts: list[tuple[Chunks, np.ndarray]]) -> None:
-        self.workers.parts([RelabelPart(self.item, work, building, chunks, lookup)
+        ids, labels = self._held(work), self._held(building)
+        self.workers.parts([RelabelPart(self.item, ids, labels, chunks, lookup)
                             for chunks, lookup in parts])  # fmt: skip
 
     def halve(self, building: str, level: int, chunks: Chunks) -> None:
-        shares = min(self.count, len(chunks))
+        labels, shares = self._held(building), min(self.count, len(chunks))
         self.workers.parts([
-            HalvePart(self.item, building, level, chunks[k * len(chunks) // shares :
-                                                         (k + 1) * len(chunks) // shares])
+            HalvePart(self.item, labels, level, chunks[k * len(chunks) // shares :
+                                                       (k + 1) * len(chunks) // shares])
             for k in range(shares)
         ])  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Held:
+    """A temporary folder in the mask's folder, named, and which folder it is (device and
+    inode), as the job's main process made it."""
+
+    name: str
+    device: int
+    inode: int
 
 
 @dataclass(frozen=True)
@@ -290,7 +312,7 @@ class RegionPart:
 
     item: InputFile
     seen: dict[str, Any]  # what the job's own read of it found
-    folder: str
+    folder: Held
     index: int
     count: int
     params: dict[str, Any]
@@ -331,8 +353,8 @@ class RelabelPart:
     """Chunks of a label image's level 0 from the provisional ids, for a worker."""
 
     item: InputFile
-    work: str  # the ids' temporary folder in the mask's folder
-    building: str  # the label image's
+    work: Held  # the ids' temporary folder in the mask's folder
+    building: Held  # the label image's
     chunks: Chunks
     lookup: np.ndarray
 
@@ -355,7 +377,7 @@ class HalvePart:
     """Chunks of a label image's lower ``level`` from the level above, for a worker."""
 
     item: InputFile
-    building: str
+    building: Held
     level: int
     chunks: Chunks
 
@@ -375,12 +397,17 @@ def _one_thread() -> None:
 
 
 @contextlib.contextmanager
-def _mask_folder(setup: Setup, item: InputFile, name: str) -> Iterator[HeldFolder]:
-    """The folder ``name`` in the folder of ``item``'s mask, held (in a worker)."""
+def _mask_folder(setup: Setup, item: InputFile, made: Held) -> Iterator[HeldFolder]:
+    """The temporary folder ``made`` in the folder of ``item``'s mask, held (in a worker): the
+    very folder the job made, or :class:`UnsafeEntry` (the owner's folder swapped in)."""
     masks = MaskFolders(setup.run)
     try:
         folder, _ = masks.of(item.path)
-        with folder.folder(name) as held:
+        with folder.folder(made.name) as held:
+            found = os.fstat(held.fd)
+            if (found.st_dev, found.st_ino) != (made.device, made.inode):
+                name = str(held.path.relative_to(setup.run.path))
+                raise UnsafeEntry(errno.ESTALE, name, "was replaced while the job wrote in it")
             yield held
     finally:
         masks.close()

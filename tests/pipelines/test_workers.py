@@ -34,7 +34,7 @@ from pipelines.inference.pool import (
     failure,
     raised,
 )
-from pipelines.inference.slides import RegionPart
+from pipelines.inference.slides import HalvePart, Held, RegionPart
 from pipelines.inference.source import Entry
 from pipelines.instances import label_objects
 from pipelines.omezarr import work_array
@@ -296,9 +296,11 @@ def test_workers_segment_a_large_images_regions_as_this_process_does_and_say_a_c
             with masks.folder("work") as work:
                 store, _ = work_array(work, 128, 128)
                 store.close()
-        parts = [RegionPart(big, true, "work", 0, 1, params, 4),
-                 RegionPart(big, {**true, "size": seen.st_size + 1}, "work", 0, 1, params, 4)]  # fmt: skip
-        record, problems = workers.parts(parts, _net, 6)
+                made = os.fstat(work.fd)
+        held = Held("work", made.st_dev, made.st_ino)
+        parts = [RegionPart(big, true, held, 0, 1, params, 4),
+                 RegionPart(big, {**true, "size": seen.st_size + 1}, held, 0, 1, params, 4)]  # fmt: skip
+        record, problems = workers.parts(parts, _net)
         ((worker, reply),) = workers.replies(None)
     finally:
         workers.close()
@@ -338,3 +340,29 @@ def _ids(run: HeldFolder, name: str) -> np.ndarray:
             return np.asarray(ids[:, :])
         finally:
             store.close()
+
+
+def test_a_temporary_folder_swapped_under_a_part_fails_it_and_every_worker_is_stopped(
+    held: Any,
+) -> None:
+    """A part finds, under the name of the temporary folder the job made, another folder (its
+    owner swapped one in): the worker writes nothing there and the job gets the entry named
+    as unsafe, after every worker is killed (none writes on while the job cleans up)."""
+    items, batch, run = held
+    big = next(item for item in items if item.path == "images/big.tif")
+    with run.folder("masks/images", create=True) as masks:
+        masks.mkdir("work")
+        with masks.folder("work") as work:
+            made = os.fstat(work.fd)
+    (run.path / "masks" / "images" / "work").rename(run.path / "masks" / "images" / "kept")
+    (run.path / "masks" / "images" / "work").mkdir()  # the owner's, under the same name
+    swapped = Held("work", made.st_dev, made.st_ino)
+    workers = Workers(2, Setup(batch, run, MAX_PIXELS, None, Rules(0, 0.0, False)))
+    try:
+        with pytest.raises(UnsafeEntry, match="work' was replaced while the job wrote in it"):
+            workers.parts([HalvePart(big, swapped, 1, [(0, 0)]),
+                           HalvePart(big, swapped, 1, [(0, 1)])])  # fmt: skip
+        assert all(process.exitcode is not None for process in workers.processes)
+    finally:
+        workers.close()
+    assert list((run.path / "masks" / "images" / "work").iterdir()) == []
