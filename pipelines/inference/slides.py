@@ -39,7 +39,7 @@ from numcodecs import blosc
 
 from daemon.contract.checksums import sha256_of_stream
 from daemon.contract.heldfolder import HeldFolder, UnsafeEntry
-from daemon.contract.jobspec import InputFile, Problem
+from daemon.contract.jobspec import Identity, InputFile, Problem
 from daemon.contract.names import is_store
 from pipelines.bounds import stored, where
 from pipelines.channels import ChannelProblem
@@ -262,8 +262,7 @@ class Beside:
     def _held(self, name: str) -> Held:
         """The temporary folder ``name`` of the mask's folder, as this process holds it."""
         with self.masks.folder(name) as folder:
-            found = os.fstat(folder.fd)
-        return Held(name, found.st_dev, found.st_ino)
+            return Held(name, Identity.of(os.fstat(folder.fd)))
 
     def regions(self, reader: Regions, ids: Any, work: str) -> list[RegionRecord]:
         held = self._held(work)
@@ -295,12 +294,11 @@ class Beside:
 
 @dataclass(frozen=True)
 class Held:
-    """A temporary folder in the mask's folder, named, and which folder it is (device and
-    inode), as the job's main process made it."""
+    """A temporary folder in the mask's folder, named, and which folder it is, as the job's
+    main process made it."""
 
     name: str
-    device: int
-    inode: int
+    identity: Identity
 
 
 @dataclass(frozen=True)
@@ -404,8 +402,7 @@ def _mask_folder(setup: Setup, item: InputFile, made: Held) -> Iterator[HeldFold
     try:
         folder, _ = masks.of(item.path)
         with folder.folder(made.name) as held:
-            found = os.fstat(held.fd)
-            if (found.st_dev, found.st_ino) != (made.device, made.inode):
+            if not Identity.of(os.fstat(held.fd)).same(made.identity):
                 name = str(held.path.relative_to(setup.run.path))
                 raise UnsafeEntry(errno.ESTALE, name, "was replaced while the job wrote in it")
             yield held

@@ -21,7 +21,7 @@ from PIL import Image
 from zarr.core.sync import cleanup_resources
 
 from daemon.contract.heldfolder import HeldFolder, NotWritable, UnsafeEntry
-from daemon.contract.jobspec import InputFile
+from daemon.contract.jobspec import Identity, InputFile
 from daemon.contract.names import INFERENCE, inference_params
 from pipelines.images import open_item, read_image_hashed
 from pipelines.inference.finish import Rules
@@ -297,7 +297,7 @@ def test_workers_segment_a_large_images_regions_as_this_process_does_and_say_a_c
                 store, _ = work_array(work, 128, 128)
                 store.close()
                 made = os.fstat(work.fd)
-        held = Held("work", made.st_dev, made.st_ino)
+        held = Held("work", Identity.of(made))
         parts = [RegionPart(big, true, held, 0, 1, params, 4),
                  RegionPart(big, {**true, "size": seen.st_size + 1}, held, 0, 1, params, 4)]  # fmt: skip
         record, problems = workers.parts(parts, _net)
@@ -356,7 +356,7 @@ def test_a_temporary_folder_swapped_under_a_part_fails_it_and_every_worker_is_st
             made = os.fstat(work.fd)
     (run.path / "masks" / "images" / "work").rename(run.path / "masks" / "images" / "kept")
     (run.path / "masks" / "images" / "work").mkdir()  # the owner's, under the same name
-    swapped = Held("work", made.st_dev, made.st_ino)
+    swapped = Held("work", Identity.of(made))
     workers = Workers(2, Setup(batch, run, MAX_PIXELS, None, Rules(0, 0.0, False)))
     try:
         with pytest.raises(UnsafeEntry, match="work' was replaced while the job wrote in it"):
