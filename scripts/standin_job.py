@@ -14,12 +14,21 @@ objects, for the labelling, encoding and writing that follow; the forward pass c
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
-from typing import Any
 
-import torch
+# The code tree's pipelines package first, as ``python -m pipelines.infer`` imports it: while
+# that locates the module, sys.argv[0] is "-m" (pipelines/__init__.py: imports with the
+# garbage collector off, where the code tree does that).
+_script, sys.argv[0] = sys.argv[0], "-m"
+import pipelines  # noqa: E402, F401
 
-import models.unet
+sys.argv[0] = _script
+
+from collections.abc import Mapping  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+import models.unet  # noqa: E402
 
 THRESHOLD = 0.6225  # sigmoid(0.5): the stand-in's mask is its image above mid-grey
 

@@ -5,6 +5,7 @@ what it trusts: a spec only in a private spool, and only the spec of its own fol
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 import textwrap
@@ -144,3 +145,29 @@ def test_a_spec_that_names_another_job_folder_is_refused(
     refused = run(dataclasses.replace(spec, job_name="other"))  # runs other/, reads its spec
     assert refused.returncode == 2 and refused.result is None
     assert f"is the spec of {spec.job_dir}" in refused.log
+
+
+def test_a_job_imports_with_the_collector_off_and_freezes_what_it_imported(
+    tmp_path: Path, job_spec: Callable[..., Any], run: Callable[..., Any]
+) -> None:
+    """Started as ``python -m pipelines.<name>``, a job imports with the cyclic garbage
+    collector off, freezes what it imported and turns the collector on again; imported any
+    other way, the package leaves the collector as it was."""
+    batch_dir = tmp_path / "batch"
+    batch_dir.mkdir()
+    spec = job_spec(batch_dir, Pipeline.REPORT, (), registry=tmp_path / "registry",
+                    model=ModelRef("m"), params={}, job_name="report")  # fmt: skip
+    done = run(spec)
+    assert done.result is not None  # it ran (and failed: nothing to report)
+    frozen = re.search(r"imports done: (\d+) objects frozen", done.log)
+    assert frozen is not None and int(frozen.group(1)) > 10_000
+    probe = textwrap.dedent(
+        """
+        import gc
+        import pipelines.job
+        print(gc.isenabled(), pipelines.job.settle_collector(), gc.get_freeze_count())
+        """
+    )
+    imported = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                              check=True)  # fmt: skip
+    assert imported.stdout.split() == ["True", "0", "0"]
