@@ -7,10 +7,13 @@ Each job is the real ``python -m pipelines.infer`` of its code tree, run by
 forward pass costs nothing, so what is measured is what a GPU node's job spends besides its
 GPU). A job on N CPUs is given ``resources.cpus = N`` and bound to N cores (``taskset``); the
 old code runs from ``--old`` (a ``git worktree`` of the base commit), the new from this tree,
-interleaved, ``--rounds`` times each, on the same images. Printed per configuration: images/s
-over the job's whole run (start-up included) and over its images alone (the job's own
-``seconds_per_image``), the median of the rounds; then the ratios the issue names, and whether
-the two codes' masks and tables agree (every mask compared pixel for pixel).
+interleaved, ``--rounds`` times each, on the same images, in reverse order every other round
+(this machine's speed drifts), each run's outputs moved aside rather than removed until the end
+(:func:`jobrun.set_aside`: on ext4 without a journal, files removed slow the next run down).
+Printed per configuration: images/s over the job's whole run (start-up included) and over its
+images alone (the job's own ``seconds_per_image``), and the seconds outside them (the
+interpreter's start and end), the median of the rounds; then the ratios the issue names, and
+whether the two codes' masks and tables agree (every mask compared pixel for pixel).
 
 Both codes run with ``split_neck = 0``: the old code had no object step (touching objects cut
 apart, :mod:`pipelines.instances`), so at 0 both do the same work and their masks compare.
@@ -42,8 +45,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -74,6 +79,7 @@ from pipelines.images import decode
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "standin"
 PARAMS = {"threshold": THRESHOLD, "min_object_area": 16, "split_neck": 0.0}
+T = TypeVar("T")
 CUT = "new, objects cut"  # the new code with the object step at its default split_neck
 
 
@@ -90,6 +96,11 @@ class Run:
     @property
     def whole_rate(self) -> float:
         return self.images / self.wall_s
+
+    @property
+    def outside_s(self) -> float:
+        """The job's seconds outside its images: the interpreter's start (imports) and end."""
+        return self.wall_s - self.images / self.images_s
 
 
 def _ms(value: float | None) -> str:
@@ -114,8 +125,7 @@ def run_job(
     code: Path, batch_dir: Path, spec: JobSpec, cpus: int, cores: list[int]
 ) -> tuple[float, JobResult]:
     """Run the stand-in job of ``code`` on ``cores``: (wall seconds, its result)."""
-    for outputs in (batch_dir / "results", Path(spec.work_dir)):  # else the ledger skips all
-        shutil.rmtree(outputs, ignore_errors=True)
+    jobrun.set_aside(batch_dir)
     job_dir, text = spec_for(code, spec)
     job_dir.mkdir(parents=True)
     (job_dir / SPEC_FILE).write_text(text, encoding="utf-8")
@@ -133,6 +143,14 @@ def run_job(
         sys.stderr.write((job_dir / LOG_FILE).read_text("utf-8")[-3000:])
         raise SystemExit(f"the {code} job failed (exit status {done.returncode})")
     return wall, result
+
+
+def in_turn(round_: int, cpus: Sequence[int], codes: Sequence[T]) -> list[tuple[int, T]]:
+    """The runs of one round: every CPU count with every code, in reverse order every other
+    round. This machine's speed drifts by 20–40 % over a minute (the same loop, alone), so a
+    fixed order would favour the runs that come first."""
+    runs = [(count, code) for count in cpus for code in codes]
+    return runs if round_ % 2 == 0 else runs[::-1]
 
 
 def keep(batch_dir: Path, into: Path) -> None:
@@ -177,30 +195,29 @@ def slide(old: Path, work: Path, size: int, rounds: int, cores: list[int]) -> in
     pixels = size * size / 1e6
     found: dict[tuple[str, int], list[tuple[float, float, float, float]]] = {}
     for round_ in range(rounds):
-        for cpus in (1, 2):
-            for name, code in (("old", old), ("new", REPO)):
-                spec = JobSpec(
-                    job_id=1, job_name=f"slide-{name}-{cpus}", pipeline=Pipeline.INFER,
-                    attempt=1, batch_id=1, batch_revision=1, batch_kind="inference",
-                    batch_dir=str(batch_dir), run_dir=str(batch_dir / "results"),
-                    work_dir=str(work_dir_for(batch_dir)), manifest_sha256="0" * 64,
-                    inputs=inputs, model=ModelRef(MODEL), registry_dir=str(work / "registry"),
-                    params={"threshold": THRESHOLD, "min_object_area": 16},
-                    resources=Resources(cpus=cpus), title="host benchmark, a slide",
-                )  # fmt: skip
-                wall, result = run_job(code, batch_dir, spec, cpus, cores[:cpus])
-                summary = result.summary
-                own = summary["seconds_per_image"]
-                cpu, main_cpu = summary["cpu_seconds_per_image"], summary.get(
-                    "main_cpu_seconds_per_image", float("nan"))  # fmt: skip
-                found.setdefault((name, cpus), []).append((wall, own, cpu, main_cpu))
-                print(f"round {round_ + 1}: {name}, {cpus} CPU(s): {wall:.1f} s, "
-                      f"{pixels / wall:.1f} Mpx/s whole job, {pixels / own:.1f} over its image, "
-                      f"{cpu:.2f} CPU-s ({main_cpu:.2f} in the main process), "
-                      f"load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
-                if round_ == 0 and cpus == 2:
-                    shutil.rmtree(work / f"kept-{name}", ignore_errors=True)
-                    shutil.move(batch_dir / "results", work / f"kept-{name}")
+        for cpus, (name, code) in in_turn(round_, (1, 2), [("old", old), ("new", REPO)]):
+            spec = JobSpec(
+                job_id=1, job_name=f"slide-{name}-{cpus}", pipeline=Pipeline.INFER,
+                attempt=1, batch_id=1, batch_revision=1, batch_kind="inference",
+                batch_dir=str(batch_dir), run_dir=str(batch_dir / "results"),
+                work_dir=str(work_dir_for(batch_dir)), manifest_sha256="0" * 64,
+                inputs=inputs, model=ModelRef(MODEL), registry_dir=str(work / "registry"),
+                params={"threshold": THRESHOLD, "min_object_area": 16},
+                resources=Resources(cpus=cpus), title="host benchmark, a slide",
+            )  # fmt: skip
+            wall, result = run_job(code, batch_dir, spec, cpus, cores[:cpus])
+            summary = result.summary
+            own = summary["seconds_per_image"]
+            cpu, main_cpu = summary["cpu_seconds_per_image"], summary.get(
+                "main_cpu_seconds_per_image", float("nan"))  # fmt: skip
+            found.setdefault((name, cpus), []).append((wall, own, cpu, main_cpu))
+            print(f"round {round_ + 1}: {name}, {cpus} CPU(s): {wall:.1f} s, "
+                  f"{pixels / wall:.1f} Mpx/s whole job, {pixels / own:.1f} over its image, "
+                  f"{cpu:.2f} CPU-s ({main_cpu:.2f} in the main process), "
+                  f"load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+            if round_ == 0 and cpus == 2:
+                shutil.rmtree(work / f"kept-{name}", ignore_errors=True)
+                shutil.move(batch_dir / "results", work / f"kept-{name}")
     print()
     print("| code | CPUs | Mpx/s, whole job | Mpx/s, its image | CPU-s | of which the main one |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -228,6 +245,7 @@ def slide(old: Path, work: Path, size: int, rounds: int, cores: list[int]) -> in
         f"{lv.stored[0]} / {lv.stored[1]}" for lv in levels))  # fmt: skip
     print(f"object tables: {'the same' if same else 'DIFFERENT'}")
     print(f"medians of {rounds} round(s); work in {work}")
+    jobrun.remove_spent(batch_dir)
     return 0 if same and not any(lv.differing for lv in levels) else 1
 
 
@@ -267,38 +285,38 @@ def main() -> int:
     if args.object_step:
         codes.append((CUT, REPO, {**PARAMS, "split_neck": INFERENCE.split_neck}))
     for round_ in range(args.rounds):
-        for cpus in (1, 2):
-            for name, code, params in codes:
-                slug = "cut" if name == CUT else name
-                spec = JobSpec(
-                    job_id=1, job_name=f"infer-{slug}-{cpus}", pipeline=Pipeline.INFER,
-                    attempt=1, batch_id=1, batch_revision=1, batch_kind="inference",
-                    batch_dir=str(batch_dir), run_dir=str(batch_dir / "results"),
-                    work_dir=str(work_dir_for(batch_dir)), manifest_sha256="0" * 64,
-                    inputs=inputs, model=ModelRef(MODEL),
-                    registry_dir=str(work / "registry"), params=params,
-                    resources=Resources(cpus=cpus), title="host benchmark",
-                )  # fmt: skip
-                wall, result = run_job(code, batch_dir, spec, cpus, cores[:cpus])
-                summary = result.summary
-                main_s = summary.get("main_cpu_seconds_per_image")
-                run = Run(name, cpus, summary["segmented"], wall, 1 / summary["seconds_per_image"],
-                          1000 * summary["cpu_seconds_per_image"],
-                          None if main_s is None else 1000 * main_s)  # fmt: skip
-                runs.append(run)
-                print(f"round {round_ + 1}: {name}, {cpus} CPU(s): {wall:.1f} s, "
-                      f"{run.whole_rate:.0f} images/s whole job, {run.images_s:.0f} over its "
-                      f"images, {run.cpu_ms_per_image:.2f} CPU-ms per image "
-                      f"({_ms(run.main_ms_per_image)} in the main process), "
-                      f"load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
-                if round_ == 0 and cpus == 2 and name != CUT:
-                    keep(batch_dir, work / f"kept-{name}")
+        for cpus, (name, code, params) in in_turn(round_, (1, 2), codes):
+            slug = "cut" if name == CUT else name
+            spec = JobSpec(
+                job_id=1, job_name=f"infer-{slug}-{cpus}", pipeline=Pipeline.INFER,
+                attempt=1, batch_id=1, batch_revision=1, batch_kind="inference",
+                batch_dir=str(batch_dir), run_dir=str(batch_dir / "results"),
+                work_dir=str(work_dir_for(batch_dir)), manifest_sha256="0" * 64,
+                inputs=inputs, model=ModelRef(MODEL),
+                registry_dir=str(work / "registry"), params=params,
+                resources=Resources(cpus=cpus), title="host benchmark",
+            )  # fmt: skip
+            wall, result = run_job(code, batch_dir, spec, cpus, cores[:cpus])
+            summary = result.summary
+            main_s = summary.get("main_cpu_seconds_per_image")
+            run = Run(name, cpus, summary["segmented"], wall, 1 / summary["seconds_per_image"],
+                      1000 * summary["cpu_seconds_per_image"],
+                      None if main_s is None else 1000 * main_s)  # fmt: skip
+            runs.append(run)
+            print(f"round {round_ + 1}: {name}, {cpus} CPU(s): {wall:.1f} s, "
+                  f"{run.whole_rate:.0f} images/s whole job, {run.images_s:.0f} over its "
+                  f"images ({run.outside_s:.1f} s outside them), "
+                  f"{run.cpu_ms_per_image:.2f} CPU-ms per image "
+                  f"({_ms(run.main_ms_per_image)} in the main process), "
+                  f"load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+            if round_ == 0 and cpus == 2 and name != CUT:
+                keep(batch_dir, work / f"kept-{name}")
     print()
     print(
         "| code | CPUs | images/s, whole job | images/s, its images | per CPU (whole job) "
-        "| CPU-ms per image | of which the main process |"
+        "| CPU-ms per image | of which the main process | s outside its images |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     rate: dict[tuple[str, int], tuple[float, float]] = {}
     for name, _, _ in codes:
         for cpus in (1, 2):
@@ -309,8 +327,9 @@ def main() -> int:
             cpu = statistics.median(r.cpu_ms_per_image for r in mine)
             main_ms = [r.main_ms_per_image for r in mine if r.main_ms_per_image is not None]
             main_ms_at = statistics.median(main_ms) if main_ms else None
+            outside = statistics.median(r.outside_s for r in mine)
             print(f"| {name} | {cpus} | {whole:.0f} | {inner:.0f} | {whole / cpus:.0f} | "
-                  f"{cpu:.2f} | {_ms(main_ms_at)} |")  # fmt: skip
+                  f"{cpu:.2f} | {_ms(main_ms_at)} | {outside:.1f} |")  # fmt: skip
     print()
     for label, at in (("whole job", 0), ("its images", 1)):
         scaling = rate["new", 2][at] / rate["new", 1][at]
@@ -322,6 +341,7 @@ def main() -> int:
         )
     print(agreement(work / "kept-old", work / "kept-new"))
     print(f"medians of {args.rounds} round(s); work in {work}")
+    jobrun.remove_spent(batch_dir)
     return 0
 
 

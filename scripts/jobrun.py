@@ -5,6 +5,7 @@ under Slurm and by hand)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -58,10 +59,33 @@ def inputs_of(
     return tuple(items)
 
 
+SPENT = "spent"  # beside the batch folder: the outputs of runs before, set aside
+
+
 def work_dir_for(batch_dir: Path) -> Path:
     """The work folder of a run of jobs started by hand on ``batch_dir``: in a spool beside
     the batch folder (the daemon's is its configured spool), never inside it."""
     return batch_dir.parent / "spool" / batch_dir.name
+
+
+def set_aside(batch_dir: Path) -> None:
+    """Move the outputs of the last job run on ``batch_dir`` (its run folder, its work folder)
+    into ``spent/`` beside it, so that the next job segments every input again (its ledger
+    would skip those done). Moved, not removed, until the benchmark ends (:func:`remove_spent`):
+    on ext4 without a journal, as this development machine's root is, a new file's inode is
+    found by stepping over every inode freed in the last 60 s (360 s while its table block is
+    dirty) one by one (the kernel's ``recently_deleted``), so removing a run's thousands of
+    masks made each later run slower than the one before (docs/benchmarks.md)."""
+    spent = batch_dir.parent / SPENT
+    spent.mkdir(exist_ok=True)
+    for outputs in (batch_dir / "results", work_dir_for(batch_dir)):
+        if outputs.exists():
+            outputs.rename(spent / f"{len(list(spent.iterdir()))}-{outputs.name}")
+
+
+def remove_spent(batch_dir: Path) -> None:
+    """Remove what :func:`set_aside` moved aside (once no job is measured any more)."""
+    shutil.rmtree(batch_dir.parent / SPENT, ignore_errors=True)
 
 
 def run(
