@@ -297,8 +297,7 @@ def through_daemon(
 
 def slide_job(batch_dir: Path, registry_dir: Path, cpus: int, gpus: int, name: str) -> float:
     """Seconds of the inference job over the slide, start to end."""
-    for outputs in (batch_dir / "results", jobrun.work_dir_for(batch_dir)):  # else its ledger
-        shutil.rmtree(outputs, ignore_errors=True)  # skips it
+    jobrun.set_aside(batch_dir)  # else its ledger skips it; not removed: the next job's files
     inputs = jobrun.inputs_of(batch_dir, sorted((batch_dir / "images").iterdir()))
     job = jobrun.run(batch_dir, Pipeline.INFER, inputs, registry_dir, ModelRef(MODEL),
                      {"min_object_area": 16}, name=name, kind="inference", cpus=cpus,
@@ -443,6 +442,7 @@ def slide_rows(table: Table, work: Path, size: int, cpus: int, device: str, gpu:
     cuda = device.startswith("cuda")
     on_gpu = slide_job(slide, work / "registry", cpus, 1 if cuda else 0, "gpu")
     on_cpu = slide_job(slide, work / "registry", 8, 0, "cpu8")
+    jobrun.remove_spent(slide)
     mpx = size**2 / on_gpu / 1e6
     table.add(f"slide {size:,}², 30 % tissue, on {device}", f"{on_gpu:.1f} s = "
               f"{mpx:.1f} Mpx/s", "≥ 80 Mpx/s", mpx >= 80 if gpu else None)  # fmt: skip
