@@ -9,7 +9,8 @@ more as the interpreter ended. :func:`pipelines.job.run_job` freezes what was im
 (``gc.freeze``: never looked at by the collector again, at the job's end neither) and turns
 the collector back on. On the development machine a job's imports took ~0.5 s less and its
 exit 0.6–1.1 s less (docs/benchmarks.md). Imported any other way (tests, benchmarks), nothing
-changes.
+changes. So every module of this package run with ``-m`` is a job that calls ``run_job`` (or
+:func:`pipelines.job.settle_collector` itself): else it runs without the collector.
 """
 
 import gc

@@ -171,3 +171,14 @@ def test_a_job_imports_with_the_collector_off_and_freezes_what_it_imported(
     imported = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                               check=True)  # fmt: skip
     assert imported.stdout.split() == ["True", "0", "0"]
+
+
+def test_every_module_run_with_m_turns_the_collector_on_again() -> None:
+    """``python -m pipelines.<name>`` imports with the collector off (pipelines/__init__.py):
+    every module of the package that can be run so is a job that goes through ``run_job``."""
+    package = Path(__file__).resolve().parents[2] / "pipelines"
+    runnable = [
+        path for path in package.rglob("*.py") if '__name__ == "__main__"' in path.read_text()
+    ]
+    assert len(runnable) >= 5  # infer, report, assemble, train, sweep
+    assert [path.name for path in runnable if "run_job(" not in path.read_text()] == []
