@@ -196,6 +196,7 @@ class Workers:
         self.windows = [Slab.make() for _ in range(count)]  # a part's windows, each worker's
         self.deferred: list[tuple[int, Any]] = []  # replies that came while parts ran
         self.large_told = False  # told that a large image comes
+        self.chunk_bytes = setup.chunk_bytes  # a chunk's bytes, at which a worker stops reading
         self.conns: list[Connection] = []
         self.processes: list[multiprocessing.process.BaseProcess] = []
         sys.stdout.flush()

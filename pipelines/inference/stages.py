@@ -11,6 +11,13 @@ than leave it waiting. A run a worker cut short (its slab full) is asked for aga
 later run, the lowest first: the slabs that come free go to the images the net needs next,
 never all to chunks ahead of them that wait for them. An image too large to decode whole is
 segmented here, window by window (the ``tiled`` callback), when its turn comes.
+
+How many images a run holds: a share of a batch at first (:func:`chunk_images`), then, once a
+chunk is read, as many of its size as a slab holds, up to :data:`MAX_CHUNK_IMAGES`
+(:func:`images_that_fit`): every hand-over costs the main process a message both ways and its
+pickling, and a run cut short is read in two. Small images go in runs of 32 (a 2-CPU stand-in
+job's main process: 0.35 CPU-ms per 256² image against 0.40–0.45 in runs of 4,
+docs/benchmarks.md), large ones in runs that fit.
 """
 
 from __future__ import annotations
@@ -30,11 +37,13 @@ from daemon.contract.jobspec import InputFile, Problem
 from pipelines.inference.device import DeviceStage
 from pipelines.inference.durable import sync_filesystem
 from pipelines.inference.pool import FINISH, READ, ToFinish, Workers, raised
+from pipelines.inference.slabs import layout
 from pipelines.inference.source import Entry
 from pipelines.ledger import Ledger
 
 COMMIT_SECONDS = 1.0  # masks finished are made durable and recorded at least this often …
 COMMIT_IMAGES = 512  # … or once this many are waiting
+MAX_CHUNK_IMAGES = 32  # images a worker reads at once, at most
 
 
 class Committer:
@@ -243,6 +252,8 @@ class Stages:
             if read_to < chunk.end:  # the slab was full: the rest is asked for again
                 heapq.heappush(self.again, (read_to, chunk.end))
                 chunk.end = read_to
+            self.chunk_images = images_that_fit(entries, self.workers.chunk_bytes,
+                                                self.chunk_images)  # fmt: skip
             return
         assert kind == FINISH
         failed = []
@@ -258,6 +269,17 @@ class Stages:
 
 
 def chunk_images(batch_size: int, workers: int) -> int:
-    """Images a worker reads at once: a share of a batch, at least 4 (each hand-over costs the
-    main process a message both ways), at most 32."""
-    return int(np.clip(-(-batch_size // max(workers, 1)), 4, 32))
+    """Images a worker reads at once before any is seen: a share of a batch, at least 4, at
+    most :data:`MAX_CHUNK_IMAGES`."""
+    return int(np.clip(-(-batch_size // max(workers, 1)), 4, MAX_CHUNK_IMAGES))
+
+
+def images_that_fit(entries: Sequence[Entry], budget: int, before: int) -> int:
+    """Images a worker reads at once after a chunk of ``entries``: as many of its largest image
+    as a worker reads into one slab without a cut (it stops after the image that reaches
+    ``budget`` bytes), at most :data:`MAX_CHUNK_IMAGES`; ``before`` where the chunk has no
+    pixels (problems, an image too large to decode whole)."""
+    largest = max((layout([entry.shape])[2] for entry in entries if entry.shape), default=0)
+    if not largest:
+        return before
+    return min(MAX_CHUNK_IMAGES, (budget - 1) // largest + 1)

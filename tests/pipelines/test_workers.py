@@ -268,6 +268,31 @@ def test_runs_cut_short_go_out_again_in_input_order_so_the_next_image_always_get
     assert not hung, "the job's main loop waits forever: every slab is held by chunks ahead"
     assert found == [[]]
     assert sorted(committer.rows) == sorted(item.path for item in items)
+    assert stages.chunk_images == 2, "later runs are not sized to what a slab holds"
+
+
+def test_runs_are_sized_to_what_a_slab_holds_of_the_last_chunks_largest_image() -> None:
+    """Once a chunk is read, runs hold as many images as a worker reads into a slab without a
+    cut (it stops after the image that reaches the budget), at most MAX_CHUNK_IMAGES: small
+    images in long runs (fewer hand-overs), large ones in runs that are never cut; a chunk
+    without pixels (problems, a slide) keeps the size before it."""
+    from pipelines.inference.slabs import layout
+    from pipelines.inference.source import CHUNK_BYTES
+    from pipelines.inference.stages import MAX_CHUNK_IMAGES, images_that_fit
+
+    item = InputFile("images/a.png", "0" * 64)
+
+    def entries(*shapes: tuple[int, ...]) -> list[Entry]:
+        return [Entry(k, item, (), "", False, shape, 0, 0) for k, shape in enumerate(shapes)]
+
+    assert images_that_fit(entries((256, 256)), CHUNK_BYTES, 4) == MAX_CHUNK_IMAGES
+    assert images_that_fit(entries((256, 256), (1024, 1024)), CHUNK_BYTES, 4) == 4
+    assert images_that_fit(entries((4096, 4096)), CHUNK_BYTES, 4) == 1
+    assert images_that_fit(entries(()), CHUNK_BYTES, 7) == 7
+    one = layout([(40, 60)])[2]
+    assert layout([(40, 60)] * 3)[2] == 3 * one  # the third reaches a budget of 3 × one …
+    assert images_that_fit(entries((40, 60)), 3 * one, 10) == 3
+    assert images_that_fit(entries((40, 60)), 3 * one + 1, 10) == 4  # … the fourth that of more
 
 
 def _net(tiles: np.ndarray) -> np.ndarray:
