@@ -45,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -105,6 +105,12 @@ class Run:
 
 def _ms(value: float | None) -> str:
     return "–" if value is None else f"{value:.2f}"
+
+
+def _median_of(values: Iterable[float | None]) -> float | None:
+    """The median of the values given (None: none was, as the old code does not say all)."""
+    known = [value for value in values if value is not None]
+    return statistics.median(known) if known else None
 
 
 def spec_for(code: Path, spec: JobSpec) -> tuple[Path, str]:
@@ -193,7 +199,7 @@ def slide(old: Path, work: Path, size: int, rounds: int, cores: list[int]) -> in
     print(f"a {size:,}² slide, 30 % tissue, made in {time.perf_counter() - made:.0f} s in {work};"
           f" {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")  # fmt: skip
     pixels = size * size / 1e6
-    found: dict[tuple[str, int], list[tuple[float, float, float, float]]] = {}
+    found: dict[tuple[str, int], list[tuple[float, float, float, float | None]]] = {}
     for round_ in range(rounds):
         for cpus, (name, code) in in_turn(round_, (1, 2), [("old", old), ("new", REPO)]):
             spec = JobSpec(
@@ -209,11 +215,11 @@ def slide(old: Path, work: Path, size: int, rounds: int, cores: list[int]) -> in
             summary = result.summary
             own = summary["seconds_per_image"]
             cpu, main_cpu = summary["cpu_seconds_per_image"], summary.get(
-                "main_cpu_seconds_per_image", float("nan"))  # fmt: skip
+                "main_cpu_seconds_per_image")  # fmt: skip (None: the old code did not say)
             found.setdefault((name, cpus), []).append((wall, own, cpu, main_cpu))
             print(f"round {round_ + 1}: {name}, {cpus} CPU(s): {wall:.1f} s, "
                   f"{pixels / wall:.1f} Mpx/s whole job, {pixels / own:.1f} over its image, "
-                  f"{cpu:.2f} CPU-s ({main_cpu:.2f} in the main process), "
+                  f"{cpu:.2f} CPU-s ({_ms(main_cpu)} in the main process), "
                   f"load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
             if round_ == 0 and cpus == 2:
                 shutil.rmtree(work / f"kept-{name}", ignore_errors=True)
@@ -230,7 +236,7 @@ def slide(old: Path, work: Path, size: int, rounds: int, cores: list[int]) -> in
             rate[name, cpus] = (whole, inner)
             print(f"| {name} | {cpus} | {whole:.1f} | {inner:.1f} | "
                   f"{statistics.median(r[2] for r in runs):.2f} | "
-                  f"{statistics.median(r[3] for r in runs):.2f} |")  # fmt: skip
+                  f"{_ms(_median_of(r[3] for r in runs))} |")  # fmt: skip
     print()
     for label, at in (("whole job", 0), ("its image", 1)):
         print(f"{label}: new / old {rate['new', 1][at] / rate['old', 1][at]:.2f} on 1 CPU, "
@@ -325,8 +331,7 @@ def main() -> int:
             inner = statistics.median(r.images_s for r in mine)
             rate[name, cpus] = (whole, inner)
             cpu = statistics.median(r.cpu_ms_per_image for r in mine)
-            main_ms = [r.main_ms_per_image for r in mine if r.main_ms_per_image is not None]
-            main_ms_at = statistics.median(main_ms) if main_ms else None
+            main_ms_at = _median_of(r.main_ms_per_image for r in mine)
             outside = statistics.median(r.outside_s for r in mine)
             print(f"| {name} | {cpus} | {whole:.0f} | {inner:.0f} | {whole / cpus:.0f} | "
                   f"{cpu:.2f} | {_ms(main_ms_at)} | {outside:.1f} |")  # fmt: skip
