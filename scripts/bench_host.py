@@ -214,8 +214,9 @@ def slide(old: Path, work: Path, size: int, rounds: int, cores: list[int]) -> in
             wall, result = run_job(code, batch_dir, spec, cpus, cores[:cpus])
             summary = result.summary
             own = summary["seconds_per_image"]
+            # the main process's CPU: None where the old code does not say it
             cpu, main_cpu = summary["cpu_seconds_per_image"], summary.get(
-                "main_cpu_seconds_per_image")  # fmt: skip (None: the old code did not say)
+                "main_cpu_seconds_per_image")  # fmt: skip
             found.setdefault((name, cpus), []).append((wall, own, cpu, main_cpu))
             print(f"round {round_ + 1}: {name}, {cpus} CPU(s): {wall:.1f} s, "
                   f"{pixels / wall:.1f} Mpx/s whole job, {pixels / own:.1f} over its image, "
