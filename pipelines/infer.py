@@ -17,10 +17,17 @@ measure, encode, write: :mod:`pipelines.inference.finish`); the net runs in this
 CPU or the GPU it was given (:mod:`pipelines.inference.device`), in batches of one size; masks
 are made durable together and only then recorded in the ledger. An image segmented whole has
 touching objects cut apart where they narrow (``split_neck``, :mod:`pipelines.instances`: one
-call, :meth:`pipelines.inference.finish.Rules.objects`), one pixel of background between them in
-its mask; one segmented window by window keeps its connected components. The model is loaded
-(and its sha256 checked) once per shard, while the workers start reading. An image of more than
+call, :func:`pipelines.inference.finish.object_ids`), one pixel of background between them in
+its mask; one segmented window by window keeps its connected components. An image of more than
 ``max_whole_pixels`` pixels is segmented window by window (:mod:`pipelines.inference.slides`).
+
+Each process of the job imports only what it needs. This one starts with the steering code alone
+(~0.2 s of imports) and forks the workers; then, side by side, each worker imports the code of
+its stages (Pillow, libpng, scipy, scikit-image: ~0.5 s) and reads the images the net needs
+first (:meth:`pipelines.inference.stages.Stages.ahead`), while this process imports torch (1–2 s,
+:func:`pipelines.job.importing_late`) and loads the model (its sha256 checked), once per shard.
+The job's start then costs the time of torch's imports, not of all imports one after the other
+(docs/benchmarks.md).
 
 Each table row also says the precision its mask was made in (``fp32``; on a GPU what the first
 batch allowed: :mod:`pipelines.inference.placement`), then the provenance: model name, version
@@ -44,8 +51,6 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from daemon.contract.heldfolder import HeldFolder
 from daemon.contract.jobspec import (
     JOBS_DIR,
@@ -58,13 +63,13 @@ from daemon.contract.jobspec import (
 )
 from daemon.contract.names import inference_params
 from daemon.contract.version import code_version
+from models import catalog
 from pipelines.inference import durable
-from pipelines.inference.device import DeviceStage, load_model
-from pipelines.inference.finish import MaskFolders, Rules
+from pipelines.inference.masks import MaskFolders, Rules
 from pipelines.inference.placement import choose_device
 from pipelines.inference.pool import Setup, Workers
 from pipelines.inference.stages import Committer, Stages, chunk_images
-from pipelines.job import InputError, log, run_folder, run_job, work_folder
+from pipelines.job import InputError, importing_late, log, run_folder, run_job, work_folder
 from pipelines.layout import PARTS_DIR, job_region, ledger_name, table_csv, table_name
 from pipelines.ledger import Ledger
 
@@ -115,24 +120,39 @@ def _infer(spec: JobSpec, batch: HeldFolder, run: HeldFolder, work: HeldFolder) 
     params = inference_params(spec.params)
     items = [item for item in spec.inputs if item.role is Role.IMAGE]
     masks = MaskFolders(run)
-    started, cpu_started, main_started = time.monotonic(), _cpu_seconds(), _cpu_seconds(False)
     rules = Rules(int(params["min_object_area"]), float(params["split_neck"]),
                   durable.each_file(run.fd))
     cpus = max(1, spec.resources.cpus)
-    # forked first: before torch starts a thread, and reading while the model loads
+    # forked first: before torch is imported (the workers never need it), then reading ahead
+    # while this process imports it
     workers = Workers(cpus, Setup(batch, run, int(params["max_whole_pixels"]), params["channel"],
                                   rules))  # fmt: skip
     ledger: Ledger | None = None
     try:
-        net, version = load_model(spec)
+        version = catalog.resolve(Path(spec.registry_dir), spec.model.name, spec.model.version)
+        ledger = Ledger(work, ledger_name(spec.shard.index), version.sha256, spec.params)
+        resumed = _resumed(items, ledger, batch, masks)
+        todo = [item for item in items if item.path not in resumed]
+        region = job_region(spec.params)
+        planned = int(params["batch_size"])  # the batch the chunks are sized for
+        if spec.resources.gpus:
+            planned = int(params["gpu_batch_size"]) or _FIRST_GPU_BATCH
+        stages = Stages(todo, workers, region is None or region[0] == 0,
+                        chunk_images(planned, cpus))  # fmt: skip
+        stages.ahead()
+        with importing_late():
+            import torch
+
+            from pipelines.inference.device import DeviceStage, load_model
+        # the job's time and CPU from here, as before its imports overlapped the workers' start
+        # (the workers' CPU counts whole: their imports and first reads)
+        started, cpu_started, main_started = time.monotonic(), _cpu_seconds(), _cpu_seconds(False)
+        net = load_model(version)
         log.info("model %s version %d (sha256 %s…)", version.name, version.version,
                  version.sha256[:12])  # fmt: skip
         provenance = {"model_name": version.name, "model_version": version.version,
                       "model_sha256": version.sha256, "manifest_sha256": spec.manifest_sha256,
                       "code_version": code_version()}  # fmt: skip
-        ledger = Ledger(work, ledger_name(spec.shard.index), version.sha256, spec.params)
-        resumed = _resumed(items, ledger, batch, masks)
-        todo = [item for item in items if item.path not in resumed]
         where = choose_device(spec.resources.gpus, os.environ,
                               torch.cuda.device_count() if torch.cuda.is_available() else 0,
                               params)  # fmt: skip
@@ -140,7 +160,6 @@ def _infer(spec: JobSpec, batch: HeldFolder, run: HeldFolder, work: HeldFolder) 
         device = DeviceStage(net, where, float(params["threshold"]), rules)
         progress = Progress(len(todo), _progress_file(spec, work, len(items)), len(resumed))
         committer = Committer(run, ledger, progress.tick, rules.fsync_each, provenance)
-        region = job_region(spec.params)
         slides: list[Slides] = []  # made for the first image too large to decode whole
 
         def tiled(item: InputFile) -> list[Problem]:
@@ -154,10 +173,7 @@ def _infer(spec: JobSpec, batch: HeldFolder, run: HeldFolder, work: HeldFolder) 
             return slides[0].tiled(item) if region is None else slides[0].region(item, *region)
 
         try:
-            wanted = where.batch_size or _FIRST_GPU_BATCH
-            problems = Stages(todo, workers, device, committer, tiled,
-                              region is None or region[0] == 0,
-                              chunk_images(wanted, cpus)).run()  # fmt: skip
+            problems = stages.run(device, committer, tiled)
         finally:
             workers.close()
             for made in slides:

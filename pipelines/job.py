@@ -39,7 +39,7 @@ import resource
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -135,6 +135,24 @@ def settle_collector() -> int:
     gc.freeze()
     gc.enable()
     return gc.get_freeze_count()
+
+
+@contextlib.contextmanager
+def importing_late() -> Iterator[None]:
+    """Imports a job makes after it started, made as its first were: where those ran with the
+    collector off and were frozen (:func:`settle_collector`), these too, and what they made is
+    frozen after them. The inference job imports torch so, once its workers, which never need
+    it, are forked; and each worker the code of its stages (:mod:`pipelines.inference.pool`).
+    Imported any other way (tests, benchmarks: nothing frozen), nothing changes."""
+    if gc.get_freeze_count() == 0:
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        gc.enable()
 
 
 def give_back_freed_memory() -> None:

@@ -2,7 +2,7 @@
 one ``syncfs`` for all, on local disk and on a share, in one run.
 
 N mask files (256² binary masks of synthetic spheroids, PNG-encoded and written by the job's
-own :func:`pipelines.images.write_mask` into a :class:`pipelines.inference.finish.MaskFolders`
+own :func:`pipelines.images.write_mask` into a :class:`pipelines.inference.masks.MaskFolders`
 folder, as the finish workers write them) are written by W forked writer processes (the job's
 finish workers are forked processes, one per CPU: :mod:`pipelines.inference.pool`), each its
 own share of the names, in these modes:
@@ -55,7 +55,7 @@ from daemon.contract.heldfolder import HeldFolder
 from daemon.site.mounts import filesystem_type
 from pipelines.images import write_mask
 from pipelines.inference import durable
-from pipelines.inference.finish import MaskFolders
+from pipelines.inference.masks import MaskFolders
 from pipelines.inference.stages import COMMIT_IMAGES
 from pipelines.layout import mask_name
 

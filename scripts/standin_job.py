@@ -4,51 +4,76 @@ host side only (scripts/bench_host.py, scripts/bench_gpu.py), never for real wor
     PYTHONPATH=CODE python scripts/standin_job.py JOB_DIR
 
 runs ``python -m pipelines.infer JOB_DIR`` of the code tree first on the path (the new code or
-a checkout of the old one), with ``models.unet.UNet`` swapped for :class:`StandIn` before the
-job's modules are imported: the registry's model is resolved, read and checked as always, but
-the "net" gives back its input as the logits. With the threshold at sigmoid(0.5) (0.6225) a
-synthetic spheroid image's mask is then its pixels brighter than mid-grey: real masks, real
-objects, for the labelling, encoding and writing that follow; the forward pass costs nothing.
+a checkout of the old one), with ``models.unet.UNet`` swapped for a stand-in as that module is
+imported, whenever the job imports it (a job may import torch late: :mod:`pipelines.infer`):
+the registry's model is resolved, read and checked as always, but the "net" gives back its
+input as the logits. With the threshold at sigmoid(0.5) (0.6225) a synthetic spheroid image's
+mask is then its pixels brighter than mid-grey: real masks, real objects, for the labelling,
+encoding and writing that follow; the forward pass costs nothing.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import sys
-
-# The code tree's pipelines package first, as ``python -m pipelines.infer`` imports it: while
-# that locates the module, sys.argv[0] is "-m" (pipelines/__init__.py: imports with the
-# garbage collector off, where the code tree does that).
-_script, sys.argv[0] = sys.argv[0], "-m"
-import pipelines  # noqa: E402, F401
-
-sys.argv[0] = _script
-
-from collections.abc import Mapping  # noqa: E402
-from typing import Any  # noqa: E402
-
-import torch  # noqa: E402
-
-import models.unet  # noqa: E402
+from collections.abc import Mapping, Sequence
+from types import ModuleType
+from typing import Any
 
 THRESHOLD = 0.6225  # sigmoid(0.5): the stand-in's mask is its image above mid-grey
+NET_MODULE = "models.unet"
 
 
-class StandIn(torch.nn.Module):
-    """Takes the U-Net's arguments and weights, and gives back its input as the logits."""
+def stand_in(torch: Any) -> type:
+    """The stand-in's class: takes the U-Net's arguments and weights, and gives back its input
+    as the logits (made once torch is imported, by the net's module)."""
 
-    def __init__(self, **architecture: Any) -> None:
-        super().__init__()
-        self.shape = architecture
+    class StandIn(torch.nn.Module):  # type: ignore[misc, name-defined]
+        def __init__(self, **architecture: Any) -> None:
+            super().__init__()
+            self.shape = architecture
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
-        return torch.nn.modules.module._IncompatibleKeys([], [])  # nothing to load
+        def load_state_dict(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any
+                            ) -> Any:  # fmt: skip
+            return torch.nn.modules.module._IncompatibleKeys([], [])  # nothing to load
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return images
+        def forward(self, images: Any) -> Any:
+            return images
+
+    return StandIn
+
+
+class _SwapNet(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds the net's module as Python would, runs it, then puts the stand-in in its place."""
+
+    def find_spec(
+        self, name: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if name != NET_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        found = importlib.util.find_spec(name)
+        assert found is not None and found.loader is not None, f"{name} not found"
+        self.real = found.loader
+        found.loader = self
+        return found
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.real.exec_module(module)  # type: ignore[attr-defined]
+        module.UNet = stand_in(module.torch)  # type: ignore[attr-defined]
 
 
 def main() -> int:
-    models.unet.UNet = StandIn  # type: ignore[misc, assignment]
+    # The code tree's pipelines package first, as ``python -m pipelines.infer`` imports it:
+    # while that locates the module, sys.argv[0] is "-m" (pipelines/__init__.py: imports with
+    # the garbage collector off, where the code tree does that).
+    script, sys.argv[0] = sys.argv[0], "-m"
+    import pipelines  # noqa: F401
+
+    sys.argv[0] = script
+    sys.meta_path.insert(0, _SwapNet())
     from daemon.contract.jobspec import Pipeline
     from pipelines.infer import infer
     from pipelines.job import run_job

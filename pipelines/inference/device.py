@@ -34,17 +34,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from daemon.contract.jobspec import JobSpec
 from models import registry
 from models.registry import ModelError, ModelVersion
 from models.unet import UNet
-from pipelines.inference.finish import Rules
+from pipelines.inference.masks import Rules
 from pipelines.inference.placement import (
     BFLOAT,
     EAGER,
@@ -65,9 +63,9 @@ Result = tuple[Any, np.ndarray, np.ndarray]  # (tag, masks (N, H, W) uint8 0/1, 
 Forward = Callable[[torch.Tensor], torch.Tensor]  # a batch (N, 1, H, W) → probabilities (N, H, W)
 
 
-def load_model(spec: JobSpec) -> tuple[UNet, ModelVersion]:
-    """Resolve, verify and build the spec's model, ready for inference."""
-    version = registry.resolve(Path(spec.registry_dir), spec.model.name, spec.model.version)
+def load_model(version: ModelVersion) -> UNet:
+    """Build ``version``'s model from its weights (read and their sha256 checked), ready for
+    inference."""
     state = registry.load(version)
     try:
         net = UNet(**version.architecture)
@@ -78,7 +76,8 @@ def load_model(spec: JobSpec) -> tuple[UNet, ModelVersion]:
             f"architecture in its metadata {version.architecture} ({exc})"
         ) from exc
     net.eval()
-    return net.to(memory_format=torch.channels_last), version
+    net.to(memory_format=torch.channels_last)  # (a module's .to works in place)
+    return net
 
 
 def _fp32_math(tf32: bool) -> None:
@@ -290,7 +289,11 @@ class DeviceStage:
         log.info("precision: %s from now on", self.precision)
 
     def _count(self, mask: np.ndarray) -> int:
-        return int(self.rules.objects(mask).max())  # the objects the table will count
+        """The objects the table will count. The finish stage's code (scipy, scikit-image) is
+        imported here, for a GPU's first batch only: on the CPU this process never needs it."""
+        from pipelines.inference.finish import object_ids
+
+        return int(object_ids(mask, self.rules).max())
 
     def summary(self) -> dict[str, Any]:
         """The precision decision, for the job's result and the report."""

@@ -1,10 +1,13 @@
 """The job's workers: processes that read the shard's images ahead of the net (the source
 stage) and finish their masks behind it (the finish stage), as many as the job has CPUs.
 
-They are forked when the job starts, before the model is loaded and before torch starts a
-thread, holding what the job holds (the batch folder, the run folder: descriptors, so every
-read and write goes by :mod:`daemon.contract.heldfolder`'s rule) and their slabs of shared
-memory (:mod:`pipelines.inference.slabs`). Each has a pipe to the main process and serves its
+They are forked when the job starts, before its main process imports torch (which they never
+need) and loads the model. Each then imports the code of its own stages (Pillow, libpng, scipy,
+scikit-image: ~0.5 s, which the main process never needs), side by side with the main process's
+torch, and reads the images the net needs first while the model loads. They hold what the job
+holds (the batch folder, the run folder: descriptors, so every read and write goes by
+:mod:`daemon.contract.heldfolder`'s rule) and their slabs of shared memory
+(:mod:`pipelines.inference.slabs`). Each has a pipe to the main process and serves its
 requests in order: *read* a run of inputs into a slab, *finish* the images of a slab whose
 masks the main process wrote there. A chunk stays with the worker that read it: its finish
 needs its pixels (for the statistics), which are still in its slab. A worker dies with the job
@@ -43,9 +46,9 @@ import numpy as np
 
 from daemon.contract.heldfolder import HeldFolder, NotWritable, UnsafeEntry
 from daemon.contract.jobspec import InputFile
-from pipelines.inference.finish import MaskFolders, Rules, finish_image
-from pipelines.inference.slabs import Slab
-from pipelines.inference.source import CHUNK_BYTES, read_chunk
+from pipelines.inference.masks import MaskFolders, Rules
+from pipelines.inference.slabs import CHUNK_BYTES, Slab
+from pipelines.job import importing_late
 
 READ, FINISH, STOP, FAILED = "read", "finish", "stop", "failed"
 PART, WINDOWS, LARGE = "part", "windows", "large"
@@ -119,8 +122,9 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _finish_all(
-    masks: MaskFolders, slab: Slab, work: Sequence[ToFinish], rules: Rules
-) -> list[tuple[int, dict[str, Any] | None, Failure | None]]:
+    finish_image: Callable[..., dict[str, Any]], masks: MaskFolders, slab: Slab,
+    work: Sequence[ToFinish], rules: Rules,
+) -> list[tuple[int, dict[str, Any] | None, Failure | None]]:  # fmt: skip
     done: list[tuple[int, dict[str, Any] | None, Failure | None]] = []
     for image in work:
         try:
@@ -158,6 +162,9 @@ def _serve(conn: Connection, slabs: list[Slab], windows: Slab, setup: Setup, par
     _die_with_parent(parent)
     masks = MaskFolders(setup.run)
     try:
+        with importing_late():  # its stages' code, side by side with the main process's torch
+            from pipelines.inference.finish import finish_image
+            from pipelines.inference.source import read_chunk
         while True:
             request = conn.recv()
             if request[0] == STOP:
@@ -174,7 +181,8 @@ def _serve(conn: Connection, slabs: list[Slab], windows: Slab, setup: Setup, par
                 conn.send((PART, task, part(setup, _remote(conn, windows))))
             else:
                 _, task, slab, work = request
-                conn.send((FINISH, task, _finish_all(masks, slabs[slab], work, setup.rules)))
+                conn.send((FINISH, task, _finish_all(finish_image, masks, slabs[slab], work,
+                                                     setup.rules)))  # fmt: skip
     except (EOFError, _Stopped):
         pass  # the job is gone, or failing
     except BaseException as exc:

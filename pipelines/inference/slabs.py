@@ -26,6 +26,12 @@ import numpy as np
 ALIGN = 64
 FIRST_BYTES = 2**20
 
+# A worker's read (:mod:`pipelines.inference.source`) stops growing a chunk past this (the image
+# that crosses it is read whole): a worker's slabs then hold at most 4 × (16 MiB or one image),
+# e.g. 80 MiB for images of 2048² (20 MiB each, pixels and mask), 10 MiB a slab for chunks of 32
+# images of 256² (what :func:`pipelines.inference.stages.images_that_fit` gives them).
+CHUNK_BYTES = 16 * 2**20
+
 
 def aligned(size: int) -> int:
     return -(-size // ALIGN) * ALIGN

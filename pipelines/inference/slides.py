@@ -44,8 +44,7 @@ from daemon.contract.names import is_store
 from pipelines.bounds import stored, where
 from pipelines.channels import ChannelProblem
 from pipelines.images import checksum_problem, held_still, open_item, reading
-from pipelines.inference.device import DeviceStage
-from pipelines.inference.finish import MaskFolders
+from pipelines.inference.masks import MaskFolders
 from pipelines.job import InputError, give_back_freed_memory, log
 from pipelines.layout import label_image_name, objects_csv, objects_table_name, work_folder_name
 from pipelines.ngff import open_store
@@ -64,7 +63,8 @@ from pipelines.tiles import (
     window_cache_rows,
 )
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (torch: the job's main process only; the workers run parts of this)
+    from pipelines.inference.device import DeviceStage
     from pipelines.inference.pool import Setup, Workers
 
 _PROGRESS_EVERY_S = 30.0

@@ -2,12 +2,14 @@
 ahead of the net, into shared slabs (:mod:`pipelines.inference.slabs`).
 
 A read task is a run of the shard's inputs; its worker reads them in order into the slab it is
-given and stops early once the slab holds :data:`CHUNK_BYTES` (the main process asks for the
-rest again): however large the images, a chunk in flight stays bounded. An input that cannot be
-read comes back with its problems instead of pixels; one too large to decode whole comes back
-marked ``tiled`` (the main process segments it window by window) or, when the windowed reader
-cannot take it, with the problem that says so (:func:`pipelines.images.read_bounded`: one open,
-one read per image, bounded in memory).
+given and stops early once the slab holds :data:`~pipelines.inference.slabs.CHUNK_BYTES` (the
+main process asks for the rest again): however large the images, a chunk in flight stays
+bounded. An input that cannot be read comes back with its problems instead of pixels; one too
+large to decode whole comes back marked ``tiled`` (the main process segments it window by
+window) or, when the windowed reader cannot take it, with the problem that says so
+(:func:`pipelines.images.read_bounded`: one open, one read per image, bounded in memory).
+
+Only the workers import this module (its code needs Pillow and libpng), after they are forked.
 """
 
 from __future__ import annotations
@@ -21,14 +23,8 @@ import numpy as np
 from daemon.contract.jobspec import InputFile, Problem
 from daemon.contract.safeopen import Folder
 from pipelines.images import check_suffix, read_bounded
-from pipelines.inference.slabs import Slab, layout
+from pipelines.inference.slabs import CHUNK_BYTES, Slab, layout
 from pipelines.job import InputError
-
-# A chunk stops growing past this (the image that crosses it is read whole): a worker's slabs
-# then hold at most 4 × (16 MiB or one image), e.g. 80 MiB for images of 2048² (20 MiB each,
-# pixels and mask), 10 MiB a slab for chunks of 32 images of 256² (what
-# :func:`pipelines.inference.stages.images_that_fit` gives them).
-CHUNK_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True)

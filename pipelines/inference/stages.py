@@ -18,6 +18,10 @@ chunk is read, as many of its size as a slab holds, up to :data:`MAX_CHUNK_IMAGE
 pickling, and a run cut short is read in two. Small images go in runs of 32 (a 2-CPU stand-in
 job's main process: 0.35 CPU-ms per 256² image against 0.40–0.45 in runs of 4,
 docs/benchmarks.md), large ones in runs that fit.
+
+The workers start reading before the device is there (:meth:`Stages.ahead`): while the job's
+main process imports torch and loads the model, each fills its slabs with the images the net
+needs first.
 """
 
 from __future__ import annotations
@@ -28,18 +32,20 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from daemon.contract.heldfolder import HeldFolder
 from daemon.contract.jobspec import InputFile, Problem
-from pipelines.inference.device import DeviceStage
 from pipelines.inference.durable import sync_filesystem
-from pipelines.inference.pool import FINISH, READ, ToFinish, Workers, raised
+from pipelines.inference.pool import FINISH, READ, SLABS_PER_WORKER, ToFinish, Workers, raised
 from pipelines.inference.slabs import layout
-from pipelines.inference.source import Entry
 from pipelines.ledger import Ledger
+
+if TYPE_CHECKING:  # torch, Pillow: imported once the workers are forked, each where it is needed
+    from pipelines.inference.device import DeviceStage
+    from pipelines.inference.source import Entry
 
 COMMIT_SECONDS = 1.0  # masks finished are made durable and recorded at least this often …
 COMMIT_IMAGES = 512  # … or once this many are waiting
@@ -120,15 +126,17 @@ class Chunk:
 class Stages:
     """Steers a shard's whole images through the stages (see the module's docstring)."""
 
+    device: DeviceStage  # (these three given to run)
+    committer: Committer
+    tiled: Callable[[InputFile], list[Problem]]
+
     def __init__(
-        self, items: Sequence[InputFile], workers: Workers, device: DeviceStage,
-        committer: Committer, tiled: Callable[[InputFile], list[Problem]], whole: bool,
-        chunk_images: int,
-    ) -> None:  # fmt: skip
-        """``tiled``: segments an input too large to decode whole; ``whole``: whether this
-        job segments the images that are not (a region's job other than the first does not)."""
-        self.items, self.workers, self.device, self.committer = items, workers, device, committer
-        self.tiled, self.whole, self.chunk_images = tiled, whole, chunk_images
+        self, items: Sequence[InputFile], workers: Workers, whole: bool, chunk_images: int
+    ) -> None:
+        """``whole``: whether this job segments the images that are not too large to decode
+        whole (a region's job other than the first does not)."""
+        self.items, self.workers = items, workers
+        self.whole, self.chunk_images = whole, chunk_images
         self.problems: list[Problem] = []
         self.cursor = self.next_read = 0  # next input to take in order; next to ask for
         self.again: list[tuple[int, int]] = []  # runs a worker did not get to: a heap
@@ -138,8 +146,23 @@ class Stages:
         self.digests: dict[int, str] = {}
         self.asked = 0  # read tasks asked for: the next one's number
 
-    def run(self) -> list[Problem]:
-        """Every input through; the problems of those that could not be read."""
+    def ahead(self) -> None:
+        """Give every slab of every worker a run to read before the device is there (the main
+        process imports torch and loads the model meanwhile): the shard spread over all slabs,
+        up to :data:`MAX_CHUNK_IMAGES` a run. The first run read sizes those after it
+        (:func:`images_that_fit`)."""
+        slabs = self.workers.count * SLABS_PER_WORKER
+        spread = min(MAX_CHUNK_IMAGES, -(-len(self.items) // slabs))
+        self.chunk_images = max(self.chunk_images, spread)
+        self._ask()
+
+    def run(
+        self, device: DeviceStage, committer: Committer, tiled: Callable[[InputFile], list[Problem]]
+    ) -> list[Problem]:
+        """Every input through ``device``, finished masks to ``committer``, ``tiled``: what
+        segments an input too large to decode whole; the problems of those that could not be
+        read."""
+        self.device, self.committer, self.tiled = device, committer, tiled
         while not self._over():
             self._ask()
             if self._advance() or self._land(wait=False):

@@ -16,7 +16,7 @@ from daemon.contract.jobspec import JobSpec, ModelRef, Pipeline, Resources
 from models import registry
 from models.unet import UNet
 from pipelines.inference.device import DeviceStage
-from pipelines.inference.finish import Rules
+from pipelines.inference.masks import Rules
 from pipelines.inference.placement import (
     AGREEMENT,
     BFLOAT,

@@ -24,7 +24,7 @@ from daemon.contract.heldfolder import HeldFolder, NotWritable, UnsafeEntry
 from daemon.contract.jobspec import Identity, InputFile
 from daemon.contract.names import INFERENCE, inference_params
 from pipelines.images import open_item, read_image_hashed
-from pipelines.inference.finish import Rules
+from pipelines.inference.masks import Rules
 from pipelines.inference.pool import (
     FINISH,
     READ,
@@ -256,9 +256,11 @@ def test_runs_cut_short_go_out_again_in_input_order_so_the_next_image_always_get
         ledger = Ledger(work, "shard-0000.jsonl", "0" * 64, {})
         committer = Committer(run, ledger, lambda count: None, False, {})
         device = DeviceStage(net, Placement("cpu", 4, False, "test"), 0.5, rules)
-        stages = Stages(items, workers, device, committer, lambda item: [], True, 10)
+        stages = Stages(items, workers, True, 10)
         found: list[Any] = []
-        thread = threading.Thread(target=lambda: found.append(stages.run()), daemon=True)
+        thread = threading.Thread(
+            target=lambda: found.append(stages.run(device, committer, lambda item: [])), daemon=True
+        )
         thread.start()
         thread.join(60)
         hung = thread.is_alive()
@@ -271,13 +273,64 @@ def test_runs_cut_short_go_out_again_in_input_order_so_the_next_image_always_get
     assert stages.chunk_images == 2, "later runs are not sized to what a slab holds"
 
 
+def test_the_workers_read_the_shard_spread_over_every_slab_before_the_device_is_there(
+    tmp_path: Path,
+) -> None:
+    """While the job's main process imports torch and loads the model, every slab of every
+    worker is given a run to read: the shard spread over them all, up to MAX_CHUNK_IMAGES a run,
+    in input order. Read so, the shard then goes through the device whole, as without."""
+    import torch
+
+    from models.unet import UNet
+    from pipelines.inference.device import DeviceStage
+    from pipelines.inference.placement import Placement
+    from pipelines.inference.pool import SLABS_PER_WORKER
+    from pipelines.inference.stages import MAX_CHUNK_IMAGES, Committer, Stages
+    from pipelines.ledger import Ledger
+
+    rng = np.random.default_rng(5)
+    images = tmp_path / "batch" / "images"
+    images.mkdir(parents=True)
+    items = []
+    for number in range(360):
+        path = images / f"{number:03d}.png"
+        Image.fromarray(rng.integers(0, 256, (24, 32), dtype=np.uint8)).save(path)
+        items.append(
+            InputFile(f"images/{path.name}", hashlib.sha256(path.read_bytes()).hexdigest())
+        )
+    torch.manual_seed(0)
+    rules = Rules(0, 0.0, False)
+    with HeldFolder.open(tmp_path / "batch") as batch, batch.folder("results", create=True) as run, \
+            batch.folder("work", create=True) as work:  # fmt: skip
+        workers = Workers(2, Setup(batch, run, MAX_PIXELS, None, rules))
+        ledger = Ledger(work, "shard-0000.jsonl", "0" * 64, {})
+        committer = Committer(run, ledger, lambda count: None, False, {})
+        net = UNet(depth=1, width=2).eval()
+        device = DeviceStage(net, Placement("cpu", 4, False, "test"), 0.5, rules)
+        try:
+            # 60 images over 8 slabs: runs of 8; 300: runs of MAX_CHUNK_IMAGES (32)
+            for shard, run_images in ((items[:60], 8), (items[60:], MAX_CHUNK_IMAGES)):
+                stages = Stages(shard, workers, True, 4)
+                stages.ahead()
+                runs = sorted((chunk.first, chunk.end) for chunk in stages.tasks.values())
+                assert len(runs) == 2 * SLABS_PER_WORKER  # every slab of both workers
+                assert runs == [(k * run_images, min((k + 1) * run_images, len(shard)))
+                                for k in range(len(runs))]  # fmt: skip
+                assert not workers.free[0] and not workers.free[1]
+                assert stages.run(device, committer, lambda item: []) == []
+        finally:
+            workers.close()
+            committer.close()
+            ledger.close()
+    assert sorted(committer.rows) == sorted(item.path for item in items)
+
+
 def test_runs_are_sized_to_what_a_slab_holds_of_the_last_chunks_largest_image() -> None:
     """Once a chunk is read, runs hold as many images as a worker reads into a slab without a
     cut (it stops after the image that reaches the budget), at most MAX_CHUNK_IMAGES: small
     images in long runs (fewer hand-overs), large ones in runs that are never cut; a chunk
     without pixels (problems, a slide) keeps the size before it."""
-    from pipelines.inference.slabs import layout
-    from pipelines.inference.source import CHUNK_BYTES
+    from pipelines.inference.slabs import CHUNK_BYTES, layout
     from pipelines.inference.stages import MAX_CHUNK_IMAGES, images_that_fit
 
     item = InputFile("images/a.png", "0" * 64)
