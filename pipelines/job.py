@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.contract.heldfolder import (
+    FOLDER_REPLACED,
     FolderReplaced,
     HeldFolder,
     NotWritable,
@@ -200,7 +201,7 @@ def hold_batch(spec: JobSpec) -> HeldFolder:
     except FolderReplaced:
         hint = "the new folder is taken in as a batch of its own; this one cannot go on"
         problem = Problem("batch folder", "was replaced by another folder of the same name", hint)
-        raise InputError("the batch folder was replaced", [problem]) from None
+        raise InputError(FOLDER_REPLACED, [problem]) from None
     except FileNotFoundError:
         problem = Problem("batch folder", "is gone", "put it back, then retry the batch")
         raise InputError("the batch folder is gone", [problem]) from None

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import tomli_w
 
+from daemon.contract.heldfolder import FOLDER_REPLACED
 from daemon.contract.jobspec import (
     ErrorKind,
     InputFile,
@@ -290,6 +291,33 @@ def test_an_input_error_is_not_retried_and_its_problems_reach_the_batch() -> Non
     assert actions[0].target is JobState.FAILED and actions[0].error_kind is ErrorKind.INPUT
     assert actions[-1] == MoveBatch(
         1, BatchState.FAILED, "job j1 failed: 1 input refused", (problem,), ""
+    )
+
+
+def test_a_job_that_found_its_batch_folder_replaced_cancels_its_batch_rather_than_fail_it() -> None:
+    """The owner put another folder under the batch's name: a job that starts then refuses it
+    (pipelines.job.hold_batch); nothing in the batch is wrong, the new folder is a batch of its
+    own, so the batch is cancelled (as the new folder's manifest cancels it when it comes
+    first), its other jobs with it."""
+    problem = Problem("batch folder", "was replaced by another folder of the same name", "…")
+    refused = JobResult(
+        False, "infer", "now", error=JobError(ErrorKind.INPUT, FOLDER_REPLACED, (problem,))
+    )
+    view = BatchView(
+        batch(1, BatchState.RUNNING),
+        manifest(),
+        (job(1, JobState.RUNNING), job(2, JobState.PENDING), job(3, JobState.SUCCEEDED)),
+    )
+    actions = plan(snap(view, seen=[JobSeen(1, Phase.ENDED, 2, refused)]))
+    assert actions[0].target is JobState.FAILED and actions[0].error_kind is ErrorKind.INPUT
+    assert Cancel((2,), "batch cancelled") in actions
+    assert actions[-1] == MoveBatch(
+        1,
+        BatchState.CANCELLED,
+        "cancelled by watchd (the batch folder was replaced: job j1 found another folder under "
+        "its name)",
+        (problem,),
+        "",
     )
 
 

@@ -86,6 +86,12 @@ def unwritable_problem(exc: OSError) -> Problem:
     return Problem("results folder", f"cannot be written: {exc.strerror or exc}", hint)
 
 
+# What a job says when it refuses a batch folder replaced under its name
+# (pipelines.job.hold_batch): its batch is then cancelled, not failed (daemon.core.planner):
+# nothing in it is wrong, and the new folder is taken in as a batch of its own.
+FOLDER_REPLACED = "the batch folder was replaced"
+
+
 class FolderReplaced(WatchdError, OSError):
     """The batch folder's name now leads to another folder than the one accepted."""
 

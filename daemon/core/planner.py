@@ -11,6 +11,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
+from daemon.contract.heldfolder import FOLDER_REPLACED
 from daemon.contract.jobspec import (
     ErrorKind,
     JobResult,
@@ -318,7 +319,8 @@ def _plan_batch(view: BatchView, snapshot: Snapshot) -> tuple[list[Action], list
     failure = _failure(jobs, snapshot.seen, snapshot.policy)
     if failure is not None:
         actions += _cancel_jobs(
-            [j for j in jobs if j.state.live or j.state is JobState.PENDING], "batch failed"
+            [j for j in jobs if j.state.live or j.state is JobState.PENDING],
+            f"batch {failure.state.value}",
         )
         actions.append(failure(batch.id))
         return actions, []
@@ -479,13 +481,23 @@ def _after(job: Job, moves: Sequence[MoveJob]) -> Job:
 
 
 def _failure(jobs: Sequence[Job], seen: Mapping[int, JobSeen], policy: Policy) -> _Failure | None:
-    """A job that failed for good fails its batch, with what the job said."""
+    """A job that failed for good fails its batch, with what the job said; one that refused a
+    batch folder replaced under its name cancels it (nothing in it is wrong: its owner put
+    another folder there, taken in as a batch of its own once its manifest is read, which
+    also cancels this one, whichever comes first)."""
     for job in jobs:
         if job.state is not JobState.FAILED:
             continue
         observed = seen.get(job.id)
         result = observed.result if observed else None
         error = result.error if result else None
+        if error is not None and error.kind is ErrorKind.INPUT and error.message == FOLDER_REPLACED:
+            return _Failure(
+                f"cancelled by watchd ({FOLDER_REPLACED}: job {job.name} found another folder "
+                "under its name)",
+                summarised(error.problems),
+                state=BatchState.CANCELLED,
+            )
         attempts = f" after {job.tries} attempt(s)" if _retryable(job.error_kind) else ""
         problems = summarised(error.problems) if error else ()  # a shard may report thousands
         message = error.message if error else (job.reason or "it ended without a result")
@@ -519,9 +531,10 @@ class _Failure:
     reason: str
     problems: tuple[Problem, ...] = field(default=())
     detail: str = ""
+    state: BatchState = BatchState.FAILED  # CANCELLED: the batch folder was replaced
 
     def __call__(self, batch_id: int) -> MoveBatch:
-        return MoveBatch(batch_id, BatchState.FAILED, self.reason, self.problems, self.detail)
+        return MoveBatch(batch_id, self.state, self.reason, self.problems, self.detail)
 
 
 def fair_turns(snapshot: Snapshot, pending: Sequence[Job], held_back: int = 0) -> fairshare.Turns:
