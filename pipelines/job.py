@@ -152,8 +152,7 @@ def importing_late() -> Iterator[None]:
     try:
         yield
     finally:
-        gc.freeze()
-        gc.enable()
+        settle_collector()
 
 
 def give_back_freed_memory() -> None:
