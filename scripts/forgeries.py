@@ -7,6 +7,7 @@ wherever it would take a folder, and carries MARKER, so that a forged file read 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -109,9 +110,16 @@ def forge_lease(path: Path, kind: str, root: str, canary: Path) -> None:
         os.mkfifo(fresh)
     else:
         fresh.write_bytes(lease_bytes(kind, root))
-    if kind == "folder" or is_folder(path):
-        clear(path)  # a folder and a file do not rename over each other
-    os.replace(fresh, path)
+    for _ in range(100):  # the daemon may renew its lease between the clear and the rename
+        if kind == "folder" or is_folder(path):
+            clear(path)  # a folder and a file do not rename over each other
+        try:
+            os.replace(fresh, path)
+            return
+        except OSError as error:
+            if error.errno not in (errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY, errno.EEXIST):
+                raise
+    raise RuntimeError(f"could not forge {path}: something keeps writing there")
 
 
 def clear(path: Path) -> None:
