@@ -4,8 +4,11 @@ stage) and finish their masks behind it (the finish stage), as many as the job h
 They are forked when the job starts, before its main process imports torch (which they never
 need) and loads the model. Each then imports the code of its own stages (Pillow, libpng, scipy,
 scikit-image: ~0.5 s, which the main process never needs), side by side with the main process's
-torch, and reads the images the net needs first while the model loads. They hold what the job
-holds (the batch folder, the run folder: descriptors, so every read and write goes by
+torch, and reads the images the net needs first while the model loads. They run at a lower
+priority than the main process (:data:`WORKER_NICENESS`): on a job's CPUs, the main process's
+work (its imports at the start, then steering and the device) is the one path every image waits
+for, and the workers' work is the slack around it. They hold what the job holds (the batch
+folder, the run folder: descriptors, so every read and write goes by
 :mod:`daemon.contract.heldfolder`'s rule) and their slabs of shared memory
 (:mod:`pipelines.inference.slabs`). Each has a pipe to the main process and serves its
 requests in order: *read* a run of inputs into a slab, *finish* the images of a slab whose
@@ -53,6 +56,10 @@ from pipelines.job import importing_late
 READ, FINISH, STOP, FAILED = "read", "finish", "stop", "failed"
 PART, WINDOWS, LARGE = "part", "windows", "large"
 SLABS_PER_WORKER = 4  # chunks a worker has at once: reading, waiting for the net, finishing
+# Added to a worker's nice value (from the job's): the main process, which steers the stages
+# and feeds the device in input order, gets a CPU first when it has work; the workers take
+# whatever it leaves (docs/benchmarks.md)
+WORKER_NICENESS = 10
 _PR_SET_PDEATHSIG = 1
 _STOP_SECONDS = 10.0
 
@@ -160,6 +167,7 @@ def _remote(conn: Connection, slab: Slab) -> Predict:
 def _serve(conn: Connection, slabs: list[Slab], windows: Slab, setup: Setup, parent: int) -> None:
     """A worker's life: serve the main process's requests until it says stop or is gone."""
     _die_with_parent(parent)
+    os.nice(WORKER_NICENESS)
     masks = MaskFolders(setup.run)
     try:
         with importing_late():  # its stages' code, side by side with the main process's torch

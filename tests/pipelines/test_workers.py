@@ -28,6 +28,7 @@ from pipelines.inference.masks import Rules
 from pipelines.inference.pool import (
     FINISH,
     READ,
+    WORKER_NICENESS,
     Setup,
     ToFinish,
     Workers,
@@ -193,6 +194,25 @@ def test_a_worker_that_dies_is_said_so_and_the_others_are_stopped(held: Any) -> 
     finally:
         workers.close()
     assert workers.processes == []
+
+
+def test_the_workers_yield_their_cpus_to_the_main_process(held: Any) -> None:
+    """The main process steers and feeds the device: its work comes first on the job's CPUs."""
+    _, batch, run = held
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    workers = Workers(2, Setup(batch, run, MAX_PIXELS, None, Rules(0, 0.0, False)))
+    try:
+        for worker in range(2):  # answered: the worker has set its priority
+            workers.read(worker, worker, [])
+        answered = [worker for worker, _ in workers.replies(10)]
+        if len(answered) < 2:
+            answered += [worker for worker, _ in workers.replies(10)]
+        assert sorted(answered) == [0, 1]
+        niceness = [os.getpriority(os.PRIO_PROCESS, p.pid or 0) for p in workers.processes]
+    finally:
+        workers.close()
+    assert niceness == [min(mine + WORKER_NICENESS, 19)] * 2
+    assert os.getpriority(os.PRIO_PROCESS, 0) == mine
 
 
 def test_failures_cross_the_pipe_as_what_they_were() -> None:
