@@ -26,8 +26,9 @@ Each process of the job imports only what it needs. This one starts with the ste
 its stages (Pillow, libpng, scipy, scikit-image: ~0.5 s) and reads the images the net needs
 first (:meth:`pipelines.inference.stages.Stages.ahead`), while this process imports torch (1–2 s,
 :func:`pipelines.job.importing_late`) and loads the model (its sha256 checked), once per shard.
-The job's start then costs the time of torch's imports, not of all imports one after the other
-(docs/benchmarks.md).
+The job's start then costs the time of torch's imports, not of all imports one after the other;
+the workers run at a lower priority (:data:`pipelines.inference.pool.WORKER_NICENESS`), so that
+torch's imports, then the steering, get a CPU first and the workers the rest (docs/benchmarks.md).
 
 Each table row also says the precision its mask was made in (``fp32``; on a GPU what the first
 batch allowed: :mod:`pipelines.inference.placement`), then the provenance: model name, version
