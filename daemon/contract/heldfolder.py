@@ -88,7 +88,8 @@ def unwritable_problem(exc: OSError) -> Problem:
 
 # What a job says when it refuses a batch folder replaced under its name
 # (pipelines.job.hold_batch): its batch is then cancelled, not failed (daemon.core.planner):
-# nothing in it is wrong, and the new folder is taken in as a batch of its own.
+# nothing in it is wrong, and the new folder is taken in as a batch of its own (intake says the
+# same when it supersedes the old revision).
 FOLDER_REPLACED = "the batch folder was replaced"
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import structlog
 
 from daemon.contract.errors import ManifestError
-from daemon.contract.heldfolder import HeldFolder
+from daemon.contract.heldfolder import FOLDER_REPLACED, HeldFolder
 from daemon.contract.jobspec import Identity, Problem
 from daemon.core.manifest import (
     MANIFEST_NAME,
@@ -221,13 +221,13 @@ class Intake:
         changed the manifest, or replaced the whole folder (a folder of the same name that is
         not the one it was taken in from; its jobs refuse to read the new one)."""
         self.store.stop_watching_inputs(previous.root, previous.folder)
-        what = "the batch folder was replaced" if replaced else "manifest changed"
+        what = FOLDER_REPLACED if replaced else "manifest changed"
         self.store.note(
             batch.id, f"{what}: revision {batch.revision} replaces {previous.revision}", now
         )
         if not previous.state.terminal:
             why = f"superseded by revision {batch.revision}"
-            why = f"the batch folder was replaced; {why}" if replaced else why
+            why = f"{FOLDER_REPLACED}; {why}" if replaced else why
             self.store.add_intent(IntentAction.CANCEL, previous.id, now, f"watchd ({why})")
 
     def _unreadable(
