@@ -22,9 +22,10 @@ its mask; one segmented window by window keeps its connected components. An imag
 ``max_whole_pixels`` pixels is segmented window by window (:mod:`pipelines.inference.slides`).
 
 Each process of the job imports only what it needs. This one starts with the steering code alone
-(~0.2 s of imports) and forks the workers; then, side by side, each worker imports the code of
-its stages (Pillow, libpng, scipy, scikit-image: ~0.5 s) and reads the images the net needs
-first (:meth:`pipelines.inference.stages.Stages.ahead`), while this process imports torch (1–2 s,
+(~0.2 s of imports) and forks the process that starts the workers; then, side by side, that one
+imports the code of their stages once (Pillow, libpng, scipy, scikit-image: ~0.5 s), forks the
+workers, which share it, and ends, and the workers read the images the net needs first
+(:meth:`pipelines.inference.stages.Stages.ahead`), while this process imports torch (1–2 s,
 :func:`pipelines.job.importing_late`) and loads the model (its sha256 checked), once per shard.
 The job's start then costs the time of torch's imports, not of all imports one after the other;
 the workers run at a lower priority (:data:`pipelines.inference.pool.WORKER_NICENESS`), so that
@@ -124,8 +125,8 @@ def _infer(spec: JobSpec, batch: HeldFolder, run: HeldFolder, work: HeldFolder) 
     rules = Rules(int(params["min_object_area"]), float(params["split_neck"]),
                   durable.each_file(run.fd))
     cpus = max(1, spec.resources.cpus)
-    # forked first: before torch is imported (the workers never need it), then reading ahead
-    # while this process imports it
+    # started first: before torch is imported (the workers never need it), their code imported
+    # and the shard read ahead while this process imports it
     workers = Workers(cpus, Setup(batch, run, int(params["max_whole_pixels"]), params["channel"],
                                   rules))  # fmt: skip
     ledger: Ledger | None = None

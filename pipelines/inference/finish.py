@@ -13,9 +13,10 @@ is the total foreground area, ``equivalent_diameter_px`` the diameter of a circl
 mask (empty when there is no object), ``confidence`` the mean of |2p − 1| over the image (1:
 every pixel decided with certainty).
 
-Only the workers import this module, after they are forked (:mod:`pipelines.inference.pool`):
-its code needs Pillow, libpng, scipy and scikit-image, ~0.5 s of imports that the main process
-never needs. What the main process needs of masks is in :mod:`pipelines.inference.masks`.
+Only the workers import this module: the process that forks them, once, before it does
+(:mod:`pipelines.inference.pool`). Its code needs Pillow, libpng, scipy and scikit-image, ~0.5 s
+of imports that the main process never needs. What the main process needs of masks is in
+:mod:`pipelines.inference.masks`.
 """
 
 from __future__ import annotations

@@ -1,20 +1,23 @@
 """The job's workers: processes that read the shard's images ahead of the net (the source
 stage) and finish their masks behind it (the finish stage), as many as the job has CPUs.
 
-They are forked when the job starts, before its main process imports torch (which they never
-need) and loads the model. Each then imports the code of its own stages (Pillow, libpng, scipy,
-scikit-image: ~0.5 s, which the main process never needs), side by side with the main process's
-torch, and reads the images the net needs first while the model loads. They run at a lower
-priority than the main process (:data:`WORKER_NICENESS`): on a job's CPUs, the main process's
-work (its imports at the start, then steering and the device) is the one path every image waits
-for, and the workers' work is the slack around it. They hold what the job holds (the batch
-folder, the run folder: descriptors, so every read and write goes by
-:mod:`daemon.contract.heldfolder`'s rule) and their slabs of shared memory
-(:mod:`pipelines.inference.slabs`). Each has a pipe to the main process and serves its
-requests in order: *read* a run of inputs into a slab, *finish* the images of a slab whose
-masks the main process wrote there. A chunk stays with the worker that read it: its finish
-needs its pixels (for the statistics), which are still in its slab. A worker dies with the job
-(``PR_SET_PDEATHSIG``): killed, the job leaves nothing running.
+They start when the job starts, before its main process imports torch (which they never
+need) and loads the model. A first process is forked, imports the code of the workers' stages
+once (Pillow, libpng, scipy, scikit-image: ~0.5 s, which the main process never needs), side by
+side with the main process's torch, forks the workers from there (they share the pages of that
+code) and ends. The main process is the *subreaper* of its descendants until then, so the
+workers become its children, as if it had forked them. They read the images the net needs
+first while the model loads. They run at a lower priority than the main process
+(:data:`WORKER_NICENESS`): on a job's CPUs, the main process's work (its imports at the start,
+then steering and the device) is the one path every image waits for, and the workers' work is
+the slack around it. They hold what the job holds (the batch folder, the run folder:
+descriptors, so every read and write goes by :mod:`daemon.contract.heldfolder`'s rule) and their
+slabs of shared memory (:mod:`pipelines.inference.slabs`). Each has a pipe to the main process
+and serves its requests in order: *read* a run of inputs into a slab, *finish* the images of a
+slab whose masks the main process wrote there. A chunk stays with the worker that read it: its
+finish needs its pixels (for the statistics), which are still in its slab. A worker dies with
+the job (``PR_SET_PDEATHSIG``, set once it is the main process's child): killed, the job leaves
+nothing running.
 
 An image too large to decode whole is segmented by the workers side by side
 (:mod:`pipelines.inference.slides`), each asked for a *part* of a pass over it
@@ -34,14 +37,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import multiprocessing
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection, Pipe, wait
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +64,9 @@ SLABS_PER_WORKER = 4  # chunks a worker has at once: reading, waiting for the ne
 # whatever it leaves (docs/benchmarks.md)
 WORKER_NICENESS = 10
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_PID_BYTES = 4
+_forkers = 0  # of this process's Workers whose forker has not ended: it adopts orphans meanwhile
 _STOP_SECONDS = 10.0
 
 
@@ -121,11 +127,51 @@ def raised(found: Failure) -> BaseException:
     return RuntimeError(f"a worker of the job failed:\n{details}")
 
 
-def _die_with_parent(parent: int) -> None:
+def _prctl(option: int, value: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if libc.prctl(option, value, 0, 0, 0) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"prctl({option}): {os.strerror(code)}")
+
+
+def _die_with_parent(parent: int) -> None:
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the job ended before the line above
         os._exit(1)
+
+
+def _fork_workers(
+    conns: list[Connection], slabs: list[list[Slab]], windows: list[Slab], setup: Setup,
+    parent: int, telling: int,
+) -> None:  # fmt: skip
+    """The first process of the workers: imports their stages' code once, forks them from
+    here, says each one's pid on ``telling`` and ends (they become the main process's
+    children). What fails here is told to the main process on every worker's pipe."""
+    _die_with_parent(parent)
+    os.nice(WORKER_NICENESS)
+    try:
+        with importing_late():  # side by side with the main process's torch
+            import pipelines.inference.finish
+            import pipelines.inference.source  # noqa: F401
+        forker = os.getpid()
+        for number, conn in enumerate(conns):
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    os.close(telling)
+                    for other in conns:
+                        if other is not conn:
+                            other.close()
+                    _serve(conn, slabs[number], windows[number], setup, parent, forker)
+                finally:
+                    os._exit(1)
+            os.write(telling, pid.to_bytes(_PID_BYTES, "little"))
+    except BaseException as exc:
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.send((FAILED, failure(exc)))
+    finally:
+        os._exit(0)
 
 
 def _finish_all(
@@ -164,15 +210,18 @@ def _remote(conn: Connection, slab: Slab) -> Predict:
     return predict
 
 
-def _serve(conn: Connection, slabs: list[Slab], windows: Slab, setup: Setup, parent: int) -> None:
+def _serve(
+    conn: Connection, slabs: list[Slab], windows: Slab, setup: Setup, parent: int, forker: int
+) -> None:
     """A worker's life: serve the main process's requests until it says stop or is gone."""
+    while os.getppid() == forker:  # until the forker has ended: then the main process's child
+        time.sleep(0.001)
     _die_with_parent(parent)
-    os.nice(WORKER_NICENESS)
     masks = MaskFolders(setup.run)
     try:
-        with importing_late():  # its stages' code, side by side with the main process's torch
-            from pipelines.inference.finish import finish_image
-            from pipelines.inference.source import read_chunk
+        from pipelines.inference.finish import finish_image  # (imported before the fork)
+        from pipelines.inference.source import read_chunk
+
         while True:
             request = conn.recv()
             if request[0] == STOP:
@@ -202,11 +251,45 @@ def _serve(conn: Connection, slabs: list[Slab], windows: Slab, setup: Setup, par
         os._exit(0)  # nothing of the job's (atexit, buffers) runs twice
 
 
+def _adopting(change: int) -> None:
+    """This process adopts orphaned descendants while a forker of its runs (``change``: +1 as
+    one starts, -1 once it has ended)."""
+    global _forkers
+    _forkers += change
+    if _forkers == (1 if change > 0 else 0):
+        _prctl(_PR_SET_CHILD_SUBREAPER, int(_forkers > 0))
+
+
+class _Process:
+    """A worker, seen from the main process (its parent once the forker has ended)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.exitcode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.exitcode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.exitcode = os.waitstatus_to_exitcode(status)
+        return self.exitcode
+
+    def join(self, timeout: float | None = None) -> None:
+        if timeout is None and self.exitcode is None:
+            self.exitcode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        deadline = time.monotonic() + (timeout or 0.0)
+        while self.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+
+    def kill(self) -> None:
+        if self.poll() is None:  # (not yet reaped: its pid is still its own)
+            os.kill(self.pid, signal.SIGKILL)
+
+
 class Workers:
     """The job's worker processes, seen from the main process."""
 
     def __init__(self, count: int, setup: Setup) -> None:
-        context = multiprocessing.get_context("fork")
         self.slabs = [[Slab.make() for _ in range(SLABS_PER_WORKER)] for _ in range(count)]
         self.free = [list(range(SLABS_PER_WORKER)) for _ in range(count)]
         self.windows = [Slab.make() for _ in range(count)]  # a part's windows, each worker's
@@ -214,18 +297,54 @@ class Workers:
         self.large_told = False  # told that a large image comes
         self.chunk_bytes = setup.chunk_bytes  # a chunk's bytes, at which a worker stops reading
         self.conns: list[Connection] = []
-        self.processes: list[multiprocessing.process.BaseProcess] = []
+        theirs: list[Connection] = []
+        for _ in range(count):
+            ours, mine = Pipe(duplex=True)
+            self.conns.append(ours)
+            theirs.append(mine)
+        parent = os.getpid()
         sys.stdout.flush()
         sys.stderr.flush()
-        for number in range(count):
-            ours, theirs = context.Pipe(duplex=True)
-            args = (theirs, self.slabs[number], self.windows[number], setup, os.getpid())
-            process = context.Process(target=_serve, name=f"worker-{number}", args=args,
-                                      daemon=True)  # fmt: skip
-            process.start()
-            theirs.close()
-            self.conns.append(ours)
-            self.processes.append(process)
+        self.told, telling = os.pipe()
+        _adopting(1)  # the workers, orphaned by the forker, come here
+        self.forker = os.fork()
+        if self.forker == 0:
+            try:
+                os.close(self.told)
+                for conn in self.conns:
+                    conn.close()
+                _fork_workers(theirs, self.slabs, self.windows, setup, parent, telling)
+            finally:
+                os._exit(1)
+        os.close(telling)
+        for conn in theirs:
+            conn.close()
+        self.forker_exit: int | None = None
+        self._processes: list[_Process] | None = None  # known once the forker has ended
+
+    @property
+    def processes(self) -> list[_Process]:
+        """The workers (known once the forker has ended: waited for)."""
+        return self._adopt(None)
+
+    def _adopt(self, timeout: float | None) -> list[_Process]:
+        """The workers, once the forker has ended (waited for up to ``timeout``, then killed):
+        its children are this process's from there."""
+        if self._processes is None:
+            forker = _Process(self.forker)
+            forker.join(timeout)
+            if forker.exitcode is None:
+                forker.kill()
+                forker.join()
+            _adopting(-1)
+            self.forker_exit = forker.exitcode
+            told = b""
+            while said := os.read(self.told, 4096):
+                told += said
+            os.close(self.told)
+            pids = [told[at : at + _PID_BYTES] for at in range(0, len(told), _PID_BYTES)]
+            self._processes = [_Process(int.from_bytes(pid, "little")) for pid in pids]
+        return self._processes
 
     @property
     def count(self) -> int:
@@ -284,8 +403,8 @@ class Workers:
             try:
                 reply: Any = conn.recv()
             except EOFError:
-                code = self.processes[worker].exitcode
-                raise RuntimeError(f"worker {worker} of the job died (exit {code})") from None
+                ended = self._end(worker)
+                raise RuntimeError(f"worker {worker} of the job died ({ended})") from None
             if reply[0] == FAILED:
                 raise raised(reply[1])
             if kinds is not None and reply[0] not in kinds:
@@ -337,12 +456,20 @@ class Workers:
             asked = []
         return [results[number] for number in range(len(parts))]
 
+    def _end(self, worker: int) -> str:
+        """How ``worker``, whose pipe was closed, ended (the forker had: it held the pipe)."""
+        if worker >= len(self.processes):
+            return f"never forked: the process forking them ended with exit {self.forker_exit}"
+        self.processes[worker].join(_STOP_SECONDS)
+        return f"exit {self.processes[worker].exitcode}"
+
     def kill(self) -> None:
         """Kill every worker now (what they were doing is lost; :meth:`close` still frees
         the rest)."""
-        for process in self.processes:
+        processes = self._adopt(0.0)  # the forker, if it has not ended, killed first
+        for process in processes:
             process.kill()
-        for process in self.processes:
+        for process in processes:
             process.join()
 
     def close(self) -> None:
@@ -350,8 +477,9 @@ class Workers:
         for conn in self.conns:
             with contextlib.suppress(OSError):
                 conn.send((STOP,))
-        for process in self.processes:
-            process.join(_STOP_SECONDS)
+        deadline = time.monotonic() + _STOP_SECONDS
+        for process in self._adopt(_STOP_SECONDS):
+            process.join(max(0.0, deadline - time.monotonic()))
             if process.exitcode is None:
                 process.kill()
                 process.join()
@@ -359,4 +487,4 @@ class Workers:
             conn.close()
         for slab in [s for slabs in self.slabs for s in slabs] + self.windows:
             slab.close()
-        self.conns, self.processes, self.slabs, self.windows = [], [], [], []
+        self.conns, self._processes, self.slabs, self.windows = [], [], [], []

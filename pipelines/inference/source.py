@@ -9,7 +9,8 @@ large to decode whole comes back marked ``tiled`` (the main process segments it 
 window) or, when the windowed reader cannot take it, with the problem that says so
 (:func:`pipelines.images.read_bounded`: one open, one read per image, bounded in memory).
 
-Only the workers import this module (its code needs Pillow and libpng), after they are forked.
+Only the workers import this module (its code needs Pillow and libpng): the process that forks
+them, once, before it does (:mod:`pipelines.inference.pool`).
 """
 
 from __future__ import annotations

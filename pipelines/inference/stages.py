@@ -43,7 +43,7 @@ from pipelines.inference.pool import FINISH, READ, SLABS_PER_WORKER, ToFinish, W
 from pipelines.inference.slabs import layout
 from pipelines.ledger import Ledger
 
-if TYPE_CHECKING:  # torch, Pillow: imported once the workers are forked, each where it is needed
+if TYPE_CHECKING:  # torch, Pillow: imported after the first fork, each where it is needed
     from pipelines.inference.device import DeviceStage
     from pipelines.inference.source import Entry
 

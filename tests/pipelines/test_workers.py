@@ -1,15 +1,21 @@
 """The job's workers: real forked processes read the inputs ahead into shared slabs, in order,
 whole, as an in-process read gives them (across chunks, with bad inputs among them, a chunk cut
 short when its slab is full), finish masks from the same slabs, and a worker that dies or fails
-is said so in the main process."""
+is said so in the main process. They are the main process's children, forked from one that
+imported their code, and die with it."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 import hashlib
 import os
 import signal
+import subprocess
+import sys
+import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -213,6 +219,89 @@ def test_the_workers_yield_their_cpus_to_the_main_process(held: Any) -> None:
         workers.close()
     assert niceness == [min(mine + WORKER_NICENESS, 19)] * 2
     assert os.getpriority(os.PRIO_PROCESS, 0) == mine
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The children of ``pid`` (from /proc): their state, by pid."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, ValueError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found[int(entry.name)] = fields[0]
+    return found
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_the_workers_are_forked_from_one_that_imported_their_code_and_are_the_jobs_children(
+    held: Any,
+) -> None:
+    """A first process imports the workers' code once, forks them and ends: they are then this
+    process's own children (waited for, killed), and this process no longer adopts orphans."""
+    _, batch, run = held
+    libc = ctypes.CDLL(None, use_errno=True)
+    subreaper = ctypes.c_int(-1)
+    workers = Workers(2, Setup(batch, run, MAX_PIXELS, None, Rules(0, 0.0, False)))
+    try:
+        for worker in range(2):
+            workers.read(worker, worker, [])
+        assert len(workers.replies(10)) + len(workers.replies(10)) >= 1
+        pids = [process.pid for process in workers.processes]
+        children = _children(os.getpid())
+        assert workers.forker_exit == 0 and workers.forker not in children
+        assert all(children.get(pid) in {"S", "R"} for pid in pids), children
+        assert libc.prctl(37, ctypes.byref(subreaper), 0, 0, 0) == 0  # PR_GET_CHILD_SUBREAPER
+    finally:
+        workers.close()
+    assert subreaper.value == 0
+    assert all(pid not in _children(os.getpid()) for pid in pids)  # waited for
+
+
+_JOB = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    from daemon.contract.heldfolder import HeldFolder
+    from pipelines.inference.masks import Rules
+    from pipelines.inference.pool import Setup, Workers
+
+    class Busy:  # a part that runs long: the worker is not waiting on its pipe
+        def __call__(self, setup, predict):
+            (Path(sys.argv[1]) / "busy" / str(os.getpid())).touch()
+            time.sleep(120)
+
+    with HeldFolder.open(sys.argv[1]) as batch, batch.folder("results", create=True) as run:
+        Workers(2, Setup(batch, run, 100, None, Rules(0, 0.0, False))).parts([Busy(), Busy()])
+""")
+
+
+def test_a_job_killed_leaves_no_worker_running(tmp_path: Path) -> None:
+    """The main process killed (SIGKILL: nothing of it runs) while its workers are busy: they
+    die with it (``PR_SET_PDEATHSIG``, set once they are its children)."""
+    busy = tmp_path / "batch" / "busy"
+    busy.mkdir(parents=True)
+    job = subprocess.Popen([sys.executable, "-c", _JOB, str(tmp_path / "batch")],
+                           cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers := [int(path.name) for path in busy.iterdir()]) < 2:
+            assert job.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        assert set(workers) <= set(_children(job.pid))
+    finally:
+        job.kill()
+        job.wait()
+    deadline = time.monotonic() + 10
+    while not all(_gone(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_gone(pid) for pid in workers)
 
 
 def test_failures_cross_the_pipe_as_what_they_were() -> None:
