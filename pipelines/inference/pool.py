@@ -274,16 +274,30 @@ class _Process:
                 self.exitcode = os.waitstatus_to_exitcode(status)
         return self.exitcode
 
-    def join(self, timeout: float | None = None) -> None:
-        if timeout is None and self.exitcode is None:
+    def join(self) -> None:
+        """Wait for its end (called once it is ending: its end of a pipe closed)."""
+        if self.exitcode is None:
             self.exitcode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
-        deadline = time.monotonic() + (timeout or 0.0)
-        while self.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.002)
 
     def kill(self) -> None:
         if self.poll() is None:  # (not yet reaped: its pid is still its own)
             os.kill(self.pid, signal.SIGKILL)
+
+
+def _closed(end: Connection | int, deadline: float | None) -> bytes | None:
+    """What came through ``end`` (a worker's pipe, its replies dropped, or the forker's pids)
+    until the other end was closed: every process holding it has ended or is ending; None if
+    still open at ``deadline``."""
+    came = b""
+    while wait([end], None if deadline is None else max(0.0, deadline - time.monotonic())):
+        try:
+            said = end.recv_bytes() if isinstance(end, Connection) else os.read(end, 4096)
+        except (EOFError, ConnectionResetError):  # (reset: it was killed with replies unread)
+            return came
+        if not said:
+            return came
+        came += said
+    return None
 
 
 class Workers:
@@ -332,15 +346,15 @@ class Workers:
         its children are this process's from there."""
         if self._processes is None:
             forker = _Process(self.forker)
-            forker.join(timeout)
-            if forker.exitcode is None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            told = _closed(self.told, deadline)
+            if told is None:
                 forker.kill()
-                forker.join()
+                told = _closed(self.told, None)
+            assert told is not None
+            forker.join()
             _adopting(-1)
             self.forker_exit = forker.exitcode
-            told = b""
-            while said := os.read(self.told, 4096):
-                told += said
             os.close(self.told)
             pids = [told[at : at + _PID_BYTES] for at in range(0, len(told), _PID_BYTES)]
             self._processes = [_Process(int.from_bytes(pid, "little")) for pid in pids]
@@ -460,7 +474,7 @@ class Workers:
         """How ``worker``, whose pipe was closed, ended (the forker had: it held the pipe)."""
         if worker >= len(self.processes):
             return f"never forked: the process forking them ended with exit {self.forker_exit}"
-        self.processes[worker].join(_STOP_SECONDS)
+        self.processes[worker].join()
         return f"exit {self.processes[worker].exitcode}"
 
     def kill(self) -> None:
@@ -478,11 +492,10 @@ class Workers:
             with contextlib.suppress(OSError):
                 conn.send((STOP,))
         deadline = time.monotonic() + _STOP_SECONDS
-        for process in self._adopt(_STOP_SECONDS):
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.exitcode is None:
+        for process, conn in zip(self._adopt(_STOP_SECONDS), self.conns, strict=False):
+            if _closed(conn, deadline) is None:
                 process.kill()
-                process.join()
+            process.join()
         for conn in self.conns:
             conn.close()
         for slab in [s for slabs in self.slabs for s in slabs] + self.windows:

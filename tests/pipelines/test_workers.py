@@ -202,18 +202,25 @@ def test_a_worker_that_dies_is_said_so_and_the_others_are_stopped(held: Any) -> 
     assert workers.processes == []
 
 
+def _serving(workers: Workers) -> None:
+    """Once each worker has answered a request."""
+    for worker in range(workers.count):
+        workers.read(worker, worker, [])
+    answered: list[int] = []
+    while len(answered) < workers.count:
+        replies = workers.replies(10)
+        assert replies, f"only workers {answered} answered within 10 s"
+        answered += [worker for worker, _ in replies]
+    assert sorted(answered) == list(range(workers.count))
+
+
 def test_the_workers_yield_their_cpus_to_the_main_process(held: Any) -> None:
     """The main process steers and feeds the device: its work comes first on the job's CPUs."""
     _, batch, run = held
     mine = os.getpriority(os.PRIO_PROCESS, 0)
     workers = Workers(2, Setup(batch, run, MAX_PIXELS, None, Rules(0, 0.0, False)))
     try:
-        for worker in range(2):  # answered: the worker has set its priority
-            workers.read(worker, worker, [])
-        answered = [worker for worker, _ in workers.replies(10)]
-        if len(answered) < 2:
-            answered += [worker for worker, _ in workers.replies(10)]
-        assert sorted(answered) == [0, 1]
+        _serving(workers)  # (the workers set their priority before they serve)
         niceness = [os.getpriority(os.PRIO_PROCESS, p.pid or 0) for p in workers.processes]
     finally:
         workers.close()
@@ -251,9 +258,7 @@ def test_the_workers_are_forked_from_one_that_imported_their_code_and_are_the_jo
     subreaper = ctypes.c_int(-1)
     workers = Workers(2, Setup(batch, run, MAX_PIXELS, None, Rules(0, 0.0, False)))
     try:
-        for worker in range(2):
-            workers.read(worker, worker, [])
-        assert len(workers.replies(10)) + len(workers.replies(10)) >= 1
+        _serving(workers)
         pids = [process.pid for process in workers.processes]
         children = _children(os.getpid())
         assert workers.forker_exit == 0 and workers.forker not in children
