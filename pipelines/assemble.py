@@ -25,7 +25,7 @@ from daemon.contract.jobspec import InputFile, JobSpec, Pipeline, Problem
 from daemon.contract.names import inference_params
 from pipelines.bounds import where
 from pipelines.images import checksum_problem, open_item, reading
-from pipelines.job import InputError, log, run_folder, run_job, work_folder
+from pipelines.job import InputError, log, main, run_folder, work_folder
 from pipelines.layout import (
     MASKS_DIR,
     PARTS_DIR,
@@ -117,4 +117,4 @@ def _assembled(
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_job(Pipeline.ASSEMBLE, assemble_job))
+    main(Pipeline.ASSEMBLE, assemble_job)

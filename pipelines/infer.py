@@ -71,7 +71,7 @@ from pipelines.inference.masks import MaskFolders, Rules
 from pipelines.inference.placement import choose_device
 from pipelines.inference.pool import Setup, Workers
 from pipelines.inference.stages import Committer, Stages, chunk_images
-from pipelines.job import InputError, importing_late, log, run_folder, run_job, work_folder
+from pipelines.job import InputError, importing_late, log, main, run_folder, work_folder
 from pipelines.layout import PARTS_DIR, job_region, ledger_name, table_csv, table_name
 from pipelines.ledger import Ledger
 
@@ -260,4 +260,4 @@ def _cpu_seconds(children: bool = True) -> float:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_job(Pipeline.INFER, infer))
+    main(Pipeline.INFER, infer)

@@ -56,7 +56,7 @@ from daemon.contract.safeopen import RefusedInput
 from daemon.contract.version import code_version
 from pipelines import figures, truth
 from pipelines.images import UnreadableImage, read_bounded
-from pipelines.job import InputError, log, run_folder, run_job, work_folder
+from pipelines.job import InputError, log, main, run_folder, work_folder
 from pipelines.layout import (
     CURVE_COLUMNS,
     MASKS_DIR,
@@ -480,4 +480,4 @@ def _report(
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_job(Pipeline.REPORT, report))
+    main(Pipeline.REPORT, report)

@@ -75,10 +75,12 @@ def main() -> int:
     sys.argv[0] = script
     sys.meta_path.insert(0, _SwapNet())
     from daemon.contract.jobspec import Pipeline
+    from pipelines import job
     from pipelines.infer import infer
-    from pipelines.job import run_job
 
-    return run_job(Pipeline.INFER, infer, sys.argv[1:])
+    if hasattr(job, "main"):  # the job ends as the code tree's own does (older trees: below)
+        job.main(Pipeline.INFER, infer)
+    return job.run_job(Pipeline.INFER, infer, sys.argv[1:])
 
 
 if __name__ == "__main__":

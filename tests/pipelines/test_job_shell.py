@@ -5,6 +5,7 @@ what it trusts: a spec only in a private spool, and only the spec of its own fol
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -12,6 +13,8 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from daemon.contract.jobspec import ModelRef, Pipeline
 
@@ -175,10 +178,28 @@ def test_a_job_imports_with_the_collector_off_and_freezes_what_it_imported(
 
 def test_every_module_run_with_m_turns_the_collector_on_again() -> None:
     """``python -m pipelines.<name>`` imports with the collector off (pipelines/__init__.py):
-    every module of the package that can be run so is a job that goes through ``run_job``."""
+    every module of the package that can be run so is a job that goes through ``run_job``
+    (itself, or :func:`pipelines.job.main`, which ends the process after it)."""
     package = Path(__file__).resolve().parents[2] / "pipelines"
     runnable = [
         path for path in package.rglob("*.py") if '__name__ == "__main__"' in path.read_text()
     ]
     assert len(runnable) >= 5  # infer, report, assemble, train, sweep
-    assert [path.name for path in runnable if "run_job(" not in path.read_text()] == []
+    through = re.compile(r"\b(run_job|main)\(Pipeline\.")
+    assert [path.name for path in runnable if not through.search(path.read_text())] == []
+
+
+@pytest.mark.parametrize("module", ["pipelines.infer", "pipelines.report", "pipelines.assemble"])
+def test_a_job_that_ends_at_once_ends_with_its_status_and_its_whole_log(
+    module: str, tmp_path: Path
+) -> None:
+    """The jobs that end the process right after their work (:func:`pipelines.job.main`) exit
+    with the status :func:`pipelines.job.run_job` gave, their log whole (into a pipe, which
+    Python buffers unless told not to)."""
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
+    done = subprocess.run([sys.executable, "-m", module, str(tmp_path / "gone")],
+                          cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                          text=True, timeout=120, check=False, env=env)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    last = done.stdout.splitlines()[-1]
+    assert "ERROR" in last and "its spec is not read" in last and "gone" in last
