@@ -5,8 +5,9 @@ They start when the job starts, before its main process imports torch (which the
 need) and loads the model. A first process is forked, imports the code of the workers' stages
 once (Pillow, libpng, scipy, scikit-image: ~0.5 s, which the main process never needs), side by
 side with the main process's torch, forks the workers from there (they share the pages of that
-code) and ends. The main process is the *subreaper* of its descendants until then, so the
-workers become its children, as if it had forked them. They read the images the net needs
+code) and ends. The main process is the *subreaper* of its descendants from before that fork
+until it waits for that first process (as the workers stop, at the job's end), so the workers
+become its children, as if it had forked them. They read the images the net needs
 first while the model loads. They run at a lower priority than the main process
 (:data:`WORKER_NICENESS`): on a job's CPUs, the main process's work (its imports at the start,
 then steering and the device) is the one path every image waits for, and the workers' work is
@@ -66,7 +67,7 @@ WORKER_NICENESS = 10
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _PID_BYTES = 4
-_forkers = 0  # of this process's Workers whose forker has not ended: it adopts orphans meanwhile
+_forkers = 0  # of this process's Workers whose forker is not yet waited for: it adopts orphans
 _STOP_SECONDS = 10.0
 
 
@@ -149,6 +150,7 @@ def _fork_workers(
     children). What fails here is told to the main process on every worker's pipe."""
     _die_with_parent(parent)
     os.nice(WORKER_NICENESS)
+    code = 1
     try:
         with importing_late():  # side by side with the main process's torch
             import pipelines.inference.finish
@@ -166,12 +168,13 @@ def _fork_workers(
                 finally:
                     os._exit(1)
             os.write(telling, pid.to_bytes(_PID_BYTES, "little"))
+        code = 0
     except BaseException as exc:
         for conn in conns:
             with contextlib.suppress(OSError):
                 conn.send((FAILED, failure(exc)))
     finally:
-        os._exit(0)
+        os._exit(code)
 
 
 def _finish_all(
@@ -252,8 +255,8 @@ def _serve(
 
 
 def _adopting(change: int) -> None:
-    """This process adopts orphaned descendants while a forker of its runs (``change``: +1 as
-    one starts, -1 once it has ended)."""
+    """This process adopts orphaned descendants while a forker of its is not yet waited for
+    (``change``: +1 as one starts, -1 once waited for)."""
     global _forkers
     _forkers += change
     if _forkers == (1 if change > 0 else 0):
@@ -284,20 +287,19 @@ class _Process:
             os.kill(self.pid, signal.SIGKILL)
 
 
-def _closed(end: Connection | int, deadline: float | None) -> bytes | None:
-    """What came through ``end`` (a worker's pipe, its replies dropped, or the forker's pids)
-    until the other end was closed: every process holding it has ended or is ending; None if
-    still open at ``deadline``."""
-    came = b""
+def _closed(end: Connection | int, deadline: float | None, came: bytes = b"") -> tuple[bool, bytes]:
+    """Whether the other end of ``end`` (a worker's pipe, its replies dropped, or the forker's
+    pids) was closed by ``deadline`` (every process holding it has ended or is ending), and
+    what came through it, after ``came``."""
     while wait([end], None if deadline is None else max(0.0, deadline - time.monotonic())):
         try:
             said = end.recv_bytes() if isinstance(end, Connection) else os.read(end, 4096)
         except (EOFError, ConnectionResetError):  # (reset: it was killed with replies unread)
-            return came
+            return True, came
         if not said:
-            return came
+            return True, came
         came += said
-    return None
+    return False, came
 
 
 class Workers:
@@ -321,7 +323,13 @@ class Workers:
         sys.stderr.flush()
         self.told, telling = os.pipe()
         _adopting(1)  # the workers, orphaned by the forker, come here
-        self.forker = os.fork()
+        try:
+            self.forker = os.fork()
+        except OSError:
+            _adopting(-1)
+            os.close(self.told)
+            os.close(telling)
+            raise
         if self.forker == 0:
             try:
                 os.close(self.told)
@@ -347,11 +355,10 @@ class Workers:
         if self._processes is None:
             forker = _Process(self.forker)
             deadline = None if timeout is None else time.monotonic() + timeout
-            told = _closed(self.told, deadline)
-            if told is None:
+            ended, told = _closed(self.told, deadline)
+            if not ended:  # (a worker it forked but had not yet told of is lost with it)
                 forker.kill()
-                told = _closed(self.told, None)
-            assert told is not None
+                _, told = _closed(self.told, None, told)
             forker.join()
             _adopting(-1)
             self.forker_exit = forker.exitcode
@@ -416,7 +423,7 @@ class Workers:
                 continue
             try:
                 reply: Any = conn.recv()
-            except EOFError:
+            except (EOFError, ConnectionResetError):  # (reset: it died with requests unread)
                 ended = self._end(worker)
                 raise RuntimeError(f"worker {worker} of the job died ({ended})") from None
             if reply[0] == FAILED:
@@ -493,7 +500,7 @@ class Workers:
                 conn.send((STOP,))
         deadline = time.monotonic() + _STOP_SECONDS
         for process, conn in zip(self._adopt(_STOP_SECONDS), self.conns, strict=False):
-            if _closed(conn, deadline) is None:
+            if not _closed(conn, deadline)[0]:
                 process.kill()
             process.join()
         for conn in self.conns:

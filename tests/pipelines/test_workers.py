@@ -17,6 +17,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
@@ -189,13 +190,18 @@ def test_a_worker_finishes_masks_from_its_slab_and_a_planted_entry_comes_back_as
     assert exc.path == tmp_path / "batch" / "results" / "masks" / "planted"
 
 
-def test_a_worker_that_dies_is_said_so_and_the_others_are_stopped(held: Any) -> None:
+@pytest.mark.parametrize("unread", [False, True])
+def test_a_worker_that_dies_is_said_so_and_the_others_are_stopped(held: Any, unread: bool) -> None:
+    """Killed waiting for a request, or with one it never read (its pipe is then reset)."""
     _, batch, run = held
     workers = Workers(2, Setup(batch, run, MAX_PIXELS, None, Rules(0, 0.0, False)))
     try:
-        os.kill(workers.processes[1].pid or 0, signal.SIGKILL)
+        if unread:
+            os.kill(workers.processes[1].pid, signal.SIGSTOP)
+            workers.read(1, 1, [])
+        os.kill(workers.processes[1].pid, signal.SIGKILL)
         workers.processes[1].join()
-        with pytest.raises(RuntimeError, match="worker 1 of the job died"):
+        with pytest.raises(RuntimeError, match=r"worker 1 of the job died \(exit -9\)"):
             workers.replies(5)
     finally:
         workers.close()
@@ -268,6 +274,35 @@ def test_the_workers_are_forked_from_one_that_imported_their_code_and_are_the_jo
         workers.close()
     assert subreaper.value == 0
     assert all(pid not in _children(os.getpid()) for pid in pids)  # waited for
+
+
+def test_workers_killed_while_the_forker_forks_are_the_ones_it_told_of(
+    held: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """:meth:`Workers.kill` while the forker is between two forks (here held there): the
+    forker is killed before it forks another, and the worker it had told of is killed and
+    waited for, not lost with what was read before the forker ended."""
+    _, batch, run = held
+    main, fork, forks = os.getpid(), os.fork, []
+
+    def slow_fork() -> int:
+        if os.getpid() != main:  # the forker's: the second waits
+            forks.append(1)
+            if len(forks) >= 2:
+                time.sleep(30)
+        return fork()
+
+    monkeypatch.setattr(os, "fork", slow_fork)
+    workers = Workers(3, Setup(batch, run, MAX_PIXELS, None, Rules(0, 0.0, False)))
+    try:
+        assert wait([workers.told], 30)  # the first worker's pid
+        time.sleep(0.1)
+        workers.kill()
+        assert [process.exitcode for process in workers.processes] == [-signal.SIGKILL]
+        assert workers.forker_exit == -signal.SIGKILL
+    finally:
+        workers.close()
+    assert workers.forker not in _children(main)
 
 
 _JOB = textwrap.dedent("""
