@@ -30,6 +30,7 @@ from zarr.core.sync import cleanup_resources
 from daemon.contract.heldfolder import HeldFolder, NotWritable, UnsafeEntry
 from daemon.contract.jobspec import Identity, InputFile
 from daemon.contract.names import INFERENCE, inference_params
+from daemon.site.subprocesses import process_start_ticks
 from pipelines.images import open_item, read_image_hashed
 from pipelines.inference.masks import Rules
 from pipelines.inference.pool import (
@@ -234,24 +235,13 @@ def test_the_workers_yield_their_cpus_to_the_main_process(held: Any) -> None:
     assert os.getpriority(os.PRIO_PROCESS, 0) == mine
 
 
-def _children(pid: int) -> dict[int, str]:
-    """The children of ``pid`` (from /proc): their state, by pid."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, ValueError, IndexError):
-            continue
-        if int(fields[1]) == pid:
-            found[int(entry.name)] = fields[0]
-    return found
-
-
-def _gone(pid: int) -> bool:
+def _waited_for(pid: int) -> bool:
+    """Whether ``pid`` is no (longer a) child of this process: it was waited for."""
     try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
         return True
+    return False
 
 
 def test_the_workers_are_forked_from_one_that_imported_their_code_and_are_the_jobs_children(
@@ -266,14 +256,13 @@ def test_the_workers_are_forked_from_one_that_imported_their_code_and_are_the_jo
     try:
         _serving(workers)
         pids = [process.pid for process in workers.processes]
-        children = _children(os.getpid())
-        assert workers.forker_exit == 0 and workers.forker not in children
-        assert all(children.get(pid) in {"S", "R"} for pid in pids), children
+        assert workers.forker_exit == 0 and _waited_for(workers.forker)
+        assert all(os.waitpid(pid, os.WNOHANG) == (0, 0) for pid in pids)  # ours, running
         assert libc.prctl(37, ctypes.byref(subreaper), 0, 0, 0) == 0  # PR_GET_CHILD_SUBREAPER
     finally:
         workers.close()
     assert subreaper.value == 0
-    assert all(pid not in _children(os.getpid()) for pid in pids)  # waited for
+    assert all(_waited_for(pid) for pid in pids)
 
 
 def test_workers_killed_while_the_forker_forks_are_the_ones_it_told_of(
@@ -283,10 +272,10 @@ def test_workers_killed_while_the_forker_forks_are_the_ones_it_told_of(
     forker is killed before it forks another, and the worker it had told of is killed and
     waited for, not lost with what was read before the forker ended."""
     _, batch, run = held
-    main, fork, forks = os.getpid(), os.fork, []
+    job, fork, forks = os.getpid(), os.fork, []
 
     def slow_fork() -> int:
-        if os.getpid() != main:  # the forker's: the second waits
+        if os.getpid() != job:  # the forker's: the second waits
             forks.append(1)
             if len(forks) >= 2:
                 time.sleep(30)
@@ -302,7 +291,7 @@ def test_workers_killed_while_the_forker_forks_are_the_ones_it_told_of(
         assert workers.forker_exit == -signal.SIGKILL
     finally:
         workers.close()
-    assert workers.forker not in _children(main)
+    assert _waited_for(workers.forker)
 
 
 _JOB = textwrap.dedent("""
@@ -334,14 +323,19 @@ def test_a_job_killed_leaves_no_worker_running(tmp_path: Path) -> None:
         while len(workers := [int(path.name) for path in busy.iterdir()]) < 2:
             assert job.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
-        assert set(workers) <= set(_children(job.pid))
+        parents = {int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                   for pid in workers}  # fmt: skip
+        assert parents == {job.pid}  # the job's own children
+        started = {pid: process_start_ticks(pid) for pid in workers}
     finally:
         job.kill()
         job.wait()
     deadline = time.monotonic() + 10
-    while not all(_gone(pid) for pid in workers) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        if all(process_start_ticks(pid) != started[pid] for pid in workers):  # (a zombie: None)
+            break
         time.sleep(0.05)
-    assert all(_gone(pid) for pid in workers)
+    assert all(process_start_ticks(pid) != started[pid] for pid in workers)
 
 
 def test_failures_cross_the_pipe_as_what_they_were() -> None:
