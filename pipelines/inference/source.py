@@ -24,7 +24,7 @@ import numpy as np
 from daemon.contract.jobspec import InputFile, Problem
 from daemon.contract.safeopen import Folder
 from pipelines.images import check_suffix, read_bounded
-from pipelines.inference.slabs import CHUNK_BYTES, Slab, layout
+from pipelines.inference.slabs import CHUNK_BYTES, Entry, Slab, layout
 from pipelines.job import InputError
 
 
@@ -53,21 +53,6 @@ def load(batch_dir: Folder, item: InputFile, max_pixels: int, channel: Any = Non
         return Loaded(item, None, (), tiled=True)
     pixels, digest = found
     return Loaded(item, pixels, (), digest)
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One input of a chunk as its worker left it: where its pixels and mask lie in the slab
-    (``shape`` empty: no pixels: problems, or tiled)."""
-
-    index: int
-    item: InputFile
-    problems: tuple[Problem, ...]
-    sha256: str
-    tiled: bool
-    shape: tuple[int, ...]
-    pixel_offset: int
-    mask_offset: int
 
 
 def read_chunk(

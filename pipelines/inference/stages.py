@@ -40,12 +40,11 @@ from daemon.contract.heldfolder import HeldFolder
 from daemon.contract.jobspec import InputFile, Problem
 from pipelines.inference.durable import sync_filesystem
 from pipelines.inference.pool import FINISH, READ, SLABS_PER_WORKER, ToFinish, Workers, raised
-from pipelines.inference.slabs import layout
+from pipelines.inference.slabs import Entry, layout
 from pipelines.ledger import Ledger
 
-if TYPE_CHECKING:  # torch, Pillow: imported after the first fork, each where it is needed
+if TYPE_CHECKING:  # torch: imported after the first fork, where it is needed
     from pipelines.inference.device import DeviceStage
-    from pipelines.inference.source import Entry
 
 COMMIT_SECONDS = 1.0  # masks finished are made durable and recorded at least this often …
 COMMIT_IMAGES = 512  # … or once this many are waiting

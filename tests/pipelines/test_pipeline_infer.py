@@ -6,6 +6,8 @@ import csv
 import json
 import os
 import shutil
+import sys
+import textwrap
 import time
 from pathlib import Path
 from types import ModuleType
@@ -98,6 +100,23 @@ def in_regions(
     assert assembly.returncode == 0, assembly.log
 
 
+# Runs a job as the executors do, behind an audit hook that writes to the job's log every module
+# of these its main process imports (the processes it forks have other pids and say nothing).
+WATCHED = ("torch", "PIL", "imagecodecs", "tifffile", "scipy", "skimage")
+MAIN_IMPORTS = [sys.executable, "-c", textwrap.dedent(f"""
+    import os, runpy, sys
+    main, seen = os.getpid(), set()
+    def said(event, args):
+        top = args[0].split(".")[0] if event == "import" else None
+        if top in {WATCHED} and top not in seen and os.getpid() == main:
+            seen.add(top)
+            os.write(2, f"the main process imports {{args[0]}}\\n".encode())
+    sys.addaudithook(said)
+    sys.argv = sys.argv[-2:]  # what follows: PYTHON -m MODULE JOB_DIR
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+""")]  # fmt: skip
+
+
 def test_each_shard_leaves_its_progress_for_the_daemon_all_images_done(
     inferred: InferredBatch,
 ) -> None:
@@ -181,16 +200,20 @@ def test_a_shard_on_three_cpus_makes_the_masks_and_rows_of_one_cpu_in_as_many_wo
 ) -> None:
     """Every input of both shards in one job of three CPUs: three workers read and finish, a
     chunk at a time, in any order; the masks are those of the one-CPU shards bit for bit, the
-    rows the same, the ledger one line per image; the summary says how the job ran."""
+    rows the same, the ledger one line per image; the summary says how the job ran. The job's
+    main process imports torch, and none of the libraries of its workers' stages (Pillow,
+    tifffile, scipy, scikit-image): not even to read their replies."""
     batch_dir = tmp_path / "three"
     for folder in ("images", "plate 2 ü"):
         shutil.copytree(inferred.batch_dir / folder, batch_dir / folder)
     spec = job_spec(batch_dir, Pipeline.INFER, inferred.inputs, registry=inferred.model.registry,
                     model=ModelRef(inferred.model.name, "latest"), params=infer_params,
                     resources=Resources(cpus=3))  # fmt: skip
-    job = run(spec)
+    job = run(spec, MAIN_IMPORTS)
     assert job.returncode == 0 and job.result is not None, job.log
     assert "3 worker(s)" in job.log
+    imported = [line for line in job.log.splitlines() if line.startswith("the main process")]
+    assert imported == ["the main process imports torch"], job.log
     inference = job.result.summary["inference"]
     assert inference == {"device": "cpu", "precision": "fp32", "checks": [], "compile": "off",
                          "compile_checks": [], "workers": 3, "masks_durable": "syncfs"}  # fmt: skip
