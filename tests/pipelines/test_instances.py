@@ -91,6 +91,32 @@ def test_objects_are_the_components_of_their_mask_above_threshold_and_large_enou
     assert found.max() >= plain.max() or min_area > 0
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    mask=arrays(
+        np.uint8,
+        st.tuples(st.integers(1, 40), st.integers(1, 40)),
+        elements=st.sampled_from([0, 0, 255]),
+    ),
+    min_area=st.integers(0, 12),
+    as_bool=st.booleans(),
+)
+def test_components_are_the_8_connected_ones_large_enough_numbered_in_raster_order(
+    mask: np.ndarray, min_area: int, as_bool: bool
+) -> None:
+    """What the job's finish stage counts on (sizes counted over the foreground, ids by
+    ``np.take``): the components of a boolean mask or of a 0/255 one alike, those smaller than
+    ``min_area`` dropped, the others numbered 1…N in raster order of their first pixel."""
+    given = mask.astype(bool) if as_bool else mask
+    labels, count = ndimage.label(mask > 0, EIGHT)
+    sizes = np.bincount(labels.ravel(), minlength=count + 1)
+    expected = np.zeros_like(labels)
+    for new, old in enumerate((i for i in range(1, count + 1) if sizes[i] >= min_area), 1):
+        expected[labels == old] = new
+    found = components(given, min_area)
+    assert found.dtype == labels.dtype and np.array_equal(found, expected)
+
+
 def alone_and_together(mask: np.ndarray, min_area: int, split_neck: float) -> None:
     """The objects of ``mask`` are those of each of its components alone: no object's cut
     depends on another's (the step measures the image at once)."""
