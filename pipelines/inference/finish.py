@@ -33,7 +33,7 @@ from pipelines.layout import image_stats, mask_name
 
 def measure(image: np.ndarray, mask: np.ndarray, objects: int) -> dict[str, Any]:
     """The per-image statistics of the table (without confidence, path and provenance)."""
-    area = int(mask.sum())
+    area = int(np.count_nonzero(mask))  # (a boolean mask: 3 µs for 256², its sum 25)
     intensity = float(image[mask].sum()) if area else 0.0
     return image_stats(image.shape[1], image.shape[0], area, objects, intensity)
 
