@@ -43,8 +43,8 @@ from pipelines.inference.pool import (
     failure,
     raised,
 )
+from pipelines.inference.slabs import Entry
 from pipelines.inference.slides import HalvePart, Held, RegionPart
-from pipelines.inference.source import Entry
 from pipelines.instances import label_objects
 from pipelines.omezarr import work_array
 from pipelines.tiles import RegionReader, segment_region
