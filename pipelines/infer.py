@@ -78,6 +78,10 @@ from pipelines.ledger import Ledger
 if TYPE_CHECKING:
     from pipelines.inference.slides import Slides
 
+# What a launcher started ahead for this job imports (daemon/executors/spares.py): torch and the
+# net, and the workers' stages, which a job started cold imports beside torch.
+WARM_IMPORTS = ("torch", "pipelines.inference.device", "pipelines.inference.finish",
+                "pipelines.inference.source")  # fmt: skip
 _PROGRESS_EVERY_S = 30.0
 _PROGRESS_SAY_S = 5.0
 _FIRST_GPU_BATCH = 64  # the batch a GPU's chunks are sized for before the first image is seen

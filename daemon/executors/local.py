@@ -5,7 +5,10 @@ Each job runs in its own session, so it outlives a daemon that is stopped or kil
 ``launch.json`` in the job directory lets a restarted daemon find a job it started before. The
 process started is :mod:`daemon.executors.local_job`, which runs the job as its child and ends
 it when it runs past its time limit or makes no progress for ``stall_minutes`` (limits it keeps
-while the daemon is away); the job's exit status is its own.
+while the daemon is away); the job's exit status is its own. An inference job is handed to such
+a launcher started ahead, its imports done, where one waits (``warm_starts``,
+:mod:`daemon.executors.spares`); ``launch.json`` says so (``"warm": true``), and names it before
+the job is handed over.
 
 The job's folder is in the spool (:mod:`daemon.contract.spool`, the service's own): its log is
 opened there by the daemon and handed to the child.
@@ -34,9 +37,11 @@ from daemon.executors import (
     Status,
     Submission,
     resources,
+    spares,
 )
 from daemon.executors.gpus import GpuSeats, visible
 from daemon.executors.local_job import ended_why
+from daemon.executors.spares import Spare, Spares
 from daemon.site.config import JobShapes, LocalExecutorSection
 from daemon.site.subprocesses import (
     ExitWatch,
@@ -67,9 +72,11 @@ class LocalExecutor:
         python: str = "",
         env: Mapping[str, str] | None = None,
         limits: LocalExecutorSection | None = None,
+        warm: Sequence[str] = (Pipeline.INFER.module,),
     ) -> None:
         """``limits``: the site's [executor.local] (threads, GPUs and tasks jobs get and may ask
-        for); its defaults where not given."""
+        for); its defaults where not given. ``warm``: the job modules whose jobs start from
+        spares (``limits.warm_starts`` of them)."""
         self.max_parallel = max_parallel
         self.limits = limits or LocalExecutorSection()
         self.python = python or sys.executable
@@ -79,6 +86,7 @@ class LocalExecutor:
         self._exits: ExitWatch | None = None
         gpus = self.limits.gpus
         self.seats = GpuSeats(gpus, self.limits.jobs_per_gpu) if gpus else None
+        self.spares = Spares(self.python, self.limits.warm_starts, warm)
 
     def slots(self) -> int | None:
         return self.max_parallel
@@ -122,7 +130,8 @@ class LocalExecutor:
                          self.limits.max_time_minutes)  # fmt: skip
         stall = 60 * self.limits.stall_minutes
         supervisor = [self.python, "-m", LAUNCHER, str(sub.job_dir), str(limit), str(stall), "--"]
-        command = [*supervisor, self.python, "-m", sub.module, str(sub.job_dir)]
+        job = [self.python, "-m", sub.module, str(sub.job_dir)]
+        command = [*supervisor, *job]
         env = {**self.env, **sub.env, "OMP_NUM_THREADS": str(sub.cpus)}
         gpus: tuple[int, ...] = ()
         if self.seats is not None:  # each job its own GPUs
@@ -134,14 +143,46 @@ class LocalExecutor:
             env.update(visible(gpus))
         try:
             with sub.held_job_dir() as held:
-                pid = _spawn_logged(held, command, env)
-                handle = self._started(held, pid, command, gpus)
+                spare = self._spare(sub.module, env)
+                handle = None
+                if spare is not None:
+                    handle = self._warm_start(held, spare, job, limit, stall, env, gpus)
+                if handle is None:
+                    pid = _spawn_logged(held, command, env)
+                    handle = self._started(held, pid, command, gpus)
         except UnsafeEntry as exc:
             return Refused(f"cannot start {sub.name}: {exc}: remove it, watchd makes it itself")
         except OSError as exc:
             reason = f"cannot start {sub.name}: {exc}"
             return Deferred(reason) if exc.errno in PASSING else Refused(reason)
+        if sub.module in self.spares.modules:
+            self.spares.top_up(sub.module, env)  # importing while this job runs
         return Accepted(self._watch(handle))
+
+    def _spare(self, module: str, env: Mapping[str, str]) -> Spare | None:
+        return self.spares.take(module, env) if module in self.spares.modules else None
+
+    def _warm_start(
+        self, held: HeldFolder, spare: Spare, job: list[str], limit: int, stall: float,
+        env: Mapping[str, str], gpus: tuple[int, ...],
+    ) -> str | None:  # fmt: skip
+        """Hand the job to ``spare``, its ``launch.json`` written first (a daemon that dies
+        before the spare has it leaves a spare that ends at once, and a record of a process
+        that runs no job): its handle, or None (the job starts cold)."""
+        try:
+            log_fd = held.open_append(LOG_FILE)
+        except OSError:
+            spares.end(spare)
+            raise
+        try:
+            self._record(held, spare.handle, spare.pid, job, gpus, warm=True)
+            spares.hand_over(spare, job[-1], limit, stall, job, env, log_fd)
+        except OSError:
+            spares.end(spare)
+            return None
+        finally:
+            os.close(log_fd)
+        return self._keep(spare.handle, spare.pid, gpus)
 
     def _started(
         self, held: HeldFolder, pid: int, command: list[str], gpus: tuple[int, ...]
@@ -149,14 +190,25 @@ class LocalExecutor:
         """Keep the started child and write its ``launch.json`` (if that cannot be written,
         a restarted daemon finds the job by its command line instead): its handle."""
         ticks = process_start_ticks(pid)
-        handle = f"local:{pid}:{ticks if ticks is not None else 0}"
+        handle = self._keep(f"local:{pid}:{ticks if ticks is not None else 0}", pid, gpus)
+        with contextlib.suppress(OSError):
+            self._record(held, handle, pid, command, gpus)
+        return handle
+
+    def _keep(self, handle: str, pid: int, gpus: tuple[int, ...]) -> str:
         self._children[handle] = pid
         if self.seats is not None:
             self.seats.hold(handle, gpus)
-        record = {"handle": handle, "pid": pid, "command": command, "gpus": list(gpus)}
-        with contextlib.suppress(OSError):
-            held.write_text(LAUNCH_FILE, json.dumps(record))
         return handle
+
+    @staticmethod
+    def _record(
+        held: HeldFolder, handle: str, pid: int, command: list[str], gpus: tuple[int, ...],
+        warm: bool = False,
+    ) -> None:  # fmt: skip
+        record = {"handle": handle, "pid": pid, "command": command, "gpus": list(gpus),
+                  "warm": warm}  # fmt: skip
+        held.write_text(LAUNCH_FILE, json.dumps(record))
 
     def _adopt(self, sub: Submission) -> str | None:
         """The handle of this job's process if an earlier daemon started it and it still runs.
@@ -166,12 +218,13 @@ class LocalExecutor:
         finds it."""
         try:
             with sub.held_job_dir() as held:
-                handle, gpus = _recorded(held)
+                handle, gpus, warm = _recorded(held)
                 started = held.exists(LOG_FILE)
         except OSError:
             return None  # no job folder to read (or a planted one): nothing started from it
         argv_tail = ["-m", sub.module, str(sub.job_dir)]
-        if handle and _alive(handle) and runs(_pid(handle), argv_tail):
+        launched = spares.spare_argv(self.python, sub.module)[1:] if warm else argv_tail
+        if handle and _alive(handle) and runs(_pid(handle), launched):
             if self.seats is not None:
                 self.seats.hold(handle, gpus)  # its GPUs stay its own
             return handle
@@ -182,6 +235,7 @@ class LocalExecutor:
 
     def poll(self, handles: Sequence[str]) -> dict[str, Status]:
         self._ending = [pid for pid in self._ending if exited(pid) is None]  # reap the cancelled
+        self.spares.tend()
         return {h: self._status(h) for h in handles}
 
     def _status(self, handle: str) -> Status:
@@ -218,6 +272,7 @@ class LocalExecutor:
             reap(pid, CANCEL_GRACE_SECONDS)
         self._ending.clear()
         self._children.clear()
+        self.spares.close()
         if self._exits is not None:
             self._exits.close()
 
@@ -238,15 +293,17 @@ def _spawn_logged(held: HeldFolder, command: list[str], env: Mapping[str, str]) 
         os.close(log_fd)
 
 
-def _recorded(held: HeldFolder) -> tuple[str, list[int]]:
-    """The handle ``launch.json`` records in a held job folder (or ''), and its GPUs."""
+def _recorded(held: HeldFolder) -> tuple[str, list[int], bool]:
+    """The handle ``launch.json`` records in a held job folder (or ''), its GPUs, and whether
+    the job went to a spare."""
     try:
         with held.open_read(LAUNCH_FILE) as file:
             record = json.loads(file.read())
         gpus = record.get("gpus", [])
-        return str(record["handle"]), [g for g in gpus if isinstance(g, int)]
+        warm = record.get("warm", False) is True
+        return str(record["handle"]), [g for g in gpus if isinstance(g, int)], warm
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return "", []
+        return "", [], False
 
 
 def _pid(handle: str) -> int:

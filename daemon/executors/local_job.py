@@ -14,24 +14,62 @@ every few seconds it looks at the job's progress: the modification times of the 
 saying so first as the last line of the log, which the daemon shows the owner. Otherwise its
 exit status is the job's. Being a process of its own, it keeps the limits while the daemon is
 stopped or restarted, as Slurm keeps a job's time limit.
+
+``python -m daemon.executors.local_job --spare MODULE`` is a *warm start*: the local executor
+starts it before there is a job for it (``executor.local.warm_starts``), with one end of a
+socket as its stdin. It imports MODULE and the modules MODULE names in ``WARM_IMPORTS`` (the
+inference job: torch, ~1–2 s of every job's start), with the garbage collector off, then frozen,
+as a job started with ``-m`` does (:mod:`pipelines`), and waits. It never writes to that socket:
+a Unix socket closed with data unread resets its peer. The executor hands it one job: a JSON
+request (the job folder, the limits, the command the job would have been started with, its
+environment) and the job's open log. From then on it is that job's launcher, as above, but the
+job is forked from it with its imports done, and runs MODULE as ``python -m`` would, in the
+job's environment. What the imports printed goes to the head of the job's log. An end of file
+instead of a job (the daemon stopped, or retired the spare) ends it. Where the imports failed,
+or left CUDA started (a fork cannot use it), the job is started as the command says, cold, and
+its log says why.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import importlib
+import json
 import os
+import runpy
+import select
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 from daemon.contract.jobspec import LOG_FILE, PROGRESS_FILE
 
 TIMED_OUT = 124  # as timeout(1)
 STALLED = 125
 KILL_GRACE_SECONDS = 10.0
-USAGE = "usage: python -m daemon.executors.local_job JOB_DIR TIME_LIMIT_S STALL_S -- COMMAND..."
+USAGE = ("usage: python -m daemon.executors.local_job JOB_DIR TIME_LIMIT_S STALL_S -- COMMAND...\n"
+         "       python -m daemon.executors.local_job --spare MODULE")  # fmt: skip
+SPARE = "--spare"
+MAX_REQUEST_BYTES = 1 << 20  # a request is a job folder, two numbers, a command, an environment
+POLL_SECONDS = 0.05  # how often a forked job's end is looked for, where there are no pidfds
+MAX_PRELOAD_OUTPUT = 1 << 20  # of what the imports printed, the head of the job's log gets this
+
+
+class Child(Protocol):
+    """The job a launcher waits for: a subprocess, or a job forked from a spare."""
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
 
 
 def ended_why(code: int | None) -> str:
@@ -64,7 +102,9 @@ def verdict(now: float, started: float, progressed: float, limit: float, stall: 
     return 0
 
 
-def supervise(job_dir: Path, limit: float, stall: float, command: Sequence[str]) -> int:
+def supervise(job_dir: Path, limit: float, stall: float, start: Callable[[], Child]) -> int:
+    """Start the job (``start``, once this process's signals are its own) and keep its limits:
+    the exit status, the job's or :data:`TIMED_OUT` / :data:`STALLED`."""
     stopping = False
 
     def stop(signum: int, _frame: object) -> None:
@@ -73,7 +113,7 @@ def supervise(job_dir: Path, limit: float, stall: float, command: Sequence[str])
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    child = subprocess.Popen(list(command), stdin=subprocess.DEVNULL)
+    child = start()
     started = time.time()
     progressed = started
     period = max(0.2, min(5.0, (stall or limit or 5.0) / 10))
@@ -99,7 +139,7 @@ def _said(why: int, limit: float, stall: float) -> str:
     return f"{ended_why(why)} for {stall / 60:g} minutes: its log and progress unchanged"
 
 
-def _end(child: subprocess.Popen[bytes]) -> None:
+def _end(child: Child) -> None:
     child.terminate()
     try:
         child.wait(timeout=KILL_GRACE_SECONDS)
@@ -108,17 +148,160 @@ def _end(child: subprocess.Popen[bytes]) -> None:
         child.wait()
 
 
-def main(argv: Sequence[str]) -> int:
-    if len(argv) < 5 or argv[3] != "--":
-        print(USAGE, file=sys.stderr)
-        return 2
-    job_dir, limit, stall, _, *command = argv
+def _cold(command: Sequence[str]) -> Callable[[], Child]:
+    return lambda: subprocess.Popen(list(command), stdin=subprocess.DEVNULL)
+
+
+class Forked:
+    """A job forked from this process, waited for as a subprocess is: through a pidfd, or
+    looked at every :data:`POLL_SECONDS` where there are none (an old kernel, a filter)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self.pidfd: int | None = None
+        with contextlib.suppress(OSError):
+            self.pidfd = os.pidfd_open(pid)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            if self.pidfd is not None:
+                select.select([self.pidfd], [], [], timeout)
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+                if self.pidfd is not None:
+                    os.close(self.pidfd)
+            elif deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"job {self.pid}", timeout or 0.0)
+            elif self.pidfd is None:
+                time.sleep(POLL_SECONDS)
+        return self.returncode
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, signum: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+
+
+def _warm(module: str, job_dir: str) -> Callable[[], Child]:
+    def start() -> Child:
+        pid = os.fork()
+        if pid == 0:
+            _run_module(module, job_dir)
+        return Forked(pid)
+
+    return start
+
+
+def _run_module(module: str, job_dir: str) -> None:
+    """In the forked job: run ``module`` as ``python -m MODULE JOB_DIR`` would; never returns."""
+    code: Any = 1
     try:
-        seconds = float(limit), float(stall)
-    except ValueError:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.argv = [module, job_dir]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+        if code is not None and not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code or 0)
+
+
+def _preload(module: str) -> str:
+    """Import ``module`` and its ``WARM_IMPORTS`` as a job's imports are made: '' when the jobs
+    can be forked from here, else why not."""
+    gc.disable()
+    try:
+        loaded = importlib.import_module(module)
+        for name in getattr(loaded, "WARM_IMPORTS", ()):
+            importlib.import_module(name)
+    except BaseException:
+        traceback.print_exc()
+        return "its imports failed (above)"
+    finally:
+        gc.freeze()
+        gc.enable()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "its imports started CUDA, which a forked job cannot use"
+    return ""
+
+
+def serve(module: str) -> int:
+    """A spare (see the module's docstring): its imports, then one job, or none."""
+    kept = os.memfd_create("preload-output")  # what the imports say, for the job's log
+    os.dup2(kept, 1)
+    os.dup2(kept, 2)
+    channel = socket.socket(fileno=os.dup(0))
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    why_cold = _preload(module)
+    try:
+        text, fds, _, _ = socket.recv_fds(channel, MAX_REQUEST_BYTES, 1)
+        channel.close()
+        if not fds:
+            return 0  # end of file: no job for it
+        request = json.loads(text)
+        job_dir, command = str(request["job_dir"]), [str(part) for part in request["command"]]
+        limit, stall = float(request["limit"]), float(request["stall"])
+        env = {str(key): str(value) for key, value in request["env"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 0  # not a job from the daemon: none to run
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _append_all(fds[0], os.pread(kept, MAX_PRELOAD_OUTPUT, 0))
+    os.dup2(fds[0], 1)
+    os.dup2(fds[0], 2)
+    for fd in (*fds, kept):
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    if not why_cold and command[-3:-1] != ["-m", module]:
+        why_cold = f"it was started for {module}, not for {' '.join(command[-3:-1])}"
+    if why_cold:
+        print(f"watchd: the job starts cold: the process started ahead for it: {why_cold}",
+              flush=True)  # fmt: skip
+    start = _cold(command) if why_cold else _warm(module, job_dir)
+    return supervise(Path(job_dir), limit, stall, start)
+
+
+def _append_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def main(argv: Sequence[str]) -> int:
+    if len(argv) == 2 and argv[0] == SPARE:
+        code = serve(argv[1])
+    elif len(argv) < 5 or argv[3] != "--":
         print(USAGE, file=sys.stderr)
         return 2
-    code = supervise(Path(job_dir), *seconds, command)
+    else:
+        job_dir, limit, stall, _, *command = argv
+        try:
+            seconds = float(limit), float(stall)
+        except ValueError:
+            print(USAGE, file=sys.stderr)
+            return 2
+        code = supervise(Path(job_dir), *seconds, _cold(command))
     if code < 0:  # the job was killed by a signal: so is this process, as a shell would say it
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)

@@ -136,6 +136,9 @@ class LocalExecutorSection(_Section):
     # (CUDA_VISIBLE_DEVICES), at most jobs_per_gpu jobs on one; 0: every job sees every GPU
     gpus: Annotated[int, Field(ge=0, le=64)] = 0
     jobs_per_gpu: Annotated[int, Field(ge=1, le=64)] = 1
+    # Inference jobs' launchers kept started ahead, torch imported (daemon/executors/spares.py):
+    # the next job is forked from one, without 1-2 s of imports; 0: every job starts cold
+    warm_starts: Annotated[int, Field(ge=0, le=64)] = 1
 
     @pydantic.model_validator(mode="after")
     def _defaults_within_bounds(self) -> LocalExecutorSection:

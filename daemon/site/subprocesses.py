@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from daemon.contract.errors import CommandFailed
 
@@ -56,18 +57,24 @@ def _text(data: bytes | str | None) -> str:
     return data if isinstance(data, str) else data.decode("utf-8", "replace")
 
 
-def spawn(command: Sequence[str], *, log_fd: int, env: Mapping[str, str]) -> int:
+def spawn(
+    command: Sequence[str], *, log_fd: int, env: Mapping[str, str], stdin_fd: int | None = None
+) -> int:
     """Start ``command`` in a session of its own (it outlives the daemon and gets no signal
-    meant for it), stdin from /dev/null, stdout and stderr to the open file ``log_fd`` (the
-    caller opened it, by the rule of :mod:`daemon.contract.heldfolder`, and closes it): its pid.
+    meant for it), stdin from /dev/null (or the open ``stdin_fd``), stdout and stderr to the
+    open file ``log_fd`` (the caller opened it, by the rule of :mod:`daemon.contract.heldfolder`,
+    and closes it, as ``stdin_fd``): its pid.
 
     Nothing is opened by path for the child but /dev/null: a link or FIFO planted at a log's
     name can neither redirect its output nor block this call.
 
     The caller reaps it with ``exited`` while it lives; if the caller dies first, the process
     goes on and init reaps it."""
+    stdin: tuple[Any, ...] = (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)
+    if stdin_fd is not None:
+        stdin = (os.POSIX_SPAWN_DUP2, stdin_fd, 0)
     actions = [
-        (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+        stdin,
         (os.POSIX_SPAWN_DUP2, log_fd, 1),
         (os.POSIX_SPAWN_DUP2, log_fd, 2),
     ]

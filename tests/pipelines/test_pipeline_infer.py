@@ -32,6 +32,9 @@ from daemon.contract.jobspec import (
     Role,
     Shard,
 )
+from daemon.core.states import Phase
+from daemon.executors import Accepted, Submission
+from daemon.executors.local import LocalExecutor
 from pipelines.images import decode
 
 if TYPE_CHECKING:
@@ -230,6 +233,58 @@ def test_a_shard_on_three_cpus_makes_the_masks_and_rows_of_one_cpu_in_as_many_wo
                 assert row["precision"] == "fp32"
     ledger = (work_dir_for(batch_dir) / "ledger" / "shard-0000.jsonl").read_text().splitlines()
     assert sorted(json.loads(line)["path"] for line in ledger) == sorted(rows)
+
+
+def test_a_shard_handed_to_a_warm_start_makes_the_masks_and_rows_of_one_started_cold(
+    inferred: InferredBatch,
+    tmp_path: Path,
+    job_spec: Callable[..., Any],
+    infer_params: dict[str, Any],
+) -> None:
+    """The local executor's way with inference jobs (``executor.local.warm_starts``): the first
+    starts cold, the next is forked from a launcher started behind it, torch and the workers'
+    code imported before the job came. Both on two CPUs, their masks are those of the session's
+    shards bit for bit, their rows the same."""
+    executor = LocalExecutor(max_parallel=1, env={**os.environ, "WANDB_MODE": "offline"})
+    specs = {}
+    try:
+        for name in ("cold", "warm"):
+            batch_dir = tmp_path / name
+            for folder in ("images", "plate 2 ü"):
+                shutil.copytree(inferred.batch_dir / folder, batch_dir / folder)
+            spec = job_spec(batch_dir, Pipeline.INFER, inferred.inputs,
+                            registry=inferred.model.registry, params=infer_params,
+                            model=ModelRef(inferred.model.name, "latest"),
+                            resources=Resources(cpus=2))  # fmt: skip
+            sub = Submission(1, spec.job_name, Pipeline.INFER.module, spec.job_dir, cpus=2)
+            (accepted,) = executor.submit([sub])
+            assert isinstance(accepted, Accepted), accepted
+            deadline = time.monotonic() + 240
+            while (status := executor.poll([accepted.handle])[accepted.handle]).phase is (
+                Phase.RUNNING
+            ):
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            log = (spec.job_dir / "log.txt").read_text()
+            assert status.exit_code == 0, log
+            specs[name] = spec
+    finally:
+        executor.close()
+    for name, warm in (("cold", False), ("warm", True)):
+        assert json.loads((specs[name].job_dir / "launch.json").read_text())["warm"] is warm
+    theirs = {}
+    for part in ("table-0000.csv", "table-0001.csv"):
+        with open(work_dir_for(inferred.batch_dir) / "parts" / part, newline="") as handle:
+            theirs.update({row["path"]: row for row in csv.DictReader(handle)})
+    for name in ("cold", "warm"):
+        batch_dir = tmp_path / name
+        for item in inferred.inputs:
+            mine = read_mask(batch_dir / "results" / "masks" / item.path)
+            expected = read_mask(inferred.batch_dir / "results" / "masks" / item.path)
+            assert np.array_equal(mine, expected), (name, item.path)
+        with open(work_dir_for(batch_dir) / "parts" / "table-0000.csv", newline="") as handle:
+            rows = {row["path"]: row for row in csv.DictReader(handle)}
+        assert rows == theirs, name
 
 
 def _shard_spec(

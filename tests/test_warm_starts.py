@@ -1,0 +1,310 @@
+"""Warm starts: the local executor hands a job to a launcher started ahead of it, its imports
+done (daemon/executors/spares.py). The job runs as a job started cold does, in its own
+environment, with its exit status, limits, cancel and adoption; where no spare fits, or the
+spare cannot serve it, the job starts cold and nothing is lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from daemon.core.states import Phase
+from daemon.executors import Accepted, Status, Submission, spares
+from daemon.executors.local import LAUNCH_FILE, LocalExecutor
+from daemon.executors.local_job import TIMED_OUT, Forked
+from daemon.site.config import LocalExecutorSection
+from daemon.site.subprocesses import exited
+
+# A job module: says at import and at run what a test checks; WARM_IMPORTS what its spare imports.
+JOB = """\
+import os, sys
+print("imported", os.getpid(), flush=True)
+WARM_IMPORTS = ("decimal",)
+if __name__ == "__main__":
+    print("ran", os.getpid(), sys.argv[1], os.environ.get("OMP_NUM_THREADS"),
+          os.environ.get("CUDA_VISIBLE_DEVICES"), "decimal" in sys.modules, flush=True)
+    if os.environ.get("SLEEP"):
+        import time
+        time.sleep(float(os.environ["SLEEP"]))
+    sys.exit(int(os.environ.get("CODE", "0")))
+"""
+
+
+@pytest.fixture
+def lib(tmp_path: Path) -> Path:
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "warmjob.py").write_text(JOB)
+    return tmp_path / "lib"
+
+
+def executor_for(lib: Path, **env: str) -> LocalExecutor:
+    environ = {**os.environ, "PYTHONPATH": f"{lib}:{os.environ.get('PYTHONPATH', '')}", **env}
+    return LocalExecutor(max_parallel=2, env=environ, warm=("warmjob",),
+                         limits=LocalExecutorSection(warm_starts=1))  # fmt: skip
+
+
+def submit(executor: LocalExecutor, job_dir: Path, cpus: int = 1) -> str:
+    job_dir.mkdir(parents=True)
+    (accepted,) = executor.submit([Submission(1, job_dir.name, "warmjob", job_dir, cpus=cpus)])
+    assert isinstance(accepted, Accepted), accepted
+    return accepted.handle
+
+
+def until_ended(executor: LocalExecutor, handle: str, seconds: float = 60) -> Status:
+    deadline = time.monotonic() + seconds
+    while (status := executor.poll([handle])[handle]).phase is Phase.RUNNING:
+        assert time.monotonic() < deadline, "the job did not end"
+        time.sleep(0.05)
+    return status
+
+
+def ready(spare: spares.Spare, seconds: float = 60) -> None:
+    """Wait until ``spare``'s imports are done: it sleeps in its socket's receive."""
+    deadline = time.monotonic() + seconds
+    while Path(f"/proc/{spare.pid}/wchan").read_text() != "__skb_wait_for_more_packets":
+        assert time.monotonic() < deadline, "the spare never got ready"
+        time.sleep(0.05)
+
+
+def test_the_next_job_is_forked_from_a_spare_with_its_imports_done_in_its_own_environment(
+    lib: Path, tmp_path: Path
+) -> None:
+    """The first job starts cold and a spare is started behind it; the second goes to that
+    spare: its handle is the spare's, its launch record says so, the job ran in a process
+    forked from the spare (a child of it) with the spare's imports, its own command line's
+    argument and environment, and its log starts with what the imports printed."""
+    executor = executor_for(lib, CODE="3")
+    try:
+        first = submit(executor, tmp_path / "one", cpus=2)
+        assert until_ended(executor, first) == Status(Phase.ENDED, 3, "")
+        (spare,) = executor.spares.waiting()
+        ready(spare)
+        second = submit(executor, tmp_path / "two", cpus=2)
+        assert second == spare.handle and executor.spares.waiting() != [spare]
+        assert until_ended(executor, second) == Status(Phase.ENDED, 3, "")
+    finally:
+        executor.close()
+    cold = (tmp_path / "one" / "log.txt").read_text().splitlines()
+    assert cold[1].split()[2:] == [str(tmp_path / "one"), "2", "None", "False"]
+    warm = (tmp_path / "two" / "log.txt").read_text().splitlines()
+    assert warm[0] == f"imported {spare.pid}"  # the spare's imports, in the job's log
+    ran = warm[-1].split()
+    assert ran[0] == "ran" and int(ran[1]) != spare.pid
+    assert ran[2:] == [str(tmp_path / "two"), "2", "None", "True"]
+    record = json.loads((tmp_path / "two" / LAUNCH_FILE).read_text())
+    assert record["handle"] == spare.handle and record["warm"] is True
+    assert record["command"][-3:] == ["-m", "warmjob", str(tmp_path / "two")]
+    assert executor.spares.waiting() == []  # closed with the executor, and reaped
+    assert exited(spare.pid) is None and not Path(f"/proc/{spare.pid}").exists()
+
+
+def test_a_job_in_another_environment_starts_cold_and_gets_a_spare_of_its_own(
+    lib: Path, tmp_path: Path
+) -> None:
+    """A library reads its environment as it is imported: a spare serves only jobs started in
+    the environment it was (here: another thread count)."""
+    executor = executor_for(lib)
+    try:
+        until_ended(executor, submit(executor, tmp_path / "one", cpus=1))
+        (one_cpu,) = executor.spares.waiting()
+        other = submit(executor, tmp_path / "two", cpus=4)
+        assert other != one_cpu.handle
+        assert until_ended(executor, other).exit_code == 0
+        assert sorted(s.env["OMP_NUM_THREADS"] for s in executor.spares.waiting()) == ["1", "4"]
+    finally:
+        executor.close()
+    assert (tmp_path / "two" / "log.txt").read_text().split()[-1] == "False"  # cold
+
+
+def test_a_spare_whose_imports_fail_starts_its_job_cold_and_the_log_says_why(
+    lib: Path, tmp_path: Path
+) -> None:
+    """A module that cannot be imported fails the job as it would have cold: its traceback and
+    the job's own failure are in the job's log, after the line that says it started cold."""
+    (lib / "warmjob.py").write_text("raise ImportError('no such library here')\n")
+    executor = executor_for(lib)
+    try:
+        until_ended(executor, submit(executor, tmp_path / "one"))
+        (spare,) = executor.spares.waiting()
+        ready(spare)
+        second = submit(executor, tmp_path / "two")
+        assert second == spare.handle
+        assert until_ended(executor, second).exit_code == 1
+    finally:
+        executor.close()
+    log = (tmp_path / "two" / "log.txt").read_text()
+    said = "watchd: the job starts cold: the process started ahead for it: its imports failed"
+    assert said in log
+    assert log.count("ImportError: no such library here") == 2  # the spare's, the cold job's
+    assert log.index(said) < log.rindex("ImportError")
+
+
+def test_a_warm_job_is_cancelled_as_a_cold_one(lib: Path, tmp_path: Path) -> None:
+    """A cancel signals the launcher's group: the spare and the job forked from it end."""
+    executor = executor_for(lib, SLEEP="300")
+    try:
+        executor.cancel([submit(executor, tmp_path / "one")])
+        (spare,) = executor.spares.waiting()
+        ready(spare)
+        warm = submit(executor, tmp_path / "two")
+        assert warm == spare.handle
+        deadline = time.monotonic() + 30
+        while "ran" not in (tmp_path / "two" / "log.txt").read_text():
+            assert time.monotonic() < deadline, "the warm job did not start"
+            time.sleep(0.05)
+        executor.cancel([warm])
+        while Path(f"/proc/{spare.pid}").exists():  # ended and reaped
+            executor.poll([])
+            assert time.monotonic() < deadline, "the warm job outlived its cancel"
+            time.sleep(0.05)
+    finally:
+        executor.close()
+    job = int((tmp_path / "two" / "log.txt").read_text().split("ran ")[1].split()[0])
+    assert not Path(f"/proc/{job}").exists()
+
+
+def test_a_warm_job_is_kept_to_its_time_limit(lib: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(lib), "SLEEP": "300"}
+    waiting = spares.Spares(sys.executable, 1, ["warmjob"])
+    waiting.top_up("warmjob", env)
+    spare = waiting.take("warmjob", env)
+    assert spare is not None
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    log_fd = os.open(job_dir / "log.txt", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    started = time.monotonic()
+    spares.hand_over(spare, str(job_dir), 2, 0, [sys.executable, "-m", "warmjob", str(job_dir)],
+                     env, log_fd)  # fmt: skip
+    os.close(log_fd)
+    _, status = os.waitpid(spare.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == TIMED_OUT
+    assert 2 <= time.monotonic() - started < 30
+    log = (job_dir / "log.txt").read_text().splitlines()
+    assert log[-2].split()[-1] == "True"  # it ran warm
+    assert log[-1] == ("watchd: ended by watchd: it ran past its time limit ([resources] "
+                       "time_minutes): 0.0333333 minutes")  # fmt: skip
+
+
+def test_a_warm_job_outlives_its_daemon_and_is_adopted_while_idle_spares_end(
+    lib: Path, tmp_path: Path
+) -> None:
+    """Stopping the executor (the daemon) ends the spares that wait, not a job handed to one;
+    the next executor adopts that job by its launch record."""
+    executor = executor_for(lib, SLEEP="300")
+    first = submit(executor, tmp_path / "one")
+    (spare,) = executor.spares.waiting()
+    ready(spare)
+    sub = Submission(1, "two", "warmjob", tmp_path / "two")
+    (tmp_path / "two").mkdir()
+    (accepted,) = executor.submit([sub])
+    assert accepted == Accepted(spare.handle)
+    (behind,) = executor.spares.waiting()
+    executor.close()
+    assert not Path(f"/proc/{behind.pid}").exists()  # the idle spare ended and was reaped
+    again = executor_for(lib, SLEEP="300")
+    try:
+        assert again.submit([sub]) == [Accepted(spare.handle)]
+        assert again.poll([spare.handle])[spare.handle].phase is Phase.RUNNING
+        assert again.spares.waiting() == []  # an adopted job starts no spare
+    finally:
+        for handle in (first, spare.handle):
+            pid = int(handle.split(":")[1])
+            os.killpg(pid, signal.SIGTERM)
+            os.waitpid(pid, 0)  # this test's children
+        again.close()
+
+
+def test_a_spare_ends_when_its_daemon_is_gone_or_when_it_waited_too_long(
+    lib: Path, tmp_path: Path
+) -> None:
+    """Its socket's end of file (the daemon killed: the kernel closes its end) ends a spare; so
+    does waiting past IDLE_SECONDS, and a spare gone before its job came is never handed one:
+    the job starts cold."""
+    executor = executor_for(lib)
+    try:
+        until_ended(executor, submit(executor, tmp_path / "one"))
+        (spare,) = executor.spares.waiting()
+        ready(spare)
+        spare.channel.shutdown(socket.SHUT_RDWR)  # as the kernel does for a daemon killed
+        deadline = time.monotonic() + 30
+        while (code := exited(spare.pid)) is None:
+            assert time.monotonic() < deadline, "the spare outlived its daemon"
+            time.sleep(0.05)
+        assert code == 0
+        handle = submit(executor, tmp_path / "two")
+        assert handle != spare.handle
+        assert until_ended(executor, handle).exit_code == 0
+        (idle,) = executor.spares.waiting()
+        executor.spares.tend(time.monotonic() + spares.IDLE_SECONDS + 1)
+        assert executor.spares.waiting() == [] and not Path(f"/proc/{idle.pid}").exists()
+    finally:
+        executor.close()
+
+
+def test_no_spare_is_started_where_warm_starts_is_0_or_for_modules_not_warmed(
+    lib: Path, tmp_path: Path
+) -> None:
+    environ = {**os.environ, "PYTHONPATH": str(lib)}
+    off = LocalExecutor(max_parallel=1, env=environ, warm=("warmjob",),
+                        limits=LocalExecutorSection(warm_starts=0))  # fmt: skip
+    other = LocalExecutor(max_parallel=1, env=environ, warm=("pipelines.infer",))
+    try:
+        for number, executor in enumerate((off, other)):
+            until_ended(executor, submit(executor, tmp_path / f"job{number}"))
+            assert executor.spares.waiting() == []
+    finally:
+        off.close()
+        other.close()
+
+
+@pytest.mark.parametrize("pidfds", [True, False])
+def test_a_forked_job_is_waited_for_with_or_without_pidfds(
+    pidfds: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a filter or an old kernel refuses pidfds, the launcher looks for its job's end."""
+    if not pidfds:
+        monkeypatch.setattr(os, "pidfd_open", lambda pid: (_ for _ in ()).throw(OSError(1, "no")))
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(0.5)
+        os._exit(5)
+    job = Forked(pid)
+    assert (job.pidfd is not None) is pidfds
+    with pytest.raises(subprocess.TimeoutExpired):
+        job.wait(0.05)
+    assert job.wait() == 5 and job.wait(0) == 5
+
+
+def test_a_warm_job_sees_its_own_gpus_set_as_it_is_forked(lib: Path, tmp_path: Path) -> None:
+    """The spare is started without CUDA_VISIBLE_DEVICES; the job forked from it has the GPU
+    the executor handed it (CUDA reads it only as it starts, in the job)."""
+    environ = {**os.environ, "PYTHONPATH": str(lib), "SLEEP": "2"}
+    limits = LocalExecutorSection(gpus=2, max_gpus=1, warm_starts=1)
+    executor = LocalExecutor(max_parallel=2, env=environ, warm=("warmjob",), limits=limits)
+    handles = []
+    try:
+        for name in ("one", "two"):
+            (tmp_path / name).mkdir()
+            sub = Submission(1, name, "warmjob", tmp_path / name, gpus=1)
+            (accepted,) = executor.submit([sub])
+            assert isinstance(accepted, Accepted)
+            handles.append(accepted.handle)
+            if name == "one":
+                (spare,) = executor.spares.waiting()
+                assert "CUDA_VISIBLE_DEVICES" not in spare.env
+                ready(spare)
+        assert handles[1] == spare.handle
+        for handle in handles:
+            assert until_ended(executor, handle).exit_code == 0
+    finally:
+        executor.close()
+    said = [(tmp_path / n / "log.txt").read_text().split()[-2:] for n in ("one", "two")]
+    assert said == [["0", "False"], ["1", "True"]]
