@@ -83,6 +83,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, glibc's mal
 MAX_SPEC_BYTES = 256 << 20  # a spec lists its inputs: 55,000 of them take some 10 MB
 _KEEP_FREED_BYTES = 512 * 2**20
 _HEAP_BLOCKS_UP_TO = 32 * 2**20  # glibc's largest mmap threshold on 64-bit
+_imports_frozen = False  # this process froze the imports it made with the collector off
 
 
 class InputError(Exception):
@@ -134,11 +135,20 @@ def settle_collector() -> int:
     """Where the job's imports ran with the cyclic garbage collector off (:mod:`pipelines`),
     freeze what they made (the collector never goes over it again, not at the job's end
     either) and turn the collector back on: how many objects were frozen (0: nothing done)."""
+    return gc.get_freeze_count() if _freeze() else 0
+
+
+def _freeze() -> bool:
+    """Freeze what was made with the collector off and turn it on: whether it was off. Never
+    counts what is frozen: ``gc.get_freeze_count`` walks every frozen object (15–30 ms once
+    torch is imported, on the development machine)."""
+    global _imports_frozen
     if gc.isenabled():
-        return 0
+        return False
     gc.freeze()
     gc.enable()
-    return gc.get_freeze_count()
+    _imports_frozen = True
+    return True
 
 
 @contextlib.contextmanager
@@ -147,15 +157,16 @@ def importing_late() -> Iterator[None]:
     collector off and were frozen (:func:`settle_collector`), these too, and what they made is
     frozen after them. The inference job imports torch so, once its workers, which never need
     it, are forked; and each worker the code of its stages (:mod:`pipelines.inference.pool`).
-    Imported any other way (tests, benchmarks: nothing frozen), nothing changes."""
-    if gc.get_freeze_count() == 0:
+    Imported any other way (tests, benchmarks, a job forked from a warm start, whose launcher
+    imported its code: nothing frozen here), nothing changes."""
+    if not _imports_frozen:
         yield
         return
     gc.disable()
     try:
         yield
     finally:
-        settle_collector()
+        _freeze()
 
 
 def give_back_freed_memory() -> None:
