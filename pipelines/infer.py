@@ -79,7 +79,8 @@ if TYPE_CHECKING:
     from pipelines.inference.slides import Slides
 
 # What a launcher started ahead for this job imports (daemon/executors/spares.py): torch and the
-# net, and the workers' stages, which a job started cold imports beside torch.
+# net, and the workers' stages, which a job started cold imports beside torch. None of them may
+# start CUDA, threads or processes as it is imported: the job is forked from there.
 WARM_IMPORTS = ("torch", "pipelines.inference.device", "pipelines.inference.finish",
                 "pipelines.inference.source")  # fmt: skip
 _PROGRESS_EVERY_S = 30.0

@@ -18,9 +18,9 @@ whether the two codes' masks and tables agree (every mask compared pixel for pix
 The new code runs twice: started cold, as a subprocess, and as the local executor starts an
 inference job by default, from a warm start (:mod:`daemon.executors.spares`): a launcher
 started ahead, pinned to the same cores, whose imports are done before the job is handed to it
-(it waits in its socket's receive, read from ``/proc``); its whole run is from the hand-over to
-the launcher's end. What the warm start's imports cost is then spent before the job: the
-daemon starts a spare while the job before runs (on a busy machine, beside it).
+(it said so on its socket); its whole run is from the hand-over to the launcher's end. What the
+warm start's imports cost is then spent before the job, outside these figures: the daemon
+starts a spare while the job before runs (on a busy machine, beside it).
 
 Both codes run with ``split_neck = 0``: the old code had no object step (touching objects cut
 apart, :mod:`pipelines.instances`), so at 0 both do the same work and their masks compare.
@@ -81,6 +81,7 @@ from daemon.contract.jobspec import (
 )
 from daemon.contract.names import INFERENCE
 from daemon.executors import spares
+from daemon.executors.local_job import READY
 from models import registry
 from models.unet import UNet
 from pipelines.images import decode
@@ -179,12 +180,10 @@ def run_warm(
     launcher = subprocess.Popen(command, cwd=REPO, stdin=theirs, stdout=subprocess.DEVNULL,
                                 env=env, start_new_session=True)  # fmt: skip
     theirs.close()
-    deadline = time.monotonic() + 120
-    while not _waits_for_its_job(launcher.pid):
-        if launcher.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"the warm start did not get ready (exit {launcher.returncode})")
-        time.sleep(0.05)
-    spare = spares.Spare(launcher.pid, 0, module, env, ours)
+    ours.settimeout(120)
+    if ours.recv(len(READY)) != READY:  # its imports done
+        raise SystemExit(f"the warm start did not get ready (exit {launcher.wait()})")
+    spare = spares.Spare(launcher.pid, 0, module, env, ours, ready=True)
     log_fd = os.open(job_dir / LOG_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     started = time.perf_counter()
     spares.hand_over(spare, str(job_dir), 0, 0, [sys.executable, "-m", module, str(job_dir)],
@@ -197,14 +196,6 @@ def run_warm(
         sys.stderr.write((job_dir / LOG_FILE).read_text("utf-8")[-3000:])
         raise SystemExit(f"the warm-started job failed (exit status {code})")
     return wall, result
-
-
-def _waits_for_its_job(pid: int) -> bool:
-    """Whether a warm start's imports are done: it sleeps in its socket's receive."""
-    try:
-        return Path(f"/proc/{pid}/wchan").read_text() == "__skb_wait_for_more_packets"
-    except OSError:
-        return False
 
 
 def in_turn(round_: int, cpus: Sequence[int], codes: Sequence[T]) -> list[tuple[int, T]]:

@@ -31,6 +31,8 @@ WARM_IMPORTS = ("decimal",)
 if __name__ == "__main__":
     print("ran", os.getpid(), sys.argv[1], os.environ.get("OMP_NUM_THREADS"),
           os.environ.get("CUDA_VISIBLE_DEVICES"), "decimal" in sys.modules, flush=True)
+    if os.environ.get("KILL"):
+        os.kill(os.getpid(), int(os.environ["KILL"]))
     if os.environ.get("SLEEP"):
         import time
         time.sleep(float(os.environ["SLEEP"]))
@@ -67,10 +69,18 @@ def until_ended(executor: LocalExecutor, handle: str, seconds: float = 60) -> St
 
 
 def ready(spare: spares.Spare, seconds: float = 60) -> None:
-    """Wait until ``spare``'s imports are done: it sleeps in its socket's receive."""
+    """Wait until ``spare``'s imports are done (it said so)."""
     deadline = time.monotonic() + seconds
-    while Path(f"/proc/{spare.pid}/wchan").read_text() != "__skb_wait_for_more_packets":
+    while not spare.says_ready():
         assert time.monotonic() < deadline, "the spare never got ready"
+        time.sleep(0.05)
+
+
+def zombie(pid: int, seconds: float = 30) -> None:
+    """Wait until our child ``pid`` has ended, without reaping it."""
+    deadline = time.monotonic() + seconds
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, f"{pid} did not end"
         time.sleep(0.05)
 
 
@@ -175,8 +185,11 @@ def test_a_warm_job_is_kept_to_its_time_limit(lib: Path, tmp_path: Path) -> None
     env = {**os.environ, "PYTHONPATH": str(lib), "SLEEP": "300"}
     waiting = spares.Spares(sys.executable, 1, ["warmjob"])
     waiting.top_up("warmjob", env)
+    (started,) = waiting.waiting()
+    assert waiting.take("warmjob", env) is None  # not ready yet: the job would start cold
+    ready(started)
     spare = waiting.take("warmjob", env)
-    assert spare is not None
+    assert spare is started
     job_dir = tmp_path / "job"
     job_dir.mkdir()
     log_fd = os.open(job_dir / "log.txt", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -222,31 +235,41 @@ def test_a_warm_job_outlives_its_daemon_and_is_adopted_while_idle_spares_end(
         again.close()
 
 
-def test_a_spare_ends_when_its_daemon_is_gone_or_when_it_waited_too_long(
-    lib: Path, tmp_path: Path
-) -> None:
-    """Its socket's end of file (the daemon killed: the kernel closes its end) ends a spare; so
-    does waiting past IDLE_SECONDS, and a spare gone before its job came is never handed one:
-    the job starts cold."""
+def test_a_spare_gone_before_its_job_came_is_never_handed_one(lib: Path, tmp_path: Path) -> None:
+    """Its socket's end of file (the daemon killed: the kernel closes its end) ends a spare
+    (exit 0); the next job does not go to it, but starts cold, and a new spare is started."""
     executor = executor_for(lib)
     try:
         until_ended(executor, submit(executor, tmp_path / "one"))
         (spare,) = executor.spares.waiting()
         ready(spare)
         spare.channel.shutdown(socket.SHUT_RDWR)  # as the kernel does for a daemon killed
-        deadline = time.monotonic() + 30
-        while (code := exited(spare.pid)) is None:
-            assert time.monotonic() < deadline, "the spare outlived its daemon"
-            time.sleep(0.05)
-        assert code == 0
+        zombie(spare.pid)
         handle = submit(executor, tmp_path / "two")
         assert handle != spare.handle
         assert until_ended(executor, handle).exit_code == 0
-        (idle,) = executor.spares.waiting()
-        executor.spares.tend(time.monotonic() + spares.IDLE_SECONDS + 1)
-        assert executor.spares.waiting() == [] and not Path(f"/proc/{idle.pid}").exists()
+        (behind,) = executor.spares.waiting()
+        assert behind.pid != spare.pid and not Path(f"/proc/{spare.pid}").exists()  # reaped
     finally:
         executor.close()
+    assert "True" not in (tmp_path / "two" / "log.txt").read_text()
+
+
+def test_a_spare_no_job_came_for_ends_by_itself_and_then_refuses_one(lib: Path) -> None:
+    """Past SPARE_IDLE_SECONDS (here 1 s) a spare stops reading and ends: a job sent then is
+    refused at once (EPIPE), and the executor starts it cold; none is lost in between."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    code = ("import sys; from daemon.executors import local_job as l; "
+            "l.SPARE_IDLE_SECONDS = 1.0; sys.exit(l.main(['--spare', 'warmjob']))")  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": f"{lib}:{os.environ.get('PYTHONPATH', '')}"}
+    started = time.monotonic()
+    spare = subprocess.Popen([sys.executable, "-c", code], stdin=theirs, env=env)
+    theirs.close()
+    assert ours.recv(1) == b"R"
+    assert spare.wait(30) == 0 and 1 <= time.monotonic() - started < 30
+    with pytest.raises(OSError):
+        socket.send_fds(ours, [b"{}"], [1])
+    ours.close()
 
 
 def test_no_spare_is_started_where_warm_starts_is_0_or_for_modules_not_warmed(
@@ -308,3 +331,22 @@ def test_a_warm_job_sees_its_own_gpus_set_as_it_is_forked(lib: Path, tmp_path: P
         executor.close()
     said = [(tmp_path / n / "log.txt").read_text().split()[-2:] for n in ("one", "two")]
     assert said == [["0", "False"], ["1", "True"]]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGINT])
+def test_a_job_killed_by_a_signal_ends_its_launcher_by_it_cold_or_warm(
+    lib: Path, tmp_path: Path, signum: int
+) -> None:
+    """The daemon reads the launcher's end as the job's: one killed by SIGKILL (the kernel's
+    out-of-memory killer) or interrupted ends by that signal, started cold or forked."""
+    executor = executor_for(lib, KILL=str(int(signum)))
+    try:
+        cold = submit(executor, tmp_path / "one")
+        assert until_ended(executor, cold).exit_code == -signum
+        (spare,) = executor.spares.waiting()
+        ready(spare)
+        warm = submit(executor, tmp_path / "two")
+        assert warm == spare.handle
+        assert until_ended(executor, warm).exit_code == -signum
+    finally:
+        executor.close()

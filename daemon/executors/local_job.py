@@ -19,15 +19,19 @@ stopped or restarted, as Slurm keeps a job's time limit.
 starts it before there is a job for it (``executor.local.warm_starts``), with one end of a
 socket as its stdin. It imports MODULE and the modules MODULE names in ``WARM_IMPORTS`` (the
 inference job: torch, ~1–2 s of every job's start), with the garbage collector off, then frozen,
-as a job started with ``-m`` does (:mod:`pipelines`), and waits. It never writes to that socket:
-a Unix socket closed with data unread resets its peer. The executor hands it one job: a JSON
-request (the job folder, the limits, the command the job would have been started with, its
-environment) and the job's open log. From then on it is that job's launcher, as above, but the
-job is forked from it with its imports done, and runs MODULE as ``python -m`` would, in the
-job's environment. What the imports printed goes to the head of the job's log. An end of file
-instead of a job (the daemon stopped, or retired the spare) ends it. Where the imports failed,
-or left CUDA started (a fork cannot use it), the job is started as the command says, cold, and
-its log says why.
+as a job started with ``-m`` does (:mod:`pipelines`), says so (:data:`READY`, the one byte it
+writes there, which the executor reads before it hands a job over: a Unix socket closed with
+data unread resets its peer), and waits. The executor hands it one job: a JSON request (the job
+folder, the limits, the command the job would have been started with, its environment) and the
+job's open log. From then on it is that job's launcher, as above, but the job is forked from it
+with its imports done, and runs MODULE as ``python -m`` would, in the job's environment. What
+the imports printed goes to the head of the job's log. An end of file instead of a job (the
+daemon stopped, or is gone) ends it; so does waiting :data:`SPARE_IDLE_SECONDS` (it stops
+reading first: a job sent after that is refused, one sent before is run). Where the imports
+failed, or left CUDA started (a fork cannot use it), the job is started as the command says,
+cold, and its log says why. A module warmed so must not start CUDA, threads or processes at
+its import, and its job ends the process itself (:func:`pipelines.job.main`): the job forked
+runs nothing at the interpreter's exit.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ KILL_GRACE_SECONDS = 10.0
 USAGE = ("usage: python -m daemon.executors.local_job JOB_DIR TIME_LIMIT_S STALL_S -- COMMAND...\n"
          "       python -m daemon.executors.local_job --spare MODULE")  # fmt: skip
 SPARE = "--spare"
+READY = b"R"  # a spare's word that its imports are done: only then is it handed a job
+SPARE_IDLE_SECONDS = 600.0  # a spare no job came for by then ends
 MAX_REQUEST_BYTES = 1 << 20  # a request is a job folder, two numbers, a command, an environment
 POLL_SECONDS = 0.05  # how often a forked job's end is looked for, where there are no pidfds
 MAX_PRELOAD_OUTPUT = 1 << 20  # of what the imports printed, the head of the job's log gets this
@@ -202,7 +208,9 @@ def _warm(module: str, job_dir: str) -> Callable[[], Child]:
 
 
 def _run_module(module: str, job_dir: str) -> None:
-    """In the forked job: run ``module`` as ``python -m MODULE JOB_DIR`` would; never returns."""
+    """In the forked job: run ``module`` as ``python -m MODULE JOB_DIR`` would; never returns.
+    It ends as a warmed module's job does itself (:func:`pipelines.job.main`): at once, with
+    nothing run at the interpreter's exit; a KeyboardInterrupt ends it by SIGINT, as Python."""
     code: Any = 1
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -215,13 +223,24 @@ def _run_module(module: str, job_dir: str) -> None:
         if code is not None and not isinstance(code, int):
             print(code, file=sys.stderr)
             code = 1
+    except KeyboardInterrupt:
+        code = -signal.SIGINT
     except BaseException:
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())
     finally:
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
+        if code == -signal.SIGINT:
+            _die_by(signal.SIGINT)
         os._exit(code or 0)
+
+
+def _die_by(signum: int) -> None:
+    """End this process by ``signum``, as the job it ran ended (SIGKILL cannot be set)."""
+    if signum not in (signal.SIGKILL, signal.SIGSTOP):
+        signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def _preload(module: str) -> str:
@@ -232,6 +251,8 @@ def _preload(module: str) -> str:
         loaded = importlib.import_module(module)
         for name in getattr(loaded, "WARM_IMPORTS", ()):
             importlib.import_module(name)
+        # its job runs it as __main__, as ``-m`` does: found imported, runpy would warn
+        del sys.modules[module]
     except BaseException:
         traceback.print_exc()
         return "its imports failed (above)"
@@ -245,7 +266,8 @@ def _preload(module: str) -> str:
 
 
 def serve(module: str) -> int:
-    """A spare (see the module's docstring): its imports, then one job, or none."""
+    """A spare (see the module's docstring): its imports, then one job, or none (0; 2 for a
+    request it could not read)."""
     kept = os.memfd_create("preload-output")  # what the imports say, for the job's log
     os.dup2(kept, 1)
     os.dup2(kept, 2)
@@ -255,16 +277,24 @@ def serve(module: str) -> int:
     os.close(null)
     why_cold = _preload(module)
     try:
-        text, fds, _, _ = socket.recv_fds(channel, MAX_REQUEST_BYTES, 1)
+        channel.sendall(READY)
+        if not select.select([channel], [], [], SPARE_IDLE_SECONDS)[0]:
+            channel.shutdown(socket.SHUT_RD)  # a job sent from now on is refused (EPIPE) …
+        text, fds, _, _ = socket.recv_fds(channel, MAX_REQUEST_BYTES, 1)  # … one sent is run
         channel.close()
-        if not fds:
-            return 0  # end of file: no job for it
+    except OSError:
+        return 0  # the daemon is gone
+    if not fds:
+        return 0  # end of file: the daemon stopped, ended the spare, or it waited too long
+    try:
         request = json.loads(text)
         job_dir, command = str(request["job_dir"]), [str(part) for part in request["command"]]
         limit, stall = float(request["limit"]), float(request["stall"])
         env = {str(key): str(value) for key, value in request["env"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return 0  # not a job from the daemon: none to run
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        _append_all(fds[0], f"watchd: a spare could not read its job's request: {exc!r}\n"
+                    .encode())  # fmt: skip
+        return 2
     sys.stdout.flush()
     sys.stderr.flush()
     _append_all(fds[0], os.pread(kept, MAX_PRELOAD_OUTPUT, 0))
@@ -303,8 +333,8 @@ def main(argv: Sequence[str]) -> int:
             return 2
         code = supervise(Path(job_dir), *seconds, _cold(command))
     if code < 0:  # the job was killed by a signal: so is this process, as a shell would say it
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
+        _die_by(-code)
+        code = 128 - code  # (a signal that did not end it: as a shell says it)
     if argv[0] == SPARE:  # without Python's own ending: what the imports made, torch's, torn
         sys.stdout.flush()  # down object by object, the job's end seen ~0.1 s later
         sys.stderr.flush()

@@ -8,11 +8,15 @@ that module is handed over, so that they import while that job runs. The next jo
 module goes to a spare (:meth:`Spares.take`, then :func:`hand_over`): the spare becomes its
 launcher, its handle is the spare's, and the job is forked from it, torch already imported.
 
-A spare serves a job only where the job would have been started in the very environment the
-spare was started in (the job's GPUs aside, ``CUDA_VISIBLE_DEVICES``, which CUDA reads only as
-it starts, after the fork): what a library read from it as it was imported still holds. A job
-with no such spare starts cold, as always. A spare never handed a job is ended after
-:data:`IDLE_SECONDS`, or when the daemon stops (its socket closes with the daemon, killed or not).
+A spare serves a job only once it said its imports are done (:data:`READY`: a job handed to
+one still importing would wait for it, without its time limit, where a cold start overlaps
+its imports with its workers' first reads), and only where the job would have been started
+in the very environment the spare was started in (the job's GPUs aside,
+``CUDA_VISIBLE_DEVICES``, which CUDA reads only as it starts, after the fork): what a library
+read from it as it was imported still holds. A job with no such spare starts cold, as always.
+A spare no job came for ends by itself after ``local_job.SPARE_IDLE_SECONDS`` (a job sent to it
+then is refused, and starts cold), or when the daemon stops (its socket's end of file,
+whether the daemon stopped or was killed); the daemon reaps it at its next look.
 """
 
 from __future__ import annotations
@@ -22,15 +26,13 @@ import json
 import os
 import signal
 import socket
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from daemon.executors.local_job import SPARE
+from daemon.executors.local_job import READY, SPARE
 from daemon.site.subprocesses import exited, process_start_ticks, reap, spawn
 
 LAUNCHER = "daemon.executors.local_job"
-IDLE_SECONDS = 600.0  # a spare no job has come for by then is ended
 END_GRACE_SECONDS = 5.0  # a spare told to end and still there then is killed
 PER_JOB_ENV = ("CUDA_VISIBLE_DEVICES",)  # set for each job at its fork, not at the spare's start
 
@@ -44,11 +46,22 @@ class Spare:
     module: str
     env: dict[str, str]
     channel: socket.socket
-    since: float = field(default_factory=time.monotonic)
+    ready: bool = False  # its imports are done (it said so)
 
     @property
     def handle(self) -> str:
         return f"local:{self.pid}:{self.ticks}"
+
+    def alive(self) -> bool:
+        """Whether it still runs (reaping it if it ended)."""
+        return exited(self.pid) is None and process_start_ticks(self.pid) == self.ticks
+
+    def says_ready(self) -> bool:
+        """Whether its imports are done: its word read, without waiting."""
+        if not self.ready:
+            with contextlib.suppress(OSError):
+                self.ready = self.channel.recv(len(READY), socket.MSG_DONTWAIT) == READY
+        return self.ready
 
 
 def spare_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -68,16 +81,14 @@ class Spares:
         self._waiting: list[Spare] = []
 
     def take(self, module: str, env: Mapping[str, str]) -> Spare | None:
-        """The longest-waiting live spare of ``module`` started in the job's ``env`` (the
-        caller hands it the job or ends it), or None."""
+        """The longest-waiting live spare of ``module`` started in the job's ``env`` whose
+        imports are done (the caller hands it the job or ends it), or None."""
         wanted = spare_env(env)
-        for spare in list(self._waiting):
-            if spare.module != module or spare.env != wanted:
-                continue
-            self._waiting.remove(spare)
-            if exited(spare.pid) is None:
+        self.tend()
+        for spare in self._waiting:
+            if spare.module == module and spare.env == wanted and spare.says_ready():
+                self._waiting.remove(spare)
                 return spare
-            spare.channel.close()
         return None
 
     def top_up(self, module: str, env: Mapping[str, str]) -> None:
@@ -105,17 +116,12 @@ class Spares:
             theirs.close()
         return Spare(pid, process_start_ticks(pid) or 0, module, env, ours)
 
-    def tend(self, now: float | None = None) -> None:
-        """Forget spares that ended (reaping them); end those that waited past
-        :data:`IDLE_SECONDS`."""
-        now = time.monotonic() if now is None else now
+    def tend(self) -> None:
+        """Forget the spares that ended (waited too long, or failed), reaping them."""
         for spare in list(self._waiting):
-            if exited(spare.pid) is not None:
+            if not spare.alive():
                 self._waiting.remove(spare)
                 spare.channel.close()
-            elif now - spare.since > IDLE_SECONDS:
-                self._waiting.remove(spare)
-                end(spare)
 
     def waiting(self) -> list[Spare]:
         return list(self._waiting)

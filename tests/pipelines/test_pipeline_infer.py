@@ -270,8 +270,13 @@ def test_a_shard_handed_to_a_warm_start_makes_the_masks_and_rows_of_one_started_
             specs[name] = spec
     finally:
         executor.close()
+    logs = {name: (spec.job_dir / "log.txt").read_text() for name, spec in specs.items()}
     for name, warm in (("cold", False), ("warm", True)):
         assert json.loads((specs[name].job_dir / "launch.json").read_text())["warm"] is warm
+        assert "RuntimeWarning" not in logs[name], logs[name]
+    # forked: no cold start said, no imports of its own to freeze (the spare froze its)
+    assert "watchd: the job starts cold" not in logs["warm"], logs["warm"]
+    assert "objects frozen" in logs["cold"] and "objects frozen" not in logs["warm"]
     theirs = {}
     for part in ("table-0000.csv", "table-0001.csv"):
         with open(work_dir_for(inferred.batch_dir) / "parts" / part, newline="") as handle:

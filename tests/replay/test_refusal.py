@@ -53,7 +53,8 @@ def test_a_job_that_stands_still_is_ended_and_its_batch_fails_saying_why(
     folder (as a job blocked on a hung share would), and runs everything else for real. With
     ``stall_minutes`` of 24 s (a real job, importing torch on a loaded machine, may say nothing
     for several seconds) and one slot, that batch's job is ended, tried again, ended again, and
-    its batch fails with the launcher's reason; the batch dropped after it still runs."""
+    its batch fails with the launcher's reason; the batch dropped after it still runs. No warm
+    starts: a job forked from a launcher started ahead never runs the stand-in's command."""
     python = tmp_path / "python"
     python.write_text(
         "#!/bin/bash\n"
@@ -65,7 +66,8 @@ def test_a_job_that_stands_still_is_ended_and_its_batch_fails_saying_why(
     python.chmod(0o755)
     config = write_config(
         tmp_path, drop_root, registry,
-        executor={"local": {"max_parallel": 1, "python": str(python), "stall_minutes": 0.4}},
+        executor={"local": {"max_parallel": 1, "python": str(python), "stall_minutes": 0.4,
+                            "warm_starts": 0}},
     )  # fmt: skip
     steps = copy_slowly(staged("stuck", count=2), drop_root / "stuck", 0, 0.01)
     steps += copy_slowly(staged("after", count=2), drop_root / "after", 1.0, 0.01)
