@@ -138,28 +138,41 @@ def spec_for(code: Path, spec: JobSpec) -> tuple[Path, str]:
     return Path(spec.run_dir) / "jobs" / spec.job_name, json.dumps(data)
 
 
-def run_job(
+def _job_folder(
     code: Path, batch_dir: Path, spec: JobSpec, cpus: int, cores: list[int]
-) -> tuple[float, JobResult]:
-    """Run the stand-in job of ``code`` on ``cores``: (wall seconds, its result)."""
+) -> tuple[Path, dict[str, str], list[str]]:
+    """The job folder of ``code``'s run (spec written, the last run's outputs set aside), its
+    environment, and the command prefix that binds a process to ``cores``."""
     jobrun.set_aside(batch_dir)
     job_dir, text = spec_for(code, spec)
     job_dir.mkdir(parents=True)
     (job_dir / SPEC_FILE).write_text(text, encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": str(cpus),
            "WANDB_MODE": "disabled"}  # fmt: skip
-    command = ["taskset", "-c", ",".join(map(str, cores)), sys.executable,
-               str(REPO / "scripts" / "standin_job.py"), str(job_dir)]  # fmt: skip
+    return job_dir, env, ["taskset", "-c", ",".join(map(str, cores)), sys.executable]
+
+
+def _result(job_dir: Path, status: int, what: str) -> JobResult:
+    """The job's result; its log's end and a stop where it failed."""
+    result = JobResult.from_json((job_dir / RESULT_FILE).read_text("utf-8"))
+    if status != 0 or not result.ok:
+        sys.stderr.write((job_dir / LOG_FILE).read_text("utf-8")[-3000:])
+        raise SystemExit(f"the {what} job failed (exit status {status})")
+    return result
+
+
+def run_job(
+    code: Path, batch_dir: Path, spec: JobSpec, cpus: int, cores: list[int]
+) -> tuple[float, JobResult]:
+    """Run the stand-in job of ``code`` on ``cores``: (wall seconds, its result)."""
+    job_dir, env, pinned = _job_folder(code, batch_dir, spec, cpus, cores)
+    command = [*pinned, str(REPO / "scripts" / "standin_job.py"), str(job_dir)]
     started = time.perf_counter()
     with open(job_dir / LOG_FILE, "wb") as log:
         done = subprocess.run(command, cwd=code, stdout=log, stderr=subprocess.STDOUT,
                               env=env, check=False)  # fmt: skip
     wall = time.perf_counter() - started
-    result = JobResult.from_json((job_dir / RESULT_FILE).read_text("utf-8"))
-    if done.returncode != 0 or not result.ok:
-        sys.stderr.write((job_dir / LOG_FILE).read_text("utf-8")[-3000:])
-        raise SystemExit(f"the {code} job failed (exit status {done.returncode})")
-    return wall, result
+    return wall, _result(job_dir, done.returncode, str(code))
 
 
 def run_warm(
@@ -167,16 +180,10 @@ def run_warm(
 ) -> tuple[float, JobResult]:
     """Run the new code's stand-in job from a warm start on ``cores``: (wall seconds from the
     hand-over to the launcher's end, its result)."""
-    jobrun.set_aside(batch_dir)
-    job_dir = Path(spec.job_dir)
-    job_dir.mkdir(parents=True)
-    (job_dir / SPEC_FILE).write_text(spec.to_json(), encoding="utf-8")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(cpus),
-           "WANDB_MODE": "disabled"}  # fmt: skip
+    job_dir, env, pinned = _job_folder(REPO, batch_dir, spec, cpus, cores)
     module = Pipeline.INFER.module
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    command = ["taskset", "-c", ",".join(map(str, cores)), sys.executable,
-               str(REPO / "scripts" / "standin_job.py"), SPARE, module]  # fmt: skip
+    command = [*pinned, str(REPO / "scripts" / "standin_job.py"), SPARE, module]
     launcher = subprocess.Popen(command, cwd=REPO, stdin=theirs, stdout=subprocess.DEVNULL,
                                 env=env, start_new_session=True)  # fmt: skip
     theirs.close()
@@ -189,13 +196,9 @@ def run_warm(
     spares.hand_over(spare, str(job_dir), 0, 0, [sys.executable, "-m", module, str(job_dir)],
                      env, log_fd)  # fmt: skip
     os.close(log_fd)
-    code = launcher.wait()
+    status = launcher.wait()
     wall = time.perf_counter() - started
-    result = JobResult.from_json((job_dir / RESULT_FILE).read_text("utf-8"))
-    if code != 0 or not result.ok:
-        sys.stderr.write((job_dir / LOG_FILE).read_text("utf-8")[-3000:])
-        raise SystemExit(f"the warm-started job failed (exit status {code})")
-    return wall, result
+    return wall, _result(job_dir, status, "warm-started")
 
 
 def in_turn(round_: int, cpus: Sequence[int], codes: Sequence[T]) -> list[tuple[int, T]]:

@@ -41,7 +41,7 @@ from daemon.executors import (
 )
 from daemon.executors.gpus import GpuSeats, visible
 from daemon.executors.local_job import ended_why
-from daemon.executors.spares import Spare, Spares
+from daemon.executors.spares import LAUNCHER, Spare, Spares
 from daemon.site.config import JobShapes, LocalExecutorSection
 from daemon.site.subprocesses import (
     ExitWatch,
@@ -55,7 +55,6 @@ from daemon.site.subprocesses import (
 )
 
 LAUNCH_FILE = "launch.json"
-LAUNCHER = "daemon.executors.local_job"
 CANCEL_GRACE_SECONDS = 10.0
 # A start that failed for want of processes, memory or file descriptors may work later; any
 # other failure (no such interpreter, not executable) will fail every time.
@@ -143,7 +142,7 @@ class LocalExecutor:
             env.update(visible(gpus))
         try:
             with sub.held_job_dir() as held:
-                spare = self._spare(sub.module, env)
+                spare = self.spares.take(sub.module, env)
                 handle = None
                 if spare is not None:
                     handle = self._warm_start(held, spare, job, limit, stall, env, gpus)
@@ -155,12 +154,8 @@ class LocalExecutor:
         except OSError as exc:
             reason = f"cannot start {sub.name}: {exc}"
             return Deferred(reason) if exc.errno in PASSING else Refused(reason)
-        if sub.module in self.spares.modules:
-            self.spares.top_up(sub.module, env)  # importing while this job runs
+        self.spares.top_up(sub.module, env)  # importing while this job runs
         return Accepted(self._watch(handle))
-
-    def _spare(self, module: str, env: Mapping[str, str]) -> Spare | None:
-        return self.spares.take(module, env) if module in self.spares.modules else None
 
     def _warm_start(
         self, held: HeldFolder, spare: Spare, job: list[str], limit: int, stall: float,

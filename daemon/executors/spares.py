@@ -82,7 +82,10 @@ class Spares:
 
     def take(self, module: str, env: Mapping[str, str]) -> Spare | None:
         """The longest-waiting live spare of ``module`` started in the job's ``env`` whose
-        imports are done (the caller hands it the job or ends it), or None."""
+        imports are done (the caller hands it the job or ends it), or None (always, for a
+        module not warmed)."""
+        if module not in self.modules:
+            return None
         wanted = spare_env(env)
         self.tend()
         for spare in self._waiting:
@@ -92,8 +95,10 @@ class Spares:
         return None
 
     def top_up(self, module: str, env: Mapping[str, str]) -> None:
-        """Start spares of ``module`` in the job's ``env`` until ``count`` wait (a spare that
-        cannot be started is left out: the jobs start cold)."""
+        """Start spares of ``module`` in the job's ``env`` until ``count`` wait (none for a
+        module not warmed; a spare that cannot be started is left out: the jobs start cold)."""
+        if module not in self.modules:
+            return
         wanted = spare_env(env)
         waiting = sum(1 for s in self._waiting if s.module == module and s.env == wanted)
         for _ in range(self.count - waiting):
