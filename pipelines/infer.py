@@ -79,10 +79,11 @@ if TYPE_CHECKING:
     from pipelines.inference.slides import Slides
 
 # What a launcher started ahead for this job imports (daemon/executors/spares.py): torch and the
-# net, and the workers' stages, which a job started cold imports beside torch. None of them may
-# start CUDA, threads or processes as it is imported: the job is forked from there.
+# net, the workers' stages, which a job started cold imports beside torch, and the slide code,
+# which it imports at its first slide (~0.2 s, one after the other). None of them may start
+# CUDA, threads or processes as it is imported: the job is forked from there.
 WARM_IMPORTS = ("torch", "pipelines.inference.device", "pipelines.inference.finish",
-                "pipelines.inference.source")  # fmt: skip
+                "pipelines.inference.source", "pipelines.inference.slides")  # fmt: skip
 _PROGRESS_EVERY_S = 30.0
 _PROGRESS_SAY_S = 5.0
 _FIRST_GPU_BATCH = 64  # the batch a GPU's chunks are sized for before the first image is seen
@@ -171,7 +172,8 @@ def _infer(spec: JobSpec, batch: HeldFolder, run: HeldFolder, work: HeldFolder) 
 
         def tiled(item: InputFile) -> list[Problem]:
             """Segment ``item`` window by window (or this job's region of it): the code for
-            large images (zarr, the window readers: 0.2–0.3 s of imports) is imported then."""
+            large images (zarr, the window readers: 0.2–0.3 s of imports) is imported then,
+            unless the job was forked from a launcher that imported it (``WARM_IMPORTS``)."""
             if not slides:
                 from pipelines.inference.slides import Slides
 

@@ -257,6 +257,11 @@ def test_a_shard_handed_to_a_warm_start_makes_the_masks_and_rows_of_one_started_
                             model=ModelRef(inferred.model.name, "latest"),
                             resources=Resources(cpus=2))  # fmt: skip
             sub = Submission(1, spec.job_name, Pipeline.INFER.module, spec.job_dir, cpus=2)
+            # the spare started behind the cold job may still import once that job ended
+            ready_by = time.monotonic() + 120
+            while name == "warm" and not any(s.says_ready() for s in executor.spares.waiting()):
+                assert time.monotonic() < ready_by, "the spare never said its imports were done"
+                time.sleep(0.05)
             (accepted,) = executor.submit([sub])
             assert isinstance(accepted, Accepted), accepted
             deadline = time.monotonic() + 240
