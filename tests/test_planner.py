@@ -18,12 +18,13 @@ from daemon.contract.jobspec import (
     Resources,
     Role,
 )
-from daemon.core.jobplan import Sharding
+from daemon.core.jobplan import Sharding, compute_jobs, first_pipeline
 from daemon.core.manifest import parse_manifest
 from daemon.core.manifest_schema import Kind
 from daemon.core.planner import (
     BatchView,
     Cancel,
+    Expect,
     JobSeen,
     MoveBatch,
     MoveJob,
@@ -36,7 +37,7 @@ from daemon.core.planner import (
     opens_work,
     plan,
 )  # fmt: skip
-from daemon.core.readiness import NotReady, Ready
+from daemon.core.readiness import NotReady, Ready, Settle, Waiting
 from daemon.core.records import Batch, Intent, IntentAction, Job
 from daemon.core.states import BatchState, JobState, Phase
 
@@ -168,6 +169,27 @@ def test_a_training_batch_is_one_job_with_images_and_masks() -> None:
     actions = plan(snap(BatchView(batch(kind=Kind.TRAINING), m, (), Ready(m.files))))
     (train,) = actions[1].jobs
     assert train.pipeline is Pipeline.TRAIN and len(train.inputs) == 10
+
+
+def test_a_batch_whose_inputs_settle_has_its_first_jobs_expected_by_the_executor() -> None:
+    """All inputs there, settling: the executor is told what the first jobs will be, so that
+    it can start them ahead (a warm start); not while inputs are missing, nor for a batch whose
+    jobs would not go out (its root paused or held elsewhere, the daemon stopping)."""
+    settling = Waiting((), Settle("fp", 9.0))
+    for kind in ("inference", "training", "sweep"):
+        m = manifest(kind)
+        view = BatchView(batch(kind=Kind(kind)), m, (), settling)
+        first = compute_jobs(batch(kind=Kind(kind)), m, m.files, POLICY.shards, "local")[0]
+        assert plan(snap(view)) == [Expect(1, first.pipeline, m.resources)]
+        assert first_pipeline(m) is first.pipeline
+    view = BatchView(batch(), manifest(), (), settling)
+    missing = Problem("manifest.toml, files[0]", "'a' is missing", "not copied yet?")
+    incomplete = Waiting((missing,), Settle("fp", 9.0))
+    assert plan(snap(BatchView(batch(), manifest(), (), incomplete))) == []
+    assert plan(snap(BatchView(batch(), manifest(), ()))) == []  # not looked at this tick
+    assert plan(snap(view, submitting=False)) == []
+    assert plan(replace(snap(view), paused_roots=frozenset({"/r"}))) == []
+    assert plan(replace(snap(view), held_elsewhere=frozenset({"/r"}))) == []
 
 
 def test_inputs_that_cannot_become_ready_fail_the_batch_with_the_problems() -> None:

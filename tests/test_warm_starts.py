@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from daemon.contract.jobspec import Pipeline, Resources
 from daemon.core.states import Phase
 from daemon.executors import Accepted, Status, Submission, spares
 from daemon.executors.local import LAUNCH_FILE, LocalExecutor
@@ -286,6 +287,33 @@ def test_no_spare_is_started_where_warm_starts_is_0_or_for_modules_not_warmed(
     finally:
         off.close()
         other.close()
+
+
+def test_a_batch_expected_has_the_warm_start_of_its_first_job_ready_before_it_comes(
+    tmp_path: Path,
+) -> None:
+    """Told that inference jobs of 2 CPUs come (a batch's inputs settle), the executor starts
+    one spare for them, however often told, in their environment; the first such job is
+    forked from it. Nothing is started for a pipeline not warmed (training)."""
+    executor = LocalExecutor(max_parallel=1, env=dict(os.environ))
+    try:
+        executor.expect(Pipeline.TRAIN, Resources(cpus=2))
+        assert executor.spares.waiting() == []
+        for _ in range(3):
+            executor.expect(Pipeline.INFER, Resources(cpus=2))
+        (spare,) = executor.spares.waiting()
+        assert spare.module == Pipeline.INFER.module and spare.env["OMP_NUM_THREADS"] == "2"
+        ready(spare, 120)
+        job_dir = tmp_path / "first"
+        job_dir.mkdir()
+        sub = Submission(1, job_dir.name, Pipeline.INFER.module, job_dir, cpus=2)
+        (accepted,) = executor.submit([sub])
+        assert isinstance(accepted, Accepted) and accepted.handle == spare.handle
+        until_ended(executor, accepted.handle)  # no spec in its folder: it fails, saying so
+    finally:
+        executor.close()
+    assert json.loads((job_dir / LAUNCH_FILE).read_text())["warm"] is True
+    assert "spec.json" in (job_dir / "log.txt").read_text()
 
 
 @pytest.mark.parametrize("pidfds", [True, False])

@@ -65,6 +65,11 @@ class Sharding:
         return [slice(a, b) for a, b in pairwise(bounds)]
 
 
+def first_pipeline(manifest: Manifest) -> Pipeline:
+    """The pipeline of a batch's first jobs (those :func:`compute_jobs` plans)."""
+    return Pipeline.TRAIN if manifest.kind.trains else Pipeline.INFER
+
+
 def compute_jobs(
     batch: Batch, manifest: Manifest, inputs: Sequence[InputFile], shards: Sharding, executor: str
 ) -> tuple[NewJob, ...]:

@@ -22,12 +22,12 @@ from daemon.contract.jobspec import (
 )
 from daemon.contract.usage import JobUsage
 from daemon.core import fairshare
-from daemon.core.jobplan import Sharding, compute_jobs, next_stage_job
-from daemon.core.manifest import Manifest
+from daemon.core.jobplan import Sharding, compute_jobs, first_pipeline, next_stage_job
+from daemon.core.manifest import Manifest, ResourceRequest
 from daemon.core.owners import Accounts, Quota
 from daemon.core.quotas import Account as QuotaAccount
 from daemon.core.quotas import parse_quota, refusal
-from daemon.core.readiness import NotReady, Ready, Verdict
+from daemon.core.readiness import NotReady, Ready, Verdict, Waiting
 from daemon.core.records import Batch, Intent, IntentAction, Job, NewJob
 from daemon.core.states import BatchState, JobState, Phase
 
@@ -113,6 +113,17 @@ class Submit:
 
 
 @dataclass(frozen=True)
+class Expect:
+    """A waiting batch's inputs are all there and settle: its first jobs, of ``pipeline``
+    with what its manifest asks for, go out in a few seconds. The executor may start their
+    processes ahead (the local one: a warm start, :mod:`daemon.executors.spares`)."""
+
+    batch_id: int
+    pipeline: Pipeline
+    request: ResourceRequest
+
+
+@dataclass(frozen=True)
 class Cancel:
     """Stop these jobs at the executor (live ones) and mark them cancelled."""
 
@@ -164,7 +175,7 @@ class SetQuota:
 
 Action = (
     MoveBatch | MoveJob | PlanJobs | Submit | Cancel | ResolveIntent | PauseRoot | Preempt
-    | HoldBatch | SetQuota
+    | HoldBatch | SetQuota | Expect
 )  # fmt: skip
 
 
@@ -306,7 +317,9 @@ def _cancel_jobs(jobs: Iterable[Job], reason: str) -> list[Action]:
 def _plan_batch(view: BatchView, snapshot: Snapshot) -> tuple[list[Action], list[Job]]:
     batch = view.batch
     if batch.state is BatchState.WAITING:
-        return _plan_waiting(view, snapshot.policy), []
+        going = snapshot.submitting and batch.root not in (
+            snapshot.paused_roots | snapshot.held_elsewhere)  # fmt: skip
+        return _plan_waiting(view, snapshot.policy, going), []
     actions: list[Action] = []
     if batch.state is BatchState.QUEUED and any(j.state.live for j in view.jobs):
         # only once the executor took a job: a refused or held-back submission leaves it queued
@@ -360,8 +373,13 @@ def _revive(view: BatchView) -> list[Action]:
     return []
 
 
-def _plan_waiting(view: BatchView, policy: Policy) -> list[Action]:
+def _plan_waiting(view: BatchView, policy: Policy, going: bool) -> list[Action]:
+    """A waiting batch: failed, queued with its jobs planned, or left to wait (its first jobs
+    expected where its inputs are all there and settle, and jobs of its root may go out)."""
     verdict, batch = view.verdict, view.batch
+    settling = isinstance(verdict, Waiting) and not verdict.problems
+    if settling and going and view.manifest is not None:
+        return [Expect(batch.id, first_pipeline(view.manifest), view.manifest.resources)]
     if isinstance(verdict, NotReady):
         return [
             *_cancel_jobs(view.jobs, "batch failed"),  # a requeued batch's jobs wait pending

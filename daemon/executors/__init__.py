@@ -117,6 +117,10 @@ class Executor(Protocol):
         """Call ``wake`` (from any thread) when a job may have ended, so that the loop polls
         at once instead of at its next tick; an executor that cannot tell does nothing."""
 
+    def expect(self, pipeline: Pipeline, given: Resources) -> None:
+        """Jobs of ``pipeline`` given ``given`` come soon (a batch's inputs settle): start what
+        they will need ahead, if the executor can (never raises; most do nothing)."""
+
     def submit(self, submissions: Sequence[Submission]) -> list[Handover]:
         """Start these jobs (or find them already started): what became of each, in order."""
 

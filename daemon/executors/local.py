@@ -112,6 +112,15 @@ class LocalExecutor:
         """A job's end wakes the loop at once: the next job starts without waiting a tick."""
         self._exits = ExitWatch(wake)
 
+    def expect(self, pipeline: Pipeline, given: Resources) -> None:
+        """Start the warm starts of ``pipeline``'s coming jobs now, so that even the first job
+        of a burst finds one ready (none for a pipeline not warmed)."""
+        self.spares.top_up(pipeline.module, self._job_env({}, given.cpus))
+
+    def _job_env(self, extra: Mapping[str, str], cpus: int) -> dict[str, str]:
+        """A job's environment (its GPUs aside): the executor's, the submission's, its CPUs."""
+        return {**self.env, **extra, "OMP_NUM_THREADS": str(cpus)}
+
     def _watch(self, handle: str) -> str:
         if self._exits is not None:
             self._exits.watch(_pid(handle))
@@ -131,7 +140,7 @@ class LocalExecutor:
         supervisor = [self.python, "-m", LAUNCHER, str(sub.job_dir), str(limit), str(stall), "--"]
         job = [self.python, "-m", sub.module, str(sub.job_dir)]
         command = [*supervisor, *job]
-        env = {**self.env, **sub.env, "OMP_NUM_THREADS": str(sub.cpus)}
+        env = self._job_env(sub.env, sub.cpus)
         gpus: tuple[int, ...] = ()
         if self.seats is not None:  # each job its own GPUs
             found = self.seats.free(sub.gpus * sub.tasks)

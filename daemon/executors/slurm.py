@@ -118,6 +118,9 @@ class SlurmExecutor:
     def wake_on_end(self, wake: Callable[[], None]) -> None:
         """Nothing: ends are learnt from the status query, at most one per ``poll_seconds``."""
 
+    def expect(self, pipeline: Pipeline, given: Resources) -> None:
+        """Nothing: a job's process starts on a node Slurm picks, when it picks it."""
+
     # -- submitting --------------------------------------------------------------------------
 
     def submit(self, submissions: Sequence[Submission]) -> list[Handover]:

@@ -22,6 +22,7 @@ from daemon.core.owners import Accounts
 from daemon.core.planner import (
     Action,
     Cancel,
+    Expect,
     HoldBatch,
     MoveBatch,
     MoveJob,
@@ -117,6 +118,8 @@ class Actor:
             self.touched(action.batch_id)
         elif isinstance(action, Submit):
             self._submit(action.job_ids, now)
+        elif isinstance(action, Expect):
+            self.dispatch.expect(action.pipeline, action.request)
         elif isinstance(action, Cancel):
             self._cancel(action, now)
         elif isinstance(action, Preempt):
@@ -280,11 +283,11 @@ def _failed_batch(action: Action, store: Store) -> int | None:
 
 def _transactions(actions: Iterable[Action]) -> list[list[Action]]:
     """Consecutive store-only actions of the same batch form one group; an action that also
-    talks to the executor (submit, cancel) is a group of its own."""
+    talks to the executor (submit, cancel, expect) is a group of its own."""
     groups: list[list[Action]] = []
     key: int | None = None
     for action in actions:
-        talks = isinstance(action, (Submit, Cancel, Preempt))
+        talks = isinstance(action, (Submit, Cancel, Preempt, Expect))
         batch_id = None if talks else _batch_of(action)
         if batch_id is not None and groups and batch_id == key:
             groups[-1].append(action)

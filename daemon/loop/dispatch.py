@@ -42,7 +42,7 @@ from daemon.contract.jobspec import (
     Pipeline,
 )
 from daemon.core.jobplan import job_spec
-from daemon.core.manifest import Manifest
+from daemon.core.manifest import Manifest, ResourceRequest
 from daemon.core.owners import Accounts, Terms
 from daemon.core.planner import JobSeen
 from daemon.core.records import Batch, Job
@@ -163,6 +163,11 @@ class Dispatcher:
         batch = self.store.batch(job.batch_id)
         work = spool.work_dir(self.spool, batch.id, batch.run_dir)
         return batch, jobspec.job_dir(work, job.name)
+
+    def expect(self, pipeline: Pipeline, request: ResourceRequest) -> None:
+        """Tell the executor that jobs of ``pipeline`` come soon, given what they will get for
+        ``request`` (:class:`daemon.core.planner.Expect`)."""
+        self.executor.expect(pipeline, self.executor.allocation(pipeline, request))
 
     def submit(self, work: Sequence[tuple[Job, Batch, Manifest]], now: float) -> Outcome:
         """Write each job's spec and hand the jobs to the executor in one call."""

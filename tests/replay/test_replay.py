@@ -17,10 +17,13 @@ import structlog
 from PIL import Image
 from replay import Replay, at, copy_slowly, write_atomically, write_in_halves, write_now
 
+from daemon.contract.jobspec import job_dir
+from daemon.contract.spool import work_dir
 from daemon.core.manifest import STATUS_NAME
 from daemon.core.manifest_schema import Kind
 from daemon.core.records import Batch
 from daemon.core.states import BatchState, JobState
+from daemon.executors.local import LAUNCH_FILE
 from daemon.site.config import Config
 from daemon.store import Store
 
@@ -213,6 +216,23 @@ def test_the_same_folder_dropped_twice_is_one_batch(
     store.close()
     assert any(e["event"] == "manifest unchanged" for e in logged)
     assert "State:     DONE" in status_text(folder)
+
+
+def test_the_first_job_of_a_batch_is_forked_from_a_warm_start_made_while_its_inputs_settle(
+    config_for: Callable[..., Config], staged: Callable[..., Path], drop_root: Path
+) -> None:
+    """With the default settle period (5 s), the daemon tells the executor that an inference
+    job comes as soon as the inputs are all there; its warm start imports meanwhile, and the
+    batch's first job (here its only shard) is forked from it."""
+    config = config_for(intake={"settle_seconds": 5.0})
+    with structlog.testing.capture_logs() as logged, Replay(config) as replay:
+        replay.run(copy_slowly(staged(), drop_root / "settling", 0.0, 0.01))
+    batch = only_batch(config)
+    assert batch.state is BatchState.DONE
+    work = work_dir(config.daemon.spool_dir, batch.id, batch.run_dir)
+    launch = json.loads((job_dir(work, f"b{batch.id:06d}-infer-0000") / LAUNCH_FILE).read_text())
+    assert launch["warm"] is True, [e for e in logged if e.get("batch_id") == batch.id]
+    assert_outputs_complete(batch, images=6)
 
 
 def test_a_manifest_edited_after_acceptance_becomes_a_new_revision(
