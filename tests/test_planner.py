@@ -192,6 +192,30 @@ def test_a_batch_whose_inputs_settle_has_its_first_jobs_expected_by_the_executor
     assert plan(replace(snap(view), held_elsewhere=frozenset({"/r"}))) == []
 
 
+def test_while_a_stages_jobs_run_the_job_after_them_is_expected_but_none_after_the_report() -> None:
+    """The report is expected while the shards run, a sweep's comparison while its trials
+    do; nothing once the report runs, while no job runs, or where jobs would not go out."""
+    m, sweep = manifest(), manifest("sweep")
+    running = batch(1, BatchState.RUNNING)
+    shards = BatchView(running, m, (job(1, JobState.RUNNING),))
+    trial = job(2, JobState.RUNNING, batch_id=2, pipeline=Pipeline.TRAIN)
+    trials = BatchView(batch(2, BatchState.RUNNING, Kind.SWEEP), sweep, (trial,))
+    expected = [a for a in plan(snap(shards, trials)) if isinstance(a, Expect)]
+    assert expected == [
+        Expect(1, Pipeline.REPORT, m.resources),
+        Expect(2, Pipeline.SWEEP, sweep.resources),
+    ]
+    report = job(2, JobState.RUNNING, pipeline=Pipeline.REPORT)
+    views = [
+        BatchView(running, m, (job(1, JobState.SUCCEEDED), report)),
+        BatchView(running, m, (job(1, JobState.PENDING, attempts=0),)),
+    ]
+    snaps = [snap(view, free=0) for view in views]
+    snaps.append(replace(snap(shards), paused_roots=frozenset({"/r"})))
+    for each in snaps:
+        assert not [a for a in plan(each) if isinstance(a, Expect)]
+
+
 def test_inputs_that_cannot_become_ready_fail_the_batch_with_the_problems() -> None:
     problem = Problem("manifest.toml, files[0]", "'a' is missing", "not copied yet?")
     actions = plan(
@@ -231,6 +255,7 @@ def test_a_queued_batch_runs_once_the_executor_took_one_of_its_jobs() -> None:
     )
     assert plan(snap(held, taken)) == [
         MoveBatch(2, BatchState.RUNNING, "jobs submitted"),
+        Expect(2, Pipeline.REPORT, taken.manifest.resources),  # its shards under way
         Submit((1, 3)),
     ]
 
@@ -395,7 +420,10 @@ def test_a_running_job_is_marked_started_once() -> None:
         (job(1, JobState.SUBMITTED), job(2, JobState.RUNNING)),
     )
     seen = [JobSeen(1, Phase.RUNNING), JobSeen(2, Phase.RUNNING)]
-    assert plan(snap(view, seen=seen)) == [MoveJob(1, JobState.RUNNING, "started", batch_id=1)]
+    assert plan(snap(view, seen=seen)) == [
+        MoveJob(1, JobState.RUNNING, "started", batch_id=1),
+        Expect(1, Pipeline.REPORT, view.manifest.resources),
+    ]
 
 
 def test_a_shard_carries_its_images_and_their_true_masks_and_counts_the_images() -> None:

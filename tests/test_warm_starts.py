@@ -289,24 +289,26 @@ def test_no_spare_is_started_where_warm_starts_is_0_or_for_modules_not_warmed(
         other.close()
 
 
-def test_a_batch_expected_has_the_warm_start_of_its_first_job_ready_before_it_comes(
-    tmp_path: Path,
+@pytest.mark.parametrize(("pipeline", "cpus"), [(Pipeline.INFER, 2), (Pipeline.REPORT, 1)])
+def test_an_expected_job_finds_its_warm_start_ready_when_it_comes(
+    tmp_path: Path, pipeline: Pipeline, cpus: int
 ) -> None:
-    """Told that inference jobs of 2 CPUs come (a batch's inputs settle), the executor starts
-    one spare for them, however often told, in their environment; the first such job is
-    forked from it. Nothing is started for a pipeline not warmed (training)."""
+    """Told that jobs of a warmed pipeline come (a batch's inputs settle: its shards; its
+    shards run: its report), the executor starts one spare for them, however often told, in
+    their environment; the first such job is forked from it. Nothing is started for a
+    pipeline not warmed (training)."""
     executor = LocalExecutor(max_parallel=1, env=dict(os.environ))
     try:
-        executor.expect(Pipeline.TRAIN, Resources(cpus=2))
+        executor.expect(Pipeline.TRAIN, Resources(cpus=cpus))
         assert executor.spares.waiting() == []
         for _ in range(3):
-            executor.expect(Pipeline.INFER, Resources(cpus=2))
+            executor.expect(pipeline, Resources(cpus=cpus))
         (spare,) = executor.spares.waiting()
-        assert spare.module == Pipeline.INFER.module and spare.env["OMP_NUM_THREADS"] == "2"
+        assert spare.module == pipeline.module and spare.env["OMP_NUM_THREADS"] == str(cpus)
         ready(spare, 120)
         job_dir = tmp_path / "first"
         job_dir.mkdir()
-        sub = Submission(1, job_dir.name, Pipeline.INFER.module, job_dir, cpus=2)
+        sub = Submission(1, job_dir.name, pipeline.module, job_dir, cpus=cpus)
         (accepted,) = executor.submit([sub])
         assert isinstance(accepted, Accepted) and accepted.handle == spare.handle
         until_ended(executor, accepted.handle)  # no spec in its folder: it fails, saying so

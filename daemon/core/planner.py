@@ -316,9 +316,9 @@ def _cancel_jobs(jobs: Iterable[Job], reason: str) -> list[Action]:
 
 def _plan_batch(view: BatchView, snapshot: Snapshot) -> tuple[list[Action], list[Job]]:
     batch = view.batch
+    going = snapshot.submitting and batch.root not in (
+        snapshot.paused_roots | snapshot.held_elsewhere)  # fmt: skip
     if batch.state is BatchState.WAITING:
-        going = snapshot.submitting and batch.root not in (
-            snapshot.paused_roots | snapshot.held_elsewhere)  # fmt: skip
         return _plan_waiting(view, snapshot.policy, going), []
     actions: list[Action] = []
     if batch.state is BatchState.QUEUED and any(j.state.live for j in view.jobs):
@@ -338,6 +338,8 @@ def _plan_batch(view: BatchView, snapshot: Snapshot) -> tuple[list[Action], list
         actions.append(failure(batch.id))
         return actions, []
     actions += _next_stage(view, jobs, snapshot.policy)
+    if going:
+        actions += _expect_next_stage(view, jobs)
     # A job goes out once every job of the earlier stages succeeded (after a requeue, the
     # report waits for the shards again).
     open_stage = min((j.stage for j in jobs if j.state is not JobState.SUCCEEDED), default=0)
@@ -413,6 +415,18 @@ def _next_stage(view: BatchView, jobs: Sequence[Job], policy: Policy) -> list[Ac
     if Pipeline.REPORT in {j.pipeline for j in jobs}:
         return [MoveBatch(batch.id, BatchState.DONE, "all jobs succeeded")]
     return [PlanJobs(batch.id, (next_stage_job(batch, view.manifest, jobs, policy.executor),))]
+
+
+def _expect_next_stage(view: BatchView, jobs: Sequence[Job]) -> list[Action]:
+    """While jobs of a batch run, the job of the stage after them (its report, a slide's
+    assembly, a sweep's comparison) is expected: its process may be started ahead and be
+    ready when they end. None after the report, the last stage."""
+    if view.manifest is None or not any(j.state.live for j in jobs):
+        return []
+    if any(j.pipeline is Pipeline.REPORT for j in jobs):
+        return []
+    coming = next_stage_job(view.batch, view.manifest, jobs, "").pipeline
+    return [Expect(view.batch.id, coming, view.manifest.resources)]
 
 
 # -- jobs ---------------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ class LocalExecutor:
         python: str = "",
         env: Mapping[str, str] | None = None,
         limits: LocalExecutorSection | None = None,
-        warm: Sequence[str] = (Pipeline.INFER.module,),
+        warm: Sequence[str] = (Pipeline.INFER.module, Pipeline.REPORT.module),
     ) -> None:
         """``limits``: the site's [executor.local] (threads, GPUs and tasks jobs get and may ask
         for); its defaults where not given. ``warm``: the job modules whose jobs start from

@@ -2,12 +2,15 @@
 
 Every inference job's process imports torch before its first image reaches the net: 1–2 s of
 each job's start, on the job's critical path, paid again by every shard. The local executor
-keeps ``executor.local.warm_starts`` *spares* per job module it warms (the inference job's):
-``python -m daemon.executors.local_job --spare MODULE`` (see there), started when a batch whose
-first jobs are of that module settles (:meth:`daemon.executors.local.LocalExecutor.expect`:
-they import during the settle period) and after a job of that module is handed over (they
-import while that job runs). The next job of the module goes to a spare (:meth:`Spares.take`, then :func:`hand_over`): the spare becomes its
-launcher, its handle is the spare's, and the job is forked from it, torch already imported.
+keeps ``executor.local.warm_starts`` *spares* per job module it warms (the inference job's,
+and the report's, whose imports take ~0.9 s before the last step of every batch):
+``python -m daemon.executors.local_job --spare MODULE`` (see there), started when the planner
+expects a job of that module (:class:`daemon.core.planner.Expect`, passed on by
+:meth:`daemon.executors.local.LocalExecutor.expect`: a batch's first jobs while its inputs
+settle, the next stage's job while the stage before runs) and after a job of that module is
+handed over (they import while that job runs). The next job of the module goes to a spare
+(:meth:`Spares.take`, then :func:`hand_over`): the spare becomes its launcher, its handle is
+the spare's, and the job is forked from it, its imports already done.
 
 A spare serves a job only once it said its imports are done (:data:`READY`: a job handed to
 one still importing would wait for it, without its time limit, where a cold start overlaps
