@@ -212,6 +212,7 @@ def test_while_a_stages_jobs_run_the_job_after_them_is_expected_but_none_after_t
     ]
     snaps = [snap(view, free=0) for view in views]
     snaps.append(replace(snap(shards), paused_roots=frozenset({"/r"})))
+    snaps.append(snap(shards, intents=[root_intent(5, IntentAction.PAUSE)]))  # paused this tick
     for each in snaps:
         assert not [a for a in plan(each) if isinstance(a, Expect)]
 

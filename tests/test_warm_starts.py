@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import structlog
 
 from daemon.contract.jobspec import Pipeline, Resources
 from daemon.core.states import Phase
@@ -316,6 +317,28 @@ def test_an_expected_job_finds_its_warm_start_ready_when_it_comes(
         executor.close()
     assert json.loads((job_dir / LAUNCH_FILE).read_text())["warm"] is True
     assert "spec.json" in (job_dir / "log.txt").read_text()
+
+
+def test_a_spare_that_ends_before_it_is_ready_pauses_the_start_of_others_and_says_so() -> None:
+    """A launcher that cannot serve (here an interpreter that exits at once, as a wrapper in
+    ``executor.local.python`` might): a warning, and no other spare of its kind started at
+    each look for a while (the jobs start cold); not one per tick."""
+    executor = LocalExecutor(max_parallel=1, python="/bin/false")
+    try:
+        executor.expect(Pipeline.INFER, Resources(cpus=1))
+        (spare,) = executor.spares.waiting()
+        zombie(spare.pid)
+        with structlog.testing.capture_logs() as logged:
+            for _ in range(5):  # five ticks
+                executor.spares.tend()
+                executor.expect(Pipeline.INFER, Resources(cpus=1))
+        assert executor.spares.waiting() == []
+    finally:
+        executor.close()
+    (said,) = [e for e in logged if e["event"].startswith("warm start ended before")]
+    assert (
+        said["module"] == Pipeline.INFER.module and said["next_in_s"] == spares.FAILED_PAUSE_SECONDS
+    )
 
 
 @pytest.mark.parametrize("pidfds", [True, False])

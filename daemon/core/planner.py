@@ -114,9 +114,10 @@ class Submit:
 
 @dataclass(frozen=True)
 class Expect:
-    """A waiting batch's inputs are all there and settle: its first jobs, of ``pipeline``
-    with what its manifest asks for, go out in a few seconds. The executor may start their
-    processes ahead (the local one: a warm start, :mod:`daemon.executors.spares`)."""
+    """A job of ``pipeline``, with what the batch's manifest asks for, goes out soon: a
+    waiting batch's first jobs once its inputs are all there and settle, the next stage's job
+    while the jobs before it run. The executor may start its process ahead (the local one: a
+    warm start, :mod:`daemon.executors.spares`)."""
 
     batch_id: int
     pipeline: Pipeline
@@ -210,17 +211,18 @@ def plan(snapshot: Snapshot) -> list[Action]:
         actions += _apply_intent(intent, view)
         handled.add(intent.batch_id)
     pending: list[Job] = []
+    stopped = paused | snapshot.held_elsewhere  # as this tick's intents left them
     for view in snapshot.batches:
         if view.batch.id in handled:
             continue
         if view.batch.state.terminal:
             actions += _revive(view)
             continue
-        batch_actions, ready_to_submit = _plan_batch(view, snapshot)
+        going = snapshot.submitting and view.batch.root not in stopped
+        batch_actions, ready_to_submit = _plan_batch(view, snapshot, going)
         actions += batch_actions
         pending += ready_to_submit
     if snapshot.submitting:
-        stopped = paused | snapshot.held_elsewhere
         free = [j for j in pending if views[j.batch_id].batch.root not in stopped]
         # a batch or stage planned now has no pending job yet: its slot waits one round for
         # it, so that it takes its turn with the others instead of losing it to them
@@ -314,10 +316,10 @@ def _cancel_jobs(jobs: Iterable[Job], reason: str) -> list[Action]:
 # -- one batch ----------------------------------------------------------------------------------
 
 
-def _plan_batch(view: BatchView, snapshot: Snapshot) -> tuple[list[Action], list[Job]]:
+def _plan_batch(view: BatchView, snapshot: Snapshot, going: bool) -> tuple[list[Action], list[Job]]:
+    """One batch's actions and its jobs ready to go out; ``going``: its jobs may go out now
+    (its root neither paused nor held elsewhere, the daemon not stopping)."""
     batch = view.batch
-    going = snapshot.submitting and batch.root not in (
-        snapshot.paused_roots | snapshot.held_elsewhere)  # fmt: skip
     if batch.state is BatchState.WAITING:
         return _plan_waiting(view, snapshot.policy, going), []
     actions: list[Action] = []
@@ -338,8 +340,6 @@ def _plan_batch(view: BatchView, snapshot: Snapshot) -> tuple[list[Action], list
         actions.append(failure(batch.id))
         return actions, []
     actions += _next_stage(view, jobs, snapshot.policy)
-    if going:
-        actions += _expect_next_stage(view, jobs)
     # A job goes out once every job of the earlier stages succeeded (after a requeue, the
     # report waits for the shards again).
     open_stage = min((j.stage for j in jobs if j.state is not JobState.SUCCEEDED), default=0)
@@ -347,6 +347,8 @@ def _plan_batch(view: BatchView, snapshot: Snapshot) -> tuple[list[Action], list
     held = _quota_hold(view, jobs, snapshot)
     if held != batch.hold:
         actions.append(HoldBatch(batch.id, held))
+    if going:  # last: it talks to the executor, after the batch's store-only actions
+        actions += _expect_next_stage(view, jobs)
     return actions, [] if held else pending
 
 

@@ -118,8 +118,9 @@ class Executor(Protocol):
         at once instead of at its next tick; an executor that cannot tell does nothing."""
 
     def expect(self, pipeline: Pipeline, given: Resources) -> None:
-        """Jobs of ``pipeline`` given ``given`` come soon (a batch's inputs settle): start what
-        they will need ahead, if the executor can (never raises; most do nothing)."""
+        """A job of ``pipeline`` given ``given`` comes soon (a batch's inputs settle, or the
+        stage before it runs: :class:`daemon.core.planner.Expect`): start what it will need
+        ahead, if the executor can (Slurm: nothing)."""
 
     def submit(self, submissions: Sequence[Submission]) -> list[Handover]:
         """Start these jobs (or find them already started): what became of each, in order."""

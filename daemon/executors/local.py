@@ -5,10 +5,11 @@ Each job runs in its own session, so it outlives a daemon that is stopped or kil
 ``launch.json`` in the job directory lets a restarted daemon find a job it started before. The
 process started is :mod:`daemon.executors.local_job`, which runs the job as its child and ends
 it when it runs past its time limit or makes no progress for ``stall_minutes`` (limits it keeps
-while the daemon is away); the job's exit status is its own. An inference job is handed to such
-a launcher started ahead, its imports done, where one waits (``warm_starts``,
-:mod:`daemon.executors.spares`); ``launch.json`` says so (``"warm": true``), and names it before
-the job is handed over.
+while the daemon is away); the job's exit status is its own. An inference or report job is
+handed to such a launcher started ahead, its imports done, where one waits (``warm_starts``,
+:mod:`daemon.executors.spares`: started behind an inference job, and where the planner expects
+a job, :meth:`LocalExecutor.expect`); ``launch.json`` says so (``"warm": true``), and names it
+before the job is handed over.
 
 The job's folder is in the spool (:mod:`daemon.contract.spool`, the service's own): its log is
 opened there by the daemon and handed to the child.
@@ -163,7 +164,8 @@ class LocalExecutor:
         except OSError as exc:
             reason = f"cannot start {sub.name}: {exc}"
             return Deferred(reason) if exc.errno in PASSING else Refused(reason)
-        self.spares.top_up(sub.module, env)  # importing while this job runs
+        if sub.module != Pipeline.REPORT.module:  # a batch's last: the planner expects the next
+            self.spares.top_up(sub.module, env)  # importing while this job runs
         return Accepted(self._watch(handle))
 
     def _warm_start(

@@ -30,15 +30,24 @@ import json
 import os
 import signal
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from daemon.executors.local_job import READY, SPARE
+import structlog
+
+from daemon.executors.local_job import READY, SPARE, SPARE_IDLE_SECONDS
 from daemon.site.subprocesses import exited, process_start_ticks, reap, spawn
 
 LAUNCHER = "daemon.executors.local_job"
 END_GRACE_SECONDS = 5.0  # a spare told to end and still there then is killed
 PER_JOB_ENV = ("CUDA_VISIBLE_DEVICES",)  # set for each job at its fork, not at the spare's start
+# A spare that ended before it said ready (a wrapper in executor.local.python that cannot
+# serve, a broken environment): no other of its kind for this long, doubled at each such end
+# up to SPARE_IDLE_SECONDS, rather than one started at every look (the jobs start cold).
+FAILED_PAUSE_SECONDS = 60.0
+
+log = structlog.get_logger("watchd")
 
 
 @dataclass
@@ -83,6 +92,9 @@ class Spares:
     def __init__(self, python: str, count: int, modules: Sequence[str]) -> None:
         self.python, self.count, self.modules = python, count, frozenset(modules)
         self._waiting: list[Spare] = []
+        # by module and environment: spares that ended unready in a row, and until when none
+        # of the kind is started
+        self._failing: dict[tuple[str, frozenset[tuple[str, str]]], tuple[int, float]] = {}
 
     def take(self, module: str, env: Mapping[str, str]) -> Spare | None:
         """The longest-waiting live spare of ``module`` started in the job's ``env`` whose
@@ -95,6 +107,7 @@ class Spares:
         for spare in self._waiting:
             if spare.module == module and spare.env == wanted and spare.says_ready():
                 self._waiting.remove(spare)
+                self._failing.pop(_kind(spare.module, spare.env), None)
                 return spare
         return None
 
@@ -104,6 +117,9 @@ class Spares:
         if module not in self.modules:
             return
         wanted = spare_env(env)
+        failing = self._failing.get(_kind(module, wanted))
+        if failing is not None and time.monotonic() < failing[1]:
+            return
         waiting = sum(1 for s in self._waiting if s.module == module and s.env == wanted)
         for _ in range(self.count - waiting):
             try:
@@ -126,11 +142,22 @@ class Spares:
         return Spare(pid, process_start_ticks(pid) or 0, module, env, ours)
 
     def tend(self) -> None:
-        """Forget the spares that ended (waited too long, or failed), reaping them."""
+        """Forget the spares that ended (waited too long, or failed), reaping them; one that
+        ended before it said ready pauses the start of others of its kind."""
         for spare in list(self._waiting):
             if not spare.alive():
                 self._waiting.remove(spare)
+                if not spare.says_ready():
+                    self._ended_unready(spare)
                 spare.channel.close()
+
+    def _ended_unready(self, spare: Spare) -> None:
+        kind = _kind(spare.module, spare.env)
+        times = self._failing.get(kind, (0, 0.0))[0] + 1
+        pause = min(FAILED_PAUSE_SECONDS * 2 ** (times - 1), SPARE_IDLE_SECONDS)
+        self._failing[kind] = (times, time.monotonic() + pause)
+        log.warning("warm start ended before its imports were done; its jobs start cold",
+                    module=spare.module, pid=spare.pid, times=times, next_in_s=pause)  # fmt: skip
 
     def waiting(self) -> list[Spare]:
         return list(self._waiting)
@@ -140,6 +167,10 @@ class Spares:
         for spare in self._waiting:
             end(spare)
         self._waiting.clear()
+
+
+def _kind(module: str, env: Mapping[str, str]) -> tuple[str, frozenset[tuple[str, str]]]:
+    return module, frozenset(env.items())
 
 
 def end(spare: Spare) -> None:

@@ -166,8 +166,15 @@ class Dispatcher:
 
     def expect(self, pipeline: Pipeline, request: ResourceRequest) -> None:
         """Tell the executor that jobs of ``pipeline`` come soon, given what they will get for
-        ``request`` (:class:`daemon.core.planner.Expect`)."""
-        self.executor.expect(pipeline, self.executor.allocation(pipeline, request))
+        ``request`` (:class:`daemon.core.planner.Expect`). A hint: what goes wrong is said
+        once, and the jobs start cold; nothing fails."""
+        event = "jobs cannot be started ahead; they start cold"
+        try:
+            self.executor.expect(pipeline, self.executor.allocation(pipeline, request))
+        except Exception as exc:  # a bug here must cost a warm start, not a tick of the loop
+            self._warn(event, str(exc), pipeline=pipeline.value)
+            return
+        self._said.pop(event, None)
 
     def submit(self, work: Sequence[tuple[Job, Batch, Manifest]], now: float) -> Outcome:
         """Write each job's spec and hand the jobs to the executor in one call."""

@@ -223,7 +223,7 @@ def test_the_first_job_of_a_batch_is_forked_from_a_warm_start_made_while_its_inp
 ) -> None:
     """With the default settle period (5 s), the daemon tells the executor that an inference
     job comes as soon as the inputs are all there; its warm start imports meanwhile, and the
-    batch's first job (here its only shard) is forked from it."""
+    batch's first job (the first of its two shards) is forked from it."""
     config = config_for(intake={"settle_seconds": 5.0})
     with structlog.testing.capture_logs() as logged, Replay(config) as replay:
         replay.run(copy_slowly(staged(), drop_root / "settling", 0.0, 0.01))
