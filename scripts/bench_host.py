@@ -149,7 +149,9 @@ def _job_folder(
     job_dir, text = spec_for(code, spec)
     job_dir.mkdir(parents=True)
     (job_dir / SPEC_FILE).write_text(text, encoding="utf-8")
-    env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": str(cpus),
+    # the code first, then the caller's path (a GPU node's packages come from a folder on it)
+    path = os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(cpus),
            "WANDB_MODE": "disabled"}  # fmt: skip
     return job_dir, env, ["taskset", "-c", ",".join(map(str, cores)), sys.executable]
 
