@@ -119,11 +119,20 @@ def _truth(scores: Mapping[str, Any] | None, rows: Sequence[Mapping[str, str]]) 
             "rows": worst_first(rows, QUALITY_COLUMNS), "total": len(rows)}  # fmt: skip
 
 
+def _counts(check: Mapping[str, Any]) -> str:
+    """How one precision check's object counts compared (a job of an older code said only
+    whether every image's was the same)."""
+    if check["counts_equal"]:
+        return "same object counts"
+    if "counted_alike" in check:
+        return f"same object counts in {check['counted_alike']} of {check['images']} images"
+    return "other object counts"
+
+
 def _checked(job: Mapping[str, Any]) -> str:
     """One job's precision checks, in a line: which were tried, how they agreed, what stayed."""
     tried = [
-        f"{c['precision']} {c['agreement']:.5f} of pixels, "
-        f"{'same' if c['counts_equal'] else 'other'} object counts "
+        f"{c['precision']} {c['agreement']:.5f} of pixels, {_counts(c)} "
         f"({'kept' if c['kept'] else 'not kept'})"
         for c in job["checks"]
     ]

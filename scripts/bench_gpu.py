@@ -251,7 +251,10 @@ def decided(batch_dir: Path) -> str:
     for found in sorted(batch_dir.glob("results/*/summary.json")):
         for job in json.loads(found.read_text())["inference"].get("precision_checks", []):
             tried = ", ".join(f"{c['precision']} {c['agreement']:.5f}"
-                              f"{'' if c['counts_equal'] else ' (other counts)'}"
+                              + ("" if c["counts_equal"] else
+                                 f" (counts alike in {c.get('counted_alike', '?')} of "
+                                 f"{c['images']})")
+                              + ("" if c["kept"] else ", not kept")
                               for c in job["checks"])  # fmt: skip
             said.add(
                 f"{job['precision']} on {job['device']}" + (f" (tried: {tried})" if tried else "")
@@ -336,6 +339,9 @@ def main() -> int:
     parser.add_argument("--big", type=int, default=512, help="images of --big-size²")
     parser.add_argument("--big-size", type=int, default=1024)
     parser.add_argument("--slide", type=int, default=12288)
+    parser.add_argument("--steady", type=int, default=0,
+                        help="also a batch of this many 256² images (no target): the rate once "
+                             "start-up is spread over tens of thousands")  # fmt: skip
     parser.add_argument("--train-steps", type=int, default=300)
     parser.add_argument("--jobs-per-gpu", type=int, default=2)
     parser.add_argument("--cpus-per-job", type=int, default=7)
@@ -372,6 +378,9 @@ def main() -> int:
     small, big = work / "small", work / "big"  # written by forked processes, before CUDA
     files = make_batch(small, args.images, 256)
     big_files = make_batch(big, args.big, args.big_size)
+    steady = work / "steady"
+    if args.steady:
+        make_batch(steady, args.steady, 256)
     net = train(device, 128 if args.quick else 256, args.train_steps)
     registry.register(work / "registry", MODEL, net.state_dict(),
                       {"architecture": net.architecture()})  # fmt: skip
@@ -391,19 +400,21 @@ def main() -> int:
     for label, template, count, fp16, target in (
         (f"{args.images:,} × 256²", small, args.images, limit["fp16"], 0.5),
         (f"{args.big:,} × {args.big_size}²", big, args.big, limit_big["fp16"], 0.6),
+        (f"{args.steady:,} × 256²", steady, args.steady, limit["fp16"], None),
     ):
-        if template.name in args.skip:
+        if template.name in args.skip or not count:
             continue
         rate, precision = through_daemon(f"new-{template.name}", REPO, work, template, count,
                                          local, args.batch_timeout)  # fmt: skip
         if rate is None:
             table.add(f"{label}, queued → done (new)", f"not done in {args.batch_timeout:.0f} s",
-                      f"≥ {target}", False)  # fmt: skip
+                      "" if target is None else f"≥ {target}", False)  # fmt: skip
         else:
             share = rate / fp16
             said = f"{rate:,.1f} images/s = {share:.3f} of the fp16 limit"
-            table.add(f"{label}, queued → done (new)", said, f"≥ {target}",
-                      share >= target if gpu else None)  # fmt: skip
+            table.add(f"{label}, queued → done (new)", said,
+                      "" if target is None else f"≥ {target}",
+                      share >= target if gpu and target is not None else None)  # fmt: skip
         table.add(f"{label}: precision decided", precision)
     if args.old is not None and "old" not in args.skip:
         old_local = {"max_parallel": 4, "cpus_per_job": 1, "max_gpus": 1, "inference_gpus": 1}

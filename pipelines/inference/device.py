@@ -269,6 +269,8 @@ class DeviceStage:
         self.compile_checks.append({"shape": size, "seconds": round(built, 1),
                                     "agreement": round(verdict.agreement, 6),
                                     "counts_equal": verdict.counts_equal,
+                                    "counted_alike": verdict.counted_alike,
+                                    "images": verdict.images,
                                     "kept": verdict.accepted})  # fmt: skip
         return run if verdict.accepted else None
 
@@ -298,7 +300,8 @@ class DeviceStage:
     def summary(self) -> dict[str, Any]:
         """The precision decision, for the job's result and the report."""
         checks = [{"precision": v.precision, "agreement": round(v.agreement, 6),
-                   "counts_equal": v.counts_equal, "images": v.images, "kept": v.accepted}
+                   "counts_equal": v.counts_equal, "counted_alike": v.counted_alike,
+                   "images": v.images, "kept": v.accepted}
                   for v in self.verdicts]  # fmt: skip
         return {
             "device": self.where.device,

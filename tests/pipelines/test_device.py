@@ -20,6 +20,7 @@ from pipelines.inference.masks import Rules
 from pipelines.inference.placement import (
     AGREEMENT,
     BFLOAT,
+    COUNT_AGREEMENT,
     FULL,
     HALF,
     TF32,
@@ -113,11 +114,29 @@ def test_a_faster_precision_is_kept_when_its_masks_agree_within_the_tolerance() 
     assert worse.agreement < AGREEMENT and not worse.accepted
     new_object = precision_verdict(TF32, full, _masks(3, 0, blob=True), count)
     assert new_object.agreement > AGREEMENT and not new_object.counts_equal
-    assert not new_object.accepted and "other object counts: not kept" in new_object.said()
+    assert new_object.counted_alike == 1 and not new_object.accepted
+    assert "as many objects in 1 of 2 images (need 0.99): not kept" in new_object.said()
     assert decided([worse, new_object, close]) == HALF
     assert decided([worse, new_object]) == decided([]) == FULL
     with pytest.raises(ValueError, match="1 masks in full precision against 2"):
         precision_verdict(HALF, full[:1], full, count)
+
+
+def test_one_image_in_a_hundred_may_count_a_speck_more_in_a_faster_precision() -> None:
+    """A lone pixel flipped into a new object in one image of 100 is within the tolerance
+    (COUNT_AGREEMENT); in two of them, or in one of 99, it is not."""
+    count = lambda mask: int(components(mask, 0).max())  # noqa: E731
+    full = [_masks(0, 0)[1] for _ in range(100)]
+    specked = _masks(0, 0, blob=True)[0]
+
+    def with_specks(images: int, specks: int) -> list[np.ndarray]:
+        return [specked if i < specks else full[0] for i in range(images)]
+
+    one = precision_verdict(HALF, full, with_specks(100, 1), count)
+    assert (one.counted_alike, one.count_agreement, one.accepted) == (99, COUNT_AGREEMENT, True)
+    assert not one.counts_equal and "as many objects in 99 of 100 images" in one.said()
+    assert not precision_verdict(HALF, full, with_specks(100, 2), count).accepted
+    assert not precision_verdict(HALF, full[:99], with_specks(99, 1), count).accepted
 
 
 @pytest.fixture(scope="module")
