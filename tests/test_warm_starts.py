@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import structlog
 
 from daemon.contract.jobspec import Pipeline, Resources
 from daemon.core.states import Phase
-from daemon.executors import Accepted, Status, Submission, spares
+from daemon.executors import Accepted, Deferred, Status, Submission, spares
 from daemon.executors.local import LAUNCH_FILE, LocalExecutor
 from daemon.executors.local_job import TIMED_OUT, Forked
 from daemon.site.config import LocalExecutorSection
@@ -134,6 +135,79 @@ def test_a_job_in_another_environment_starts_cold_and_gets_a_spare_of_its_own(
     finally:
         executor.close()
     assert (tmp_path / "two" / "log.txt").read_text().split()[-1] == "False"  # cold
+
+
+def slow_job(lib: Path, seconds: float) -> str:
+    """A job module whose spare takes ``seconds`` over its imports."""
+    (lib / "slowdep.py").write_text(f"import time\ntime.sleep({seconds})\n")
+    (lib / "slowjob.py").write_text(JOB.replace('("decimal",)', '("slowdep",)'))
+    return "slowjob"
+
+
+def test_a_job_whose_spare_is_still_importing_waits_for_it_and_its_word_wakes_the_loop(
+    lib: Path, tmp_path: Path
+) -> None:
+    """The spare started behind a job is ahead of any cold start: the next job is deferred
+    (quietly) until it says its imports are done, which wakes the daemon's loop, and is then
+    forked from it. One job waits per spare: a second one in the same submission starts cold."""
+    module = slow_job(lib, 1.5)
+    environ = {**os.environ, "PYTHONPATH": f"{lib}:{os.environ.get('PYTHONPATH', '')}",
+               "SLEEP": "4"}  # fmt: skip
+    executor = LocalExecutor(max_parallel=3, env=environ, warm=(module,),
+                             limits=LocalExecutorSection(warm_starts=1))  # fmt: skip
+    woken = threading.Event()
+    executor.wake_on_end(woken.set)
+    dirs = [tmp_path / name for name in ("one", "two", "three")]
+    for job_dir in dirs:
+        job_dir.mkdir()
+    try:
+        (first,) = executor.submit([Submission(1, "one", module, dirs[0])])
+        assert isinstance(first, Accepted)
+        (spare,) = executor.spares.waiting()
+        waits, cold = executor.submit([Submission(2, "two", module, dirs[1]),
+                                       Submission(3, "three", module, dirs[2])])  # fmt: skip
+        assert isinstance(waits, Deferred) and waits.quiet
+        assert "two waits for its warm start, importing for" in waits.reason
+        assert isinstance(cold, Accepted) and cold.handle != spare.handle
+        assert woken.wait(30) and spare.says_ready()
+        assert executor.poll([first.handle])[first.handle].phase is Phase.RUNNING  # not an end
+        (warm,) = executor.submit([Submission(2, "two", module, dirs[1])])
+        assert isinstance(warm, Accepted) and warm.handle == spare.handle
+        for handle in (first.handle, cold.handle, warm.handle):
+            assert until_ended(executor, handle).exit_code == 0
+    finally:
+        executor.close()
+    assert json.loads((dirs[1] / LAUNCH_FILE).read_text())["warm"] is True
+    assert (dirs[2] / "log.txt").read_text().split()[-1] == "False"  # cold
+
+
+def test_a_job_does_not_wait_for_a_spare_that_ended_or_took_too_long(
+    lib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spare still importing past READY_WAIT_SECONDS is taken for stuck, and one that ended
+    before its word serves nobody: the job starts cold at once."""
+    module = slow_job(lib, 30)
+    environ = {**os.environ, "PYTHONPATH": f"{lib}:{os.environ.get('PYTHONPATH', '')}"}
+    executor = LocalExecutor(max_parallel=3, env=environ, warm=(module,),
+                             limits=LocalExecutorSection(warm_starts=1))  # fmt: skip
+    dirs = [tmp_path / name for name in ("one", "two", "three")]
+    for job_dir in dirs:
+        job_dir.mkdir()
+    try:
+        executor.submit([Submission(1, "one", module, dirs[0])])
+        (spare,) = executor.spares.waiting()
+        (waits,) = executor.submit([Submission(2, "two", module, dirs[1])])
+        assert isinstance(waits, Deferred)
+        monkeypatch.setattr(spares, "READY_WAIT_SECONDS", 0.0)
+        (stuck,) = executor.submit([Submission(2, "two", module, dirs[1])])
+        assert isinstance(stuck, Accepted) and stuck.handle != spare.handle
+        monkeypatch.undo()
+        os.kill(spare.pid, signal.SIGKILL)
+        zombie(spare.pid)
+        (gone,) = executor.submit([Submission(3, "three", module, dirs[2])])
+        assert isinstance(gone, Accepted) and gone.handle != spare.handle
+    finally:
+        executor.close()
 
 
 def test_a_spare_whose_imports_fail_starts_its_job_cold_and_the_log_says_why(

@@ -73,9 +73,11 @@ class Refused:
 @dataclass(frozen=True)
 class Deferred:
     """Not handed over this time (the executor does not answer, or waits after refusing the
-    job): the job stays pending and is offered again later."""
+    job): the job stays pending and is offered again later. ``quiet``: a wait that ends by
+    itself within seconds (a warm start finishing its imports), not worth a warning."""
 
     reason: str
+    quiet: bool = False
 
 
 Handover = Accepted | Refused | Deferred

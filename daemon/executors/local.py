@@ -23,6 +23,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 from daemon.contract.heldfolder import HeldFolder, UnsafeEntry
@@ -128,13 +129,14 @@ class LocalExecutor:
         return handle
 
     def submit(self, submissions: Sequence[Submission]) -> list[Handover]:
-        return [self._hand_over(s) for s in submissions]
+        promised: set[int] = set()  # spares still importing that a job of these waits for
+        return [self._hand_over(s, promised) for s in submissions]
 
-    def _hand_over(self, sub: Submission) -> Handover:
+    def _hand_over(self, sub: Submission, promised: set[int]) -> Handover:
         adopted = self._adopt(sub)
-        return Accepted(self._watch(adopted)) if adopted else self._start(sub)
+        return Accepted(self._watch(adopted)) if adopted else self._start(sub, promised)
 
-    def _start(self, sub: Submission) -> Handover:
+    def _start(self, sub: Submission, promised: set[int]) -> Handover:
         limit = 60 * min(sub.resources.time_minutes or self.limits.time_minutes,
                          self.limits.max_time_minutes)  # fmt: skip
         stall = 60 * self.limits.stall_minutes
@@ -153,6 +155,8 @@ class LocalExecutor:
         try:
             with sub.held_job_dir() as held:
                 spare = self.spares.take(sub.module, env)
+                if spare is None and (coming := self._coming(sub, env, promised)):
+                    return coming
                 handle = None
                 if spare is not None:
                     handle = self._warm_start(held, spare, job, limit, stall, env, gpus)
@@ -167,6 +171,19 @@ class LocalExecutor:
         if sub.module != Pipeline.REPORT.module:  # a batch's last: the planner expects the next
             self.spares.top_up(sub.module, env)  # importing while this job runs
         return Accepted(self._watch(handle))
+
+    def _coming(self, sub: Submission, env: dict[str, str], promised: set[int]) -> Deferred | None:
+        """Defer ``sub`` for a spare of its kind still importing (none promised to another job
+        of this submission), and wake the loop at the spare's word; None: none comes."""
+        spare = self.spares.coming(sub.module, env, promised)
+        if spare is None:
+            return None
+        promised.add(spare.pid)
+        if self._exits is not None and not spare.watched:
+            self._exits.watch_readable(spare.channel.fileno())
+            spare.watched = True
+        return Deferred(f"{sub.name} waits for its warm start, importing for "
+                        f"{time.monotonic() - spare.started:.1f} s", quiet=True)  # fmt: skip
 
     def _warm_start(
         self, held: HeldFolder, spare: Spare, job: list[str], limit: int, stall: float,

@@ -13,11 +13,16 @@ handed over (they import while that job runs). The next job of the module goes t
 the spare's, and the job is forked from it, its imports already done.
 
 A spare serves a job only once it said its imports are done (:data:`READY`: a job handed to
-one still importing would wait for it, without its time limit, where a cold start overlaps
-its imports with its workers' first reads), and only where the job would have been started
-in the very environment the spare was started in (the job's GPUs aside,
-``CUDA_VISIBLE_DEVICES``, which CUDA reads only as it starts, after the fork): what a library
-read from it as it was imported still holds. A job with no such spare starts cold, as always.
+one still importing would wait for it without its time limit, and be lost with a spare that
+cannot serve), and only where the job would have been started in the very environment the
+spare was started in (the job's GPUs aside, ``CUDA_VISIBLE_DEVICES``, which CUDA reads only as
+it starts, after the fork): what a library read from it as it was imported still holds. A job
+whose spare is still importing waits for it (:meth:`Spares.coming`: the executor defers the
+job, and the spare's word wakes the daemon's loop), for at most :data:`READY_WAIT_SECONDS`
+of the spare's life, one job per spare: the spare is ahead of a cold start, which would make
+the same imports from the beginning (on a GPU node a spare of the inference job takes 4–6 s,
+and the first jobs of a batch whose inputs settled in 5 s used to start cold beside it). A
+job with no such spare starts cold, as always.
 A spare no job came for ends by itself after ``local_job.SPARE_IDLE_SECONDS`` (a job sent to it
 then is refused, and starts cold), or when the daemon stops (its socket's end of file,
 whether the daemon stopped or was killed); the daemon reaps it at its next look.
@@ -31,7 +36,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
 import structlog
@@ -46,6 +51,9 @@ PER_JOB_ENV = ("CUDA_VISIBLE_DEVICES",)  # set for each job at its fork, not at 
 # serve, a broken environment): no other of its kind for this long, doubled at each such end
 # up to SPARE_IDLE_SECONDS, rather than one started at every look (the jobs start cold).
 FAILED_PAUSE_SECONDS = 60.0
+# A job waits for a spare of its kind still importing while the spare is younger than this;
+# an older one is taken for stuck (a share that hangs an import), and the job starts cold.
+READY_WAIT_SECONDS = 30.0
 
 log = structlog.get_logger("watchd")
 
@@ -60,6 +68,8 @@ class Spare:
     env: dict[str, str]
     channel: socket.socket
     ready: bool = False  # its imports are done (it said so)
+    started: float = 0.0  # time.monotonic() when it was started
+    watched: bool = False  # the executor's loop wakes at its word
 
     @property
     def handle(self) -> str:
@@ -111,6 +121,20 @@ class Spares:
                 return spare
         return None
 
+    def coming(self, module: str, env: Mapping[str, str], promised: Set[int]) -> Spare | None:
+        """The oldest live spare of ``module`` in the job's ``env`` still importing, started
+        less than :data:`READY_WAIT_SECONDS` ago, whose pid is not in ``promised`` (spares
+        another job already waits for), or None: what a job with no ready spare waits for."""
+        if module not in self.modules:
+            return None
+        wanted, now = spare_env(env), time.monotonic()
+        for spare in self._waiting:
+            if (spare.module == module and spare.env == wanted and spare.pid not in promised
+                    and now - spare.started < READY_WAIT_SECONDS and spare.alive()
+                    and not spare.says_ready()):  # fmt: skip
+                return spare
+        return None
+
     def top_up(self, module: str, env: Mapping[str, str]) -> None:
         """Start spares of ``module`` in the job's ``env`` until ``count`` wait (none for a
         module not warmed; a spare that cannot be started is left out: the jobs start cold)."""
@@ -139,7 +163,8 @@ class Spares:
         finally:
             os.close(null)
             theirs.close()
-        return Spare(pid, process_start_ticks(pid) or 0, module, env, ours)
+        return Spare(pid, process_start_ticks(pid) or 0, module, env, ours,
+                     started=time.monotonic())  # fmt: skip
 
     def tend(self) -> None:
         """Forget the spares that ended (waited too long, or failed), reaping them; one that

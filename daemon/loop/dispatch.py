@@ -232,7 +232,7 @@ class Dispatcher:
         self, ready: Sequence[tuple[Job, Submission]], handed: Sequence[Handover]
     ) -> None:
         """Warn once while jobs are held back for the same reason; say nothing more after."""
-        held = [a.reason for a in handed if isinstance(a, Deferred)]
+        held = [a.reason for a in handed if isinstance(a, Deferred) and not a.quiet]
         if held:
             self._warn("submission deferred; offered again later", held[0],
                        jobs=len(held), of=len(ready))  # fmt: skip

@@ -164,7 +164,8 @@ def reap(pid: int, grace: float) -> None:
 
 
 class ExitWatch:
-    """Calls ``wake`` as soon as one of the watched processes ends, from a thread of its own.
+    """Calls ``wake`` as soon as one of the watched processes ends (or a watched descriptor
+    becomes readable), from a thread of its own.
 
     A process is watched through a pidfd (Linux 5.3+), which becomes readable when it exits
     and works for a process started by an earlier daemon as for a child; nothing is reaped
@@ -187,6 +188,18 @@ class ExitWatch:
             fd = os.pidfd_open(pid)
         except (OSError, AttributeError):
             return  # gone already (the caller's poll sees it), or no pidfds here
+        self._add(fd, pid)
+
+    def watch_readable(self, fd: int) -> None:
+        """Also wake, once, when ``fd`` has something to read or its other end closed (a copy
+        of it is watched: the caller keeps and closes its own)."""
+        try:
+            copy = os.dup(fd)
+        except OSError:
+            return
+        self._add(copy, -1)
+
+    def _add(self, fd: int, pid: int) -> None:
         with self._lock:
             if self._closed:
                 os.close(fd)
