@@ -11,10 +11,12 @@ In order:
    and fp16 (autocast), 256² in batches of 64 and 128, 1024² in batches of 8 and 16; the best
    (eager, channels-last, torch's default math).
 3. Whole batches through the daemon (local executor; the GPU handed out with
-   ``--jobs-per-gpu`` jobs on it, ``--cpus-per-job`` workers each): ``--images`` × 256² and
-   ``--big`` × 1024², queued → done, as a share of the fp16 limit (targets ≥ 0.5 and ≥ 0.6);
+   ``--jobs-per-gpu`` jobs on it and as many warm starts, ``--cpus-per-job`` workers each):
+   ``--images`` × 256² and ``--big`` × 1024², queued → done, as a share of the fp16 limit
+   (targets ≥ 0.5 and ≥ 0.6), and with ``--steady N`` a batch of N × 256² (no target);
    the precision the jobs' first batch decided, with its agreement. ``--old CHECKOUT`` adds the
-   old code's 256² batch (four jobs of one CPU, as it was measured).
+   old code's 256² batch (four jobs of one CPU, as it was measured); ``--base CHECKOUT`` a
+   baseline code's, run as the new code's is.
 4. A ``--slide``² slide, 30 % tissue: one job on the GPU, one on 8 CPU threads (targets:
    ≥ 8× faster, ≥ 80 Mpx/s over the slide's area).
 5. The host pipeline alone: the 256² batch through one job whose net is a zero-cost stand-in
@@ -346,6 +348,9 @@ def main() -> int:
     parser.add_argument("--jobs-per-gpu", type=int, default=2)
     parser.add_argument("--cpus-per-job", type=int, default=7)
     parser.add_argument("--old", type=Path, help="a checkout of the old code")
+    parser.add_argument("--base", type=Path,
+                        help="a checkout of a baseline code, run as the new one is: its "
+                             "--images batch beside the new code's")  # fmt: skip
     parser.add_argument(
         "--skip",
         default="",
@@ -396,7 +401,7 @@ def main() -> int:
     slots = args.jobs_per_gpu
     local = {"max_parallel": slots + 1, "cpus_per_job": args.cpus_per_job,
              "gpus": 1 if cuda else 0, "jobs_per_gpu": slots, "max_gpus": 1,
-             "inference_gpus": 1}  # fmt: skip
+             "inference_gpus": 1, "warm_starts": slots}  # fmt: skip
     for label, template, count, fp16, target in (
         (f"{args.images:,} × 256²", small, args.images, limit["fp16"], 0.5),
         (f"{args.big:,} × {args.big_size}²", big, args.big, limit_big["fp16"], 0.6),
@@ -416,6 +421,16 @@ def main() -> int:
                       "" if target is None else f"≥ {target}",
                       share >= target if gpu and target is not None else None)  # fmt: skip
         table.add(f"{label}: precision decided", precision)
+    if args.base is not None:  # the same daemon set-up: what the changes since it bought
+        rate, precision = through_daemon("base-small", args.base.resolve(), work, small,
+                                         args.images, local, args.batch_timeout)  # fmt: skip
+        table.add(
+            f"{args.images:,} × 256², queued → done (base)",
+            "not done"
+            if rate is None
+            else f"{rate:,.1f} images/s = {rate / limit['fp16']:.3f} of the fp16 limit",
+        )
+        table.add(f"{args.images:,} × 256² (base): precision decided", precision)
     if args.old is not None and "old" not in args.skip:
         old_local = {"max_parallel": 4, "cpus_per_job": 1, "max_gpus": 1, "inference_gpus": 1}
         rate, _ = through_daemon("old-small", args.old.resolve(), work, small, args.images,
