@@ -20,9 +20,9 @@ it starts, after the fork): what a library read from it as it was imported still
 whose spare is still importing waits for it (:meth:`Spares.coming`: the executor defers the
 job, and the spare's word wakes the daemon's loop), for at most :data:`READY_WAIT_SECONDS`
 of the spare's life, one job per spare: the spare is ahead of a cold start, which would make
-the same imports from the beginning (on a GPU node a spare of the inference job takes 4–6 s,
-and the first jobs of a batch whose inputs settled in 5 s used to start cold beside it). A
-job with no such spare starts cold, as always.
+the same imports from the beginning (on a GPU node a spare of the inference job took over
+4.4 s, and the first jobs of a batch whose inputs settled in 5 s used to start cold beside
+it). A job with no such spare starts cold, as always.
 A spare no job came for ends by itself after ``local_job.SPARE_IDLE_SECONDS`` (a job sent to it
 then is refused, and starts cold), or when the daemon stops (its socket's end of file,
 whether the daemon stopped or was killed); the daemon reaps it at its next look.
