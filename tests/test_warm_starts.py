@@ -181,6 +181,50 @@ def test_a_job_whose_spare_is_still_importing_waits_for_it_and_its_word_wakes_th
     assert (dirs[2] / "log.txt").read_text().split()[-1] == "False"  # cold
 
 
+def test_a_job_waits_only_for_a_spare_past_half_the_imports_of_the_last_one(
+    lib: Path, tmp_path: Path
+) -> None:
+    """Once a spare of its kind said ready after R seconds, a job waits for a spare still
+    importing only if it has been at it for R/2 or more (a cold start overlaps its imports with
+    its workers' reads): earlier, the job starts cold. Each spare here imports until the test
+    lets it (a file named by its pid)."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    (lib / "gated.py").write_text(
+        "import os, time\n"
+        f"while not os.path.exists(os.path.join({str(gate)!r}, str(os.getpid()))):\n"
+        "    time.sleep(0.01)\n"
+    )
+    (lib / "gatedjob.py").write_text(JOB.replace('("decimal",)', '("gated",)'))
+    environ = {**os.environ, "PYTHONPATH": f"{lib}:{os.environ.get('PYTHONPATH', '')}"}
+    executor = LocalExecutor(max_parallel=4, env=environ, warm=("gatedjob",),
+                             limits=LocalExecutorSection(warm_starts=1))  # fmt: skip
+
+    def offer(name: str) -> Accepted | Deferred:
+        (job_dir := tmp_path / name).mkdir(exist_ok=True)
+        (handed,) = executor.submit([Submission(1, name, "gatedjob", job_dir)])
+        assert isinstance(handed, Accepted | Deferred), handed
+        return handed
+
+    try:
+        offer("one")
+        (first,) = executor.spares.waiting()
+        time.sleep(1.0)
+        (gate / str(first.pid)).touch()  # its imports took a second
+        ready(first)
+        assert offer("two") == Accepted(first.handle)
+        (second,) = executor.spares.waiting()  # started behind "two", importing
+        cold = offer("three")  # the second spare has been importing for less than 0.5 s
+        assert isinstance(cold, Accepted) and cold.handle != second.handle
+        time.sleep(0.6)
+        assert isinstance(offer("four"), Deferred)  # now past half: it waits
+        (gate / str(second.pid)).touch()
+        ready(second)
+        assert offer("four") == Accepted(second.handle)
+    finally:
+        executor.close()
+
+
 def test_a_job_does_not_wait_for_a_spare_that_ended_or_took_too_long(
     lib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -18,8 +18,9 @@ cannot serve), and only where the job would have been started in the very enviro
 spare was started in (the job's GPUs aside, ``CUDA_VISIBLE_DEVICES``, which CUDA reads only as
 it starts, after the fork): what a library read from it as it was imported still holds. A job
 whose spare is still importing waits for it (:meth:`Spares.coming`: the executor defers the
-job, and the spare's word wakes the daemon's loop), for at most :data:`READY_WAIT_SECONDS`
-of the spare's life, one job per spare: the spare is ahead of a cold start, which would make
+job, and the spare's word wakes the daemon's loop), one job per spare, once the spare is past
+half the time the last of its kind took to say ready (any, before one did) and for at most
+:data:`READY_WAIT_SECONDS` of its life: such a spare is ahead of a cold start, which would make
 the same imports from the beginning (on a GPU node a spare of the inference job took over
 4.4 s, and the first jobs of a batch whose inputs settled in 5 s used to start cold beside
 it). A job with no such spare starts cold, as always.
@@ -70,6 +71,7 @@ class Spare:
     ready: bool = False  # its imports are done (it said so)
     started: float = 0.0  # time.monotonic() when it was started
     watched: bool = False  # the executor's loop wakes at its word
+    ready_after: float | None = None  # seconds from its start to its word, as first seen
 
     @property
     def handle(self) -> str:
@@ -84,6 +86,8 @@ class Spare:
         if not self.ready:
             with contextlib.suppress(OSError):
                 self.ready = self.channel.recv(len(READY), socket.MSG_DONTWAIT) == READY
+            if self.ready and self.started:
+                self.ready_after = time.monotonic() - self.started
         return self.ready
 
 
@@ -105,6 +109,8 @@ class Spares:
         # by module and environment: spares that ended unready in a row, and until when none
         # of the kind is started
         self._failing: dict[tuple[str, frozenset[tuple[str, str]]], tuple[int, float]] = {}
+        # by module and environment: the seconds the last spare seen ready took to say so
+        self._imports: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
 
     def take(self, module: str, env: Mapping[str, str]) -> Spare | None:
         """The longest-waiting live spare of ``module`` started in the job's ``env`` whose
@@ -115,23 +121,35 @@ class Spares:
         wanted = spare_env(env)
         self.tend()
         for spare in self._waiting:
-            if spare.module == module and spare.env == wanted and spare.says_ready():
+            if spare.module == module and spare.env == wanted and self._ready(spare):
                 self._waiting.remove(spare)
                 self._failing.pop(_kind(spare.module, spare.env), None)
                 return spare
         return None
 
+    def _ready(self, spare: Spare) -> bool:
+        """Whether ``spare`` said it is ready; the time its imports took is noted."""
+        if not spare.says_ready():
+            return False
+        if spare.ready_after is not None:
+            self._imports[_kind(spare.module, spare.env)] = spare.ready_after
+        return True
+
     def coming(self, module: str, env: Mapping[str, str], promised: Set[int]) -> Spare | None:
-        """The oldest live spare of ``module`` in the job's ``env`` still importing, started
-        less than :data:`READY_WAIT_SECONDS` ago, whose pid is not in ``promised`` (spares
-        another job already waits for), or None: what a job with no ready spare waits for."""
+        """The oldest live spare of ``module`` in the job's ``env`` still importing, whose pid
+        is not in ``promised`` (spares another job already waits for), or None: what a job
+        with no ready spare waits for. Only one past half the time the last spare of its kind
+        took to say ready (a cold start overlaps its imports with its workers' first reads: on
+        two busy cores, waiting for a spare just started cost a shard a second), and younger
+        than :data:`READY_WAIT_SECONDS`; before any of its kind said ready, any younger one."""
         if module not in self.modules:
             return None
         wanted, now = spare_env(env), time.monotonic()
+        half = self._imports.get(_kind(module, wanted), 0.0) / 2
         for spare in self._waiting:
             if (spare.module == module and spare.env == wanted and spare.pid not in promised
-                    and now - spare.started < READY_WAIT_SECONDS and spare.alive()
-                    and not spare.says_ready()):  # fmt: skip
+                    and half <= now - spare.started < READY_WAIT_SECONDS and spare.alive()
+                    and not self._ready(spare)):  # fmt: skip
                 return spare
         return None
 
@@ -175,6 +193,8 @@ class Spares:
                 if not spare.says_ready():
                     self._ended_unready(spare)
                 spare.channel.close()
+            else:
+                self._ready(spare)  # the time its imports took, noted as soon as seen
 
     def _ended_unready(self, spare: Spare) -> None:
         kind = _kind(spare.module, spare.env)
