@@ -212,6 +212,7 @@ def test_a_job_waits_only_for_a_spare_past_half_the_imports_of_the_last_one(
         time.sleep(1.0)
         (gate / str(first.pid)).touch()  # its imports took a second
         ready(first)
+        assert first.ready_after is not None and 1.0 <= first.ready_after < 10  # its own word
         assert offer("two") == Accepted(first.handle)
         (second,) = executor.spares.waiting()  # started behind "two", importing
         cold = offer("three")  # the second spare has been importing for less than 0.5 s

@@ -116,8 +116,9 @@ class Executor(Protocol):
         written on a compute node may take a while to be seen on the share from here)."""
 
     def wake_on_end(self, wake: Callable[[], None]) -> None:
-        """Call ``wake`` (from any thread) when a job may have ended, so that the loop polls
-        at once instead of at its next tick; an executor that cannot tell does nothing."""
+        """Call ``wake`` (from any thread) when a job may have ended, or a job it deferred may
+        go now (the local executor: a warm start said ready), so that the loop polls at once
+        instead of at its next tick; an executor that cannot tell does nothing."""
 
     def expect(self, pipeline: Pipeline, given: Resources) -> None:
         """A job of ``pipeline`` given ``given`` comes soon (a batch's inputs settle, or the

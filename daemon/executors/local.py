@@ -154,9 +154,11 @@ class LocalExecutor:
             env.update(visible(gpus))
         try:
             with sub.held_job_dir() as held:
-                spare = self.spares.take(sub.module, env)
-                if spare is None and (coming := self._coming(sub, env, promised)):
-                    return coming
+                spare = self.spares.take(sub.module, env, promised)
+                if spare is None:
+                    if coming := self._coming(sub, env, promised):
+                        return coming
+                    spare = self.spares.take(sub.module, env, promised)  # ready meanwhile
                 handle = None
                 if spare is not None:
                     handle = self._warm_start(held, spare, job, limit, stall, env, gpus)

@@ -19,9 +19,10 @@ stopped or restarted, as Slurm keeps a job's time limit.
 starts it before there is a job for it (``executor.local.warm_starts``), with one end of a
 socket as its stdin. It imports MODULE and the modules MODULE names in ``WARM_IMPORTS`` (the
 inference job: torch, ~1–2 s of every job's start), with the garbage collector off, then frozen,
-as a job started with ``-m`` does (:mod:`pipelines`), says so (:data:`READY`, the one byte it
-writes there, which the executor reads before it hands a job over: a Unix socket closed with
-data unread resets its peer), and waits. The executor hands it one job: a JSON request (the job
+as a job started with ``-m`` does (:mod:`pipelines`), says so (one message: :data:`READY` and
+the system's monotonic clock then, which the executor reads before it hands a job over, and
+from which it learns how long a spare's imports take: a Unix socket closed with data unread
+resets its peer), and waits. The executor hands it one job: a JSON request (the job
 folder, the limits, the command the job would have been started with, its environment) and the
 job's open log. From then on it is that job's launcher, as above, but the job is forked from it
 with its imports done, and runs MODULE as ``python -m`` would, in the job's environment. What
@@ -277,7 +278,7 @@ def serve(module: str) -> int:
     os.close(null)
     why_cold = _preload(module)
     try:
-        channel.sendall(READY)
+        channel.sendall(READY + f"{time.monotonic():.6f}".encode())  # the executor's clock too
         if not select.select([channel], [], [], SPARE_IDLE_SECONDS)[0]:
             channel.shutdown(socket.SHUT_RD)  # a job sent from now on is refused (EPIPE) …
         text, fds, _, _ = socket.recv_fds(channel, MAX_REQUEST_BYTES, 1)  # … one sent is run

@@ -71,7 +71,7 @@ class Spare:
     ready: bool = False  # its imports are done (it said so)
     started: float = 0.0  # time.monotonic() when it was started
     watched: bool = False  # the executor's loop wakes at its word
-    ready_after: float | None = None  # seconds from its start to its word, as first seen
+    ready_after: float | None = None  # seconds from its start to its word
 
     @property
     def handle(self) -> str:
@@ -82,12 +82,15 @@ class Spare:
         return exited(self.pid) is None and process_start_ticks(self.pid) == self.ticks
 
     def says_ready(self) -> bool:
-        """Whether its imports are done: its word read, without waiting."""
+        """Whether its imports are done: its word read, without waiting (with the monotonic
+        clock when it said so, shared by every process here: how long its imports took)."""
         if not self.ready:
             with contextlib.suppress(OSError):
-                self.ready = self.channel.recv(len(READY), socket.MSG_DONTWAIT) == READY
-            if self.ready and self.started:
-                self.ready_after = time.monotonic() - self.started
+                word = self.channel.recv(64, socket.MSG_DONTWAIT)
+                self.ready = word.startswith(READY)
+                with contextlib.suppress(ValueError):
+                    if self.ready and self.started:
+                        self.ready_after = float(word[len(READY) :]) - self.started
         return self.ready
 
 
@@ -112,23 +115,27 @@ class Spares:
         # by module and environment: the seconds the last spare seen ready took to say so
         self._imports: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
 
-    def take(self, module: str, env: Mapping[str, str]) -> Spare | None:
+    def take(
+        self, module: str, env: Mapping[str, str], promised: Set[int] = frozenset()
+    ) -> Spare | None:
         """The longest-waiting live spare of ``module`` started in the job's ``env`` whose
-        imports are done (the caller hands it the job or ends it), or None (always, for a
-        module not warmed)."""
+        imports are done, not in ``promised`` (spares that other jobs wait for: :meth:`coming`;
+        the caller hands it the job or ends it), or None (always, for a module not warmed)."""
         if module not in self.modules:
             return None
         wanted = spare_env(env)
         self.tend()
         for spare in self._waiting:
-            if spare.module == module and spare.env == wanted and self._ready(spare):
+            if (spare.module == module and spare.env == wanted and spare.pid not in promised
+                    and self._ready(spare)):  # fmt: skip
                 self._waiting.remove(spare)
                 self._failing.pop(_kind(spare.module, spare.env), None)
                 return spare
         return None
 
     def _ready(self, spare: Spare) -> bool:
-        """Whether ``spare`` said it is ready; the time its imports took is noted."""
+        """Whether ``spare`` said it is ready; the time its imports took (its own clock's
+        word, not when this looked) is noted for its kind."""
         if not spare.says_ready():
             return False
         if spare.ready_after is not None:

@@ -18,10 +18,10 @@ in full precision (IEEE fp32) and in each faster candidate, half (fp16) first, t
 then TF32; the first whose masks agree with full precision's on at least :data:`AGREEMENT` of
 their pixels, with as many objects as full precision's in at least :data:`COUNT_AGREEMENT` of the
 images, is kept for the job (:func:`precision_verdict`); none: full precision. (The counts'
-tolerance lets one image in a first batch of 100 or more differ, by a speck that one pixel
-made or split: no real net gives every image the same count in every precision, and fp32 on
-a GPU itself differs from the CPU's by a few pixels in a million. Below 100 images every
-count must be the same.) Without ``mixed_precision``, TF32 alone is
+tolerance lets up to 1 % of a first batch's images differ, one in a batch of 100 to 199, by
+specks that a pixel made or split: no real net gives every image the same count in every
+precision, and fp32 on a GPU itself differs from the CPU's by a few pixels in a million.
+Below 100 images every count must be the same.) Without ``mixed_precision``, TF32 alone is
 tried. The decision and its measured agreement are in the job's log, its summary, each table
 row (``precision``) and the report.
 
