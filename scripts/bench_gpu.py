@@ -16,7 +16,9 @@ In order:
    (targets ≥ 0.5 and ≥ 0.6), and with ``--steady N`` a batch of N × 256² (no target);
    the precision the jobs' first batch decided, with its agreement. ``--old CHECKOUT`` adds the
    old code's 256² batch (four jobs of one CPU, as it was measured); ``--base CHECKOUT`` a
-   baseline code's, run as the new code's is.
+   baseline code's, run as the new code's is. Before them, how long a warm start
+   (``daemon/executors/spares.py``) of the inference job and of the report takes to say its
+   imports are done, twice each, started as the daemon starts one.
 4. A ``--slide``² slide, 30 % tissue: one job on the GPU, one on 8 CPU threads (targets:
    ≥ 8× faster, ≥ 80 Mpx/s over the slide's area).
 5. The host pipeline alone: the 256² batch through one job whose net is a zero-cost stand-in
@@ -231,6 +233,26 @@ def make_batch(folder: Path, count: int, size: int) -> list[Path]:
 # -- through the daemon ---------------------------------------------------------------------
 
 
+def spare_ready(module: str, cpus: int, times: int = 2) -> list[float]:
+    """Seconds from a spare's start to its word that its imports are done, ``times`` in a row
+    (on the H100 it took over 4.4 s, on a 2-core VM 1.5: a job waits for one only so long)."""
+    from daemon.executors.spares import Spares
+
+    took = []
+    for _ in range(times):
+        spares = Spares(sys.executable, 1, [module])
+        started = time.monotonic()
+        spares.top_up(module, {**os.environ, "OMP_NUM_THREADS": str(cpus)})
+        (spare,) = spares.waiting()
+        while not spare.says_ready():
+            if not spare.alive() or time.monotonic() - started > 120:
+                raise SystemExit(f"a spare of {module} never said ready")
+            time.sleep(0.01)
+        took.append(spare.ready_after or time.monotonic() - started)
+        spares.close()
+    return took
+
+
 @dataclass
 class GpuDaemon(BatchDaemon):
     """A daemon whose local executor hands out the GPU (new code) or lets every job see it
@@ -396,6 +418,11 @@ def main() -> int:
     for size, found in ((256, limit), (args.big_size, limit_big)):
         table.add(f"bare forward {size}², fp32 / fp16", f"{found['fp32']:,.0f} / "
                   f"{found['fp16']:,.0f} images/s")  # fmt: skip
+
+    for module in ("pipelines.infer", "pipelines.report"):
+        took = spare_ready(module, args.cpus_per_job)
+        table.add(f"warm start of {module}, ready after",
+                  " / ".join(f"{seconds:.2f} s" for seconds in took))  # fmt: skip
 
     gpu = cuda and not args.quick
     slots = args.jobs_per_gpu
