@@ -121,17 +121,22 @@ class Spares:
         """The longest-waiting live spare of ``module`` started in the job's ``env`` whose
         imports are done, not in ``promised`` (spares that other jobs wait for: :meth:`coming`;
         the caller hands it the job or ends it), or None (always, for a module not warmed)."""
-        if module not in self.modules:
-            return None
-        wanted = spare_env(env)
         self.tend()
-        for spare in self._waiting:
-            if (spare.module == module and spare.env == wanted and spare.pid not in promised
-                    and self._ready(spare)):  # fmt: skip
+        for spare in self._of_kind(module, env, promised):
+            if self._ready(spare):
                 self._waiting.remove(spare)
                 self._failing.pop(_kind(spare.module, spare.env), None)
                 return spare
         return None
+
+    def _of_kind(self, module: str, env: Mapping[str, str], promised: Set[int]) -> list[Spare]:
+        """The waiting spares of ``module`` started in the job's ``env``, oldest first, less
+        those in ``promised`` (none, for a module not warmed)."""
+        if module not in self.modules:
+            return []
+        wanted = spare_env(env)
+        return [s for s in self._waiting
+                if s.module == module and s.env == wanted and s.pid not in promised]  # fmt: skip
 
     def _ready(self, spare: Spare) -> bool:
         """Whether ``spare`` said it is ready; the time its imports took (its own clock's
@@ -149,13 +154,10 @@ class Spares:
         took to say ready (a cold start overlaps its imports with its workers' first reads: on
         two busy cores, waiting for a spare just started cost a shard a second), and younger
         than :data:`READY_WAIT_SECONDS`; before any of its kind said ready, any younger one."""
-        if module not in self.modules:
-            return None
-        wanted, now = spare_env(env), time.monotonic()
-        half = self._imports.get(_kind(module, wanted), 0.0) / 2
-        for spare in self._waiting:
-            if (spare.module == module and spare.env == wanted and spare.pid not in promised
-                    and half <= now - spare.started < READY_WAIT_SECONDS and spare.alive()
+        now = time.monotonic()
+        half = self._imports.get(_kind(module, spare_env(env)), 0.0) / 2
+        for spare in self._of_kind(module, env, promised):
+            if (half <= now - spare.started < READY_WAIT_SECONDS and spare.alive()
                     and not self._ready(spare)):  # fmt: skip
                 return spare
         return None
