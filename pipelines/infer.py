@@ -66,16 +66,19 @@ from daemon.contract.jobspec import (
 from daemon.contract.names import inference_params
 from daemon.contract.version import code_version
 from models import catalog
-from pipelines.inference import durable
+from pipelines.inference import durable, remote
 from pipelines.inference.masks import MaskFolders, Rules
 from pipelines.inference.placement import choose_device
 from pipelines.inference.pool import Setup, Workers
+from pipelines.inference.remote import RemoteDevice
 from pipelines.inference.stages import Committer, Stages, chunk_images
 from pipelines.job import InputError, importing_late, log, main, run_folder, work_folder
 from pipelines.layout import PARTS_DIR, job_region, ledger_name, table_csv, table_name
 from pipelines.ledger import Ledger
 
 if TYPE_CHECKING:
+    from models.catalog import ModelVersion
+    from pipelines.inference.device import DeviceStage
     from pipelines.inference.slides import Slides
 
 # What a launcher started ahead for this job imports (daemon/executors/spares.py): torch and the
@@ -136,6 +139,7 @@ def _infer(spec: JobSpec, batch: HeldFolder, run: HeldFolder, work: HeldFolder) 
     workers = Workers(cpus, Setup(batch, run, int(params["max_whole_pixels"]), params["channel"],
                                   rules))  # fmt: skip
     ledger: Ledger | None = None
+    device: DeviceStage | RemoteDevice | None = None
     try:
         version = catalog.resolve(Path(spec.registry_dir), spec.model.name, spec.model.version)
         ledger = Ledger(work, ledger_name(spec.shard.index), version.sha256, spec.params)
@@ -148,24 +152,25 @@ def _infer(spec: JobSpec, batch: HeldFolder, run: HeldFolder, work: HeldFolder) 
         stages = Stages(todo, workers, region is None or region[0] == 0,
                         chunk_images(planned, cpus))  # fmt: skip
         stages.ahead()
-        with importing_late():
-            import torch
-
-            from pipelines.inference.device import DeviceStage, load_model
+        resident = remote.address(os.environ)
+        if resident is None:  # the net runs here: torch is imported (it is not counted below)
+            _import_device()
         # the job's time and CPU from here, as before its imports overlapped the workers' start
         # (the workers' CPU counts whole: their imports and first reads)
         started, cpu_started, main_started = time.monotonic(), _cpu_seconds(), _cpu_seconds(False)
-        net = load_model(version)
+        if resident is not None:
+            device = remote.connect(resident, spec.job_name, str(spec.registry_dir), version,
+                                    params, spec.resources.gpus, rules,
+                                    lambda: _own_device(spec, version, params, rules))  # fmt: skip
+        if device is None:
+            device = _own_device(spec, version, params, rules)
         log.info("model %s version %d (sha256 %s…)", version.name, version.version,
                  version.sha256[:12])  # fmt: skip
         provenance = {"model_name": version.name, "model_version": version.version,
                       "model_sha256": version.sha256, "manifest_sha256": spec.manifest_sha256,
                       "code_version": code_version()}  # fmt: skip
-        where = choose_device(spec.resources.gpus, os.environ,
-                              torch.cuda.device_count() if torch.cuda.is_available() else 0,
-                              params)  # fmt: skip
-        log.info("inference on %s, %d worker(s): %s", where.device, cpus, where.reason)
-        device = DeviceStage(net, where, float(params["threshold"]), rules)
+        log.info("inference on %s, %d worker(s): %s", device.where.device, cpus,
+                 device.where.reason)  # fmt: skip
         progress = Progress(len(todo), _progress_file(spec, work, len(items)), len(resumed))
         committer = Committer(run, ledger, progress.tick, rules.fsync_each, provenance)
         slides: list[Slides] = []  # made for the first image too large to decode whole
@@ -189,8 +194,11 @@ def _infer(spec: JobSpec, batch: HeldFolder, run: HeldFolder, work: HeldFolder) 
                 made.close()
             committer.close()
         rows = committer.rows
+        summary = device.summary()
     finally:
         workers.close()
+        if isinstance(device, RemoteDevice):
+            device.close()
         if ledger is not None:
             ledger.close()
         masks.close()
@@ -210,7 +218,7 @@ def _infer(spec: JobSpec, batch: HeldFolder, run: HeldFolder, work: HeldFolder) 
         "model": {**provenance, "requested_version": spec.model.version},
         "shard": {"index": spec.shard.index, "count": spec.shard.count},
         "inference": {
-            **device.summary(),
+            **summary,
             "workers": cpus,
             "masks_durable": "fsync each" if rules.fsync_each else "syncfs",
         },
@@ -223,6 +231,29 @@ def _infer(spec: JobSpec, batch: HeldFolder, run: HeldFolder, work: HeldFolder) 
             (_cpu_seconds(False) - main_started) / max(len(rows), 1), 6
         ),
     }
+
+
+def _import_device() -> None:
+    """Import torch and the device stage (1–2 s unless the job was forked from a launcher that
+    did), the workers' start overlapping them."""
+    with importing_late():
+        import pipelines.inference.device  # noqa: F401
+
+
+def _own_device(
+    spec: JobSpec, version: ModelVersion, params: dict[str, Any], rules: Rules
+) -> DeviceStage:
+    """The net in this process, on the CPU or the GPU the job was given."""
+    _import_device()
+    import torch
+
+    from pipelines.inference.device import DeviceStage, load_model
+
+    net = load_model(version)
+    where = choose_device(spec.resources.gpus, os.environ,
+                          torch.cuda.device_count() if torch.cuda.is_available() else 0,
+                          params)  # fmt: skip
+    return DeviceStage(net, where, float(params["threshold"]), rules)
 
 
 def _resumed(

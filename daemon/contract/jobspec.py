@@ -31,6 +31,9 @@ RESULT_FILE = "result.json"
 PROGRESS_FILE = "progress.json"  # an inference job's images done so far and when it expects to end:
 # {"done": n, "total": m, "due_at": wall-clock seconds or null}
 LOG_FILE = "log.txt"
+# The socket of the resident device an inference job hands its batches to (the local executor's
+# executor.local.resident_device: pipelines/inference/remote.py), in the job's environment
+RESIDENT_DEVICE_ENV = "WATCHD_RESIDENT_DEVICE"
 JOBS_DIR = "jobs"  # under a run's work folder (in the spool): one folder per job
 LOGS_DIR = "logs"  # under a run's results folder (the owner's): each ended job's log, copied
 

@@ -43,6 +43,7 @@ from daemon.executors import (
 )
 from daemon.executors.gpus import GpuSeats, visible
 from daemon.executors.local_job import ended_why
+from daemon.executors.resident import Residents
 from daemon.executors.spares import LAUNCHER, Spare, Spares
 from daemon.site.config import JobShapes, LocalExecutorSection
 from daemon.site.subprocesses import (
@@ -88,6 +89,10 @@ class LocalExecutor:
         gpus = self.limits.gpus
         self.seats = GpuSeats(gpus, self.limits.jobs_per_gpu) if gpus else None
         self.spares = Spares(self.python, self.limits.warm_starts, warm)
+        self.residents: Residents | None = None  # the inference jobs' nets (resident_device)
+        if self.limits.resident_device:
+            threads = {"OMP_NUM_THREADS": str(self.limits.cpus_per_job)}
+            self.residents = Residents(self.python, gpus, {**self.env, **threads})
 
     def slots(self) -> int | None:
         return self.max_parallel
@@ -118,6 +123,8 @@ class LocalExecutor:
         """Start the warm starts of ``pipeline``'s coming jobs now, so that even the first job
         of a burst finds one ready (none for a pipeline not warmed)."""
         self.spares.top_up(pipeline.module, self._job_env({}, given.cpus))
+        if self.residents is not None and pipeline is Pipeline.INFER:
+            self.residents.start_all()  # torch imported, CUDA started, while the batch settles
 
     def _job_env(self, extra: Mapping[str, str], cpus: int) -> dict[str, str]:
         """A job's environment (its GPUs aside): the executor's, the submission's, its CPUs."""
@@ -152,6 +159,8 @@ class LocalExecutor:
                                 f"{len(self.seats.jobs)}: every one has its jobs")  # fmt: skip
             gpus = found
             env.update(visible(gpus))
+        if self.residents is not None and sub.module == Pipeline.INFER.module:
+            env.update(self.residents.env_for(gpus))
         try:
             with sub.held_job_dir() as held:
                 spare = self.spares.take(sub.module, env, promised)
@@ -261,6 +270,8 @@ class LocalExecutor:
     def poll(self, handles: Sequence[str]) -> dict[str, Status]:
         self._ending = [pid for pid in self._ending if exited(pid) is None]  # reap the cancelled
         self.spares.tend()
+        if self.residents is not None:
+            self.residents.tend()
         return {h: self._status(h) for h in handles}
 
     def _status(self, handle: str) -> Status:
@@ -298,6 +309,8 @@ class LocalExecutor:
         self._ending.clear()
         self._children.clear()
         self.spares.close()
+        if self.residents is not None:
+            self.residents.close()
         if self._exits is not None:
             self._exits.close()
 

@@ -42,12 +42,14 @@ from dataclasses import dataclass
 
 import structlog
 
+from daemon.contract.jobspec import RESIDENT_DEVICE_ENV
 from daemon.executors.local_job import READY, SPARE, SPARE_IDLE_SECONDS
 from daemon.site.subprocesses import exited, process_start_ticks, reap, spawn
 
 LAUNCHER = "daemon.executors.local_job"
 END_GRACE_SECONDS = 5.0  # a spare told to end and still there then is killed
-PER_JOB_ENV = ("CUDA_VISIBLE_DEVICES",)  # set for each job at its fork, not at the spare's start
+# set for each job at its fork, not at the spare's start: its GPUs, its resident device's socket
+PER_JOB_ENV = ("CUDA_VISIBLE_DEVICES", RESIDENT_DEVICE_ENV)
 # A spare that ended before it said ready (a wrapper in executor.local.python that cannot
 # serve, a broken environment): no other of its kind for this long, doubled at each such end
 # up to SPARE_IDLE_SECONDS, rather than one started at every look (the jobs start cold).

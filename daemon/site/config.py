@@ -139,6 +139,10 @@ class LocalExecutorSection(_Section):
     # Inference jobs' launchers kept started ahead, torch imported (daemon/executors/spares.py):
     # the next job is forked from one, without 1-2 s of imports; 0: every job starts cold
     warm_starts: Annotated[int, Field(ge=0, le=64)] = 1
+    # Inference nets kept on their GPUs across jobs, one process per GPU (one in all without
+    # gpus): CUDA's start, the model's load and the precision's check once per model, not per
+    # shard (daemon/executors/resident.py); at a daemon's restart its jobs load their own
+    resident_device: bool = False
 
     @pydantic.model_validator(mode="after")
     def _defaults_within_bounds(self) -> LocalExecutorSection:

@@ -244,3 +244,4 @@ def train_params() -> dict[str, Any]:
 @pytest.fixture(scope="session")
 def infer_params() -> dict[str, Any]:
     return dict(INFER_PARAMS)
+

@@ -6,8 +6,6 @@ import csv
 import json
 import os
 import shutil
-import sys
-import textwrap
 import time
 from pathlib import Path
 from types import ModuleType
@@ -16,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytest
 import tifffile
+from inferjobs import MAIN_IMPORTS, read_mask, through_executor
 from jobrun import work_dir_for
 from labelimages import zarr_levels
 from PIL import Image
@@ -32,8 +31,6 @@ from daemon.contract.jobspec import (
     Role,
     Shard,
 )
-from daemon.core.states import Phase
-from daemon.executors import Accepted, Submission
 from daemon.executors.local import LocalExecutor
 from pipelines.images import decode
 
@@ -61,14 +58,6 @@ TABLE_HEADER = [
     "manifest_sha256",
     "code_version",
 ]
-
-
-def read_mask(path: Path) -> np.ndarray:
-    """The stored mask pixels, as written (no conversion)."""
-    if path.suffix == ".tif":
-        return tifffile.imread(path)
-    with Image.open(path) as image:
-        return np.asarray(image)
 
 
 def same_slide_outputs(results: Path, expected: Path, image: str) -> list[np.ndarray]:
@@ -101,23 +90,6 @@ def in_regions(
     assembly = run(job_spec(batch_dir, Pipeline.ASSEMBLE, inputs,
                             params={**params, "regional": [image]}, **common))  # fmt: skip
     assert assembly.returncode == 0, assembly.log
-
-
-# Runs a job as the executors do, behind an audit hook that writes to the job's log every module
-# of these its main process imports (the processes it forks have other pids and say nothing).
-WATCHED = ("torch", "PIL", "imagecodecs", "tifffile", "scipy", "skimage")
-MAIN_IMPORTS = [sys.executable, "-c", textwrap.dedent(f"""
-    import os, runpy, sys
-    main, seen = os.getpid(), set()
-    def said(event, args):
-        top = args[0].split(".")[0] if event == "import" else None
-        if top in {WATCHED} and top not in seen and os.getpid() == main:
-            seen.add(top)
-            os.write(2, f"the main process imports {{args[0]}}\\n".encode())
-    sys.addaudithook(said)
-    sys.argv = sys.argv[-2:]  # what follows: PYTHON -m MODULE JOB_DIR
-    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
-""")]  # fmt: skip
 
 
 def test_each_shard_leaves_its_progress_for_the_daemon_all_images_done(
@@ -256,22 +228,8 @@ def test_a_shard_handed_to_a_warm_start_makes_the_masks_and_rows_of_one_started_
                             registry=inferred.model.registry, params=infer_params,
                             model=ModelRef(inferred.model.name, "latest"),
                             resources=Resources(cpus=2))  # fmt: skip
-            sub = Submission(1, spec.job_name, Pipeline.INFER.module, spec.job_dir, cpus=2)
             # the spare started behind the cold job may still import once that job ended
-            ready_by = time.monotonic() + 120
-            while name == "warm" and not any(s.says_ready() for s in executor.spares.waiting()):
-                assert time.monotonic() < ready_by, "the spare never said its imports were done"
-                time.sleep(0.05)
-            (accepted,) = executor.submit([sub])
-            assert isinstance(accepted, Accepted), accepted
-            deadline = time.monotonic() + 240
-            while (status := executor.poll([accepted.handle])[accepted.handle]).phase is (
-                Phase.RUNNING
-            ):
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
-            log = (spec.job_dir / "log.txt").read_text()
-            assert status.exit_code == 0, log
+            through_executor(executor, spec, warm=name == "warm")
             specs[name] = spec
     finally:
         executor.close()
