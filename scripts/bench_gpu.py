@@ -14,7 +14,9 @@ In order:
    ``--jobs-per-gpu`` jobs on it and as many warm starts, ``--cpus-per-job`` workers each):
    ``--images`` × 256² and ``--big`` × 1024², queued → done, as a share of the fp16 limit
    (targets ≥ 0.5 and ≥ 0.6), and with ``--steady N`` a batch of N × 256² (no target);
-   the precision the jobs' first batch decided, with its agreement. ``--old CHECKOUT`` adds the
+   the precision the jobs' first batch decided, with its agreement. Each batch runs again
+   with ``resident_device = true`` (:mod:`daemon.executors.resident`: the net kept on the GPU
+   across jobs; ``--skip resident`` leaves those rows out). ``--old CHECKOUT`` adds the
    old code's 256² batch (four jobs of one CPU, as it was measured); ``--base CHECKOUT`` a
    baseline code's, run as the new code's is. Before them, how long a warm start
    (``daemon/executors/spares.py``) of the inference job and of the report takes to say its
@@ -377,7 +379,7 @@ def main() -> int:
         "--skip",
         default="",
         type=lambda text: set(text.split(",")) - {""},
-        help="steps left out, by name: small, big, old, slide, host, compile",
+        help="steps left out, by name: small, big, steady, resident, old, slide, host, compile",
     )
     parser.add_argument(
         "--batch-timeout",
@@ -429,6 +431,7 @@ def main() -> int:
     local = {"max_parallel": slots + 1, "cpus_per_job": args.cpus_per_job,
              "gpus": 1 if cuda else 0, "jobs_per_gpu": slots, "max_gpus": 1,
              "inference_gpus": 1, "warm_starts": slots}  # fmt: skip
+    resident = {**local, "resident_device": True}  # the nets kept on the GPU across jobs
     for label, template, count, fp16, target in (
         (f"{args.images:,} × 256²", small, args.images, limit["fp16"], 0.5),
         (f"{args.big:,} × {args.big_size}²", big, args.big, limit_big["fp16"], 0.6),
@@ -436,18 +439,24 @@ def main() -> int:
     ):
         if template.name in args.skip or not count:
             continue
-        rate, precision = through_daemon(f"new-{template.name}", REPO, work, template, count,
-                                         local, args.batch_timeout)  # fmt: skip
-        if rate is None:
-            table.add(f"{label}, queued → done (new)", f"not done in {args.batch_timeout:.0f} s",
-                      "" if target is None else f"≥ {target}", False)  # fmt: skip
-        else:
-            share = rate / fp16
-            said = f"{rate:,.1f} images/s = {share:.3f} of the fp16 limit"
-            table.add(f"{label}, queued → done (new)", said,
-                      "" if target is None else f"≥ {target}",
-                      share >= target if gpu and target is not None else None)  # fmt: skip
-        table.add(f"{label}: precision decided", precision)
+        for how, settings in (("new", local), ("new, resident device", resident)):
+            if how != "new" and "resident" in args.skip:
+                continue
+            rate, precision = through_daemon(f"{how.split(',')[0]}-{template.name}"
+                                             + ("-resident" if how != "new" else ""), REPO,
+                                             work, template, count, settings,
+                                             args.batch_timeout)  # fmt: skip
+            if rate is None:
+                table.add(f"{label}, queued → done ({how})",
+                          f"not done in {args.batch_timeout:.0f} s",
+                          "" if target is None else f"≥ {target}", False)  # fmt: skip
+            else:
+                share = rate / fp16
+                said = f"{rate:,.1f} images/s = {share:.3f} of the fp16 limit"
+                table.add(f"{label}, queued → done ({how})", said,
+                          "" if target is None else f"≥ {target}",
+                          share >= target if gpu and target is not None else None)  # fmt: skip
+            table.add(f"{label} ({how}): precision decided", precision)
     if args.base is not None:  # the same daemon set-up: what the changes since it bought
         rate, precision = through_daemon("base-small", args.base.resolve(), work, small,
                                          args.images, local, args.batch_timeout)  # fmt: skip
