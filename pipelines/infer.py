@@ -57,6 +57,7 @@ from daemon.contract.heldfolder import HeldFolder
 from daemon.contract.jobspec import (
     JOBS_DIR,
     PROGRESS_FILE,
+    RESIDENT_DEVICES_ENV,
     InputFile,
     JobSpec,
     Pipeline,
@@ -82,11 +83,13 @@ if TYPE_CHECKING:
     from pipelines.inference.slides import Slides
 
 # What a launcher started ahead for this job imports (daemon/executors/spares.py): torch and the
-# net, the workers' stages, which a job started cold imports beside torch, and the slide code,
-# which it imports at its first slide (~0.2 s, one after the other). None of them may start
-# CUDA, threads or processes as it is imported: the job is forked from there.
-WARM_IMPORTS = ("torch", "pipelines.inference.device", "pipelines.inference.finish",
-                "pipelines.inference.source", "pipelines.inference.slides")  # fmt: skip
+# net (not where resident devices run the nets: the executor says so), the workers' stages,
+# which a job started cold imports beside torch, and the slide code, which it imports at its
+# first slide (~0.2 s, one after the other). None of them may start CUDA, threads or processes
+# as it is imported: the job is forked from there.
+_NET_HERE = () if os.environ.get(RESIDENT_DEVICES_ENV) else ("torch", "pipelines.inference.device")
+WARM_IMPORTS = (*_NET_HERE, "pipelines.inference.finish", "pipelines.inference.source",
+                "pipelines.inference.slides")  # fmt: skip
 _PROGRESS_EVERY_S = 30.0
 _PROGRESS_SAY_S = 5.0
 _FIRST_GPU_BATCH = 64  # the batch a GPU's chunks are sized for before the first image is seen

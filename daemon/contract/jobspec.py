@@ -34,6 +34,9 @@ LOG_FILE = "log.txt"
 # The socket of the resident device an inference job hands its batches to (the local executor's
 # executor.local.resident_device: pipelines/inference/remote.py), in the job's environment
 RESIDENT_DEVICE_ENV = "WATCHD_RESIDENT_DEVICE"
+# Set ("1") for every job and warm start of an executor with resident devices: an inference job's
+# warm start then imports no torch (its job hands its batches over)
+RESIDENT_DEVICES_ENV = "WATCHD_RESIDENT_DEVICES"
 JOBS_DIR = "jobs"  # under a run's work folder (in the spool): one folder per job
 LOGS_DIR = "logs"  # under a run's results folder (the owner's): each ended job's log, copied
 

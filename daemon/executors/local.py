@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from daemon.contract.heldfolder import HeldFolder, UnsafeEntry
-from daemon.contract.jobspec import LOG_FILE, Pipeline, Resources
+from daemon.contract.jobspec import LOG_FILE, RESIDENT_DEVICES_ENV, Pipeline, Resources
 from daemon.core.manifest import ResourceRequest
 from daemon.core.states import Phase
 from daemon.executors import (
@@ -91,6 +91,7 @@ class LocalExecutor:
         self.spares = Spares(self.python, self.limits.warm_starts, warm)
         self.residents: Residents | None = None  # the inference jobs' nets (resident_device)
         if self.limits.resident_device:
+            self.env[RESIDENT_DEVICES_ENV] = "1"  # the inference jobs' warm starts import no torch
             threads = {"OMP_NUM_THREADS": str(self.limits.cpus_per_job)}
             self.residents = Residents(self.python, gpus, {**self.env, **threads})
 

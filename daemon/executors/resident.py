@@ -46,6 +46,7 @@ MODULE = "pipelines.inference.resident"
 END_GRACE_SECONDS = 10.0
 EARLY_END_SECONDS = 30.0
 FAILED_PAUSE_SECONDS = 60.0
+MAX_FOLDER = 64  # characters of TMPDIR, for the socket's path to stay under its limit
 
 log = structlog.get_logger("watchd")
 
@@ -103,8 +104,9 @@ class Residents:
         return self.running[gpu]
 
     def _start(self, gpu: int | None) -> Resident:
-        if not self.folder:
-            self.folder = tempfile.mkdtemp(prefix="watchd-resident-")  # 0700, the service's
+        if not self.folder:  # 0700, the service's; in /tmp where TMPDIR is too long a path
+            short = len(tempfile.gettempdir()) <= MAX_FOLDER  # for a socket's (108 bytes)
+            self.folder = tempfile.mkdtemp(prefix="watchd-resident-", dir=None if short else "/tmp")
         path = os.path.join(self.folder, "all.sock" if gpu is None else f"gpu{gpu}.sock")
         env = {**self.env, **(visible((gpu,)) if gpu is not None else {})}
         theirs, ours = os.pipe2(os.O_CLOEXEC)

@@ -122,7 +122,8 @@ def fast_forward(net: torch.nn.Module, mode: str, example: torch.Tensor, precisi
         forward(net, static, precision, cache=False)
     torch.cuda.current_stream().synchronize()  # type: ignore[no-untyped-call]
     graph = torch.cuda.CUDAGraph()  # type: ignore[no-untyped-call]
-    with torch.cuda.graph(graph):
+    # thread-local: another job's thread of a resident device may use the GPU meanwhile
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         out = forward(net, static, precision, cache=False)
 
     def replay(images: torch.Tensor) -> torch.Tensor:
@@ -215,6 +216,10 @@ class DeviceStage:
             if not self.bytes_per_pixel and self.where.batch_size <= 0:
                 self.bytes_per_pixel = self._probe(shape)
             free, _ = torch.cuda.mem_get_info(self.where.device)
+            # what torch keeps cached for reuse is free to this process (a resident device's
+            # other jobs and batches leave some: pipelines/inference/resident.py)
+            cached = torch.cuda.memory_reserved(self.where.device)
+            free += cached - torch.cuda.memory_allocated(self.where.device)
             self.sizes[shape] = size = sized_batch(math.prod(shape), self.bytes_per_pixel,
                                                    free, self.where.batch_size)  # fmt: skip
             log.info("%d image(s) of %s at once on the GPU", size, "×".join(map(str, shape)))
@@ -239,6 +244,7 @@ class DeviceStage:
     def _forward(self, batch: torch.Tensor, count: int, shape: tuple[int, ...]) -> torch.Tensor:
         """Probabilities of a batch in the precision decided: compiled if it is a full batch
         of its size and ``gpu_compile`` is on (and held), eager otherwise."""
+        _fp32_math(self.precision == TF32)  # a switch of the process's: another job may use it
         if self.compile == EAGER or count != self.sizes.get(shape):
             return self._probabilities(batch, self.precision)
         if shape not in self.fast:

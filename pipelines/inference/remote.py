@@ -9,7 +9,10 @@ and decided its precision on that job's first batch
 (:func:`pipelines.inference.placement.precision_verdict`; the later jobs' logs, summaries and
 reports say which job decided). What a job started on its own spends before its first image
 (1–2 s of torch's imports, CUDA's start, the model's load and sha256, the precision's check),
-every shard of every batch, is then spent once per model.
+every shard of every batch, is then spent once per model (its warm start imports no torch
+either: :data:`daemon.contract.jobspec.RESIDENT_DEVICES_ENV`). Not shared yet: each job's
+batch sizing (a probe of one image) and, with ``gpu_compile``, its compiled forward, built and
+checked per job as before.
 
 :class:`RemoteDevice` is what :class:`pipelines.inference.stages.Stages` and the slides drive,
 as they drive :class:`pipelines.inference.device.DeviceStage`: ``batch_size``, ``submit``,
@@ -54,6 +57,7 @@ from pipelines.inference.slabs import Slab, aligned
 log = logging.getLogger("pipelines")
 IN_FLIGHT = 3  # batches on their way at once: as pipelines.inference.device.IN_FLIGHT
 MAX_MESSAGE = 1 << 16  # a message is a small JSON object: every pixel crosses in a slab
+CONNECT_SECONDS = 5.0  # for a resident device started with the job to listen
 HELLO_SECONDS = 120.0  # for the answer to the first message: the model may be loading
 ANSWER_SECONDS = 600.0  # for any other answer (a batch of large images on a busy GPU)
 HELLO, RUN, SIZE, PROBABILITIES, SUMMARY = "hello", "run", "size", "probabilities", "summary"
@@ -89,7 +93,7 @@ def receive(
     at the end of the connection. TimeoutError when none came in ``timeout`` seconds."""
     if timeout is not None and not select.select([channel], [], [], timeout)[0]:
         raise TimeoutError(f"no answer in {timeout:.0f} s")
-    data, fds, _, _ = socket.recv_fds(channel, MAX_MESSAGE, 1)
+    data, fds, _, _ = socket.recv_fds(channel, MAX_MESSAGE, 1, socket.MSG_CMSG_CLOEXEC)
     if not data:
         for fd in fds:
             socket.close(fd)
@@ -120,7 +124,7 @@ def connect(
              "split_neck": rules.split_neck}  # fmt: skip
     started = time.monotonic()
     try:
-        channel.connect(path)
+        _connect(channel, path)
         send(channel, hello)
         said, _ = receive(channel, HELLO_SECONDS)
     except (OSError, ValueError) as exc:  # TimeoutError is an OSError
@@ -144,6 +148,20 @@ def connect(
     return device
 
 
+def _connect(channel: socket.socket, path: str) -> None:
+    """Connect, waiting up to :data:`CONNECT_SECONDS` for a resident device just started to
+    listen (its socket not there yet, or an ended one's still there)."""
+    deadline = time.monotonic() + CONNECT_SECONDS
+    while True:
+        try:
+            channel.connect(path)
+            return
+        except (FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 class RemoteDevice:
     """The device stage of a resident device (see the module's docstring)."""
 
@@ -156,6 +174,7 @@ class RemoteDevice:
                                bool(said["mixed_precision"]), str(said["reason"]),
                                str(said["compile"]))  # fmt: skip
         self.decided = str(said["precision"])  # as the resident device says
+        self.said: dict[str, Any] = {}  # its last summary of the job's device
         self.slabs = [Slab.make() for _ in range(IN_FLIGHT + 1)]  # the last: a slide's windows
         self.shared = [False] * len(self.slabs)  # its descriptor sent
         self.free = deque(range(IN_FLIGHT))
@@ -195,7 +214,9 @@ class RemoteDevice:
             raise ResidentLost("the resident device ended during the job")
         if "error" in said:
             raise ResidentLost(f"the resident device failed: {said['error']}")
-        self.decided = str(said.get("precision", self.decided))  # decided on a first batch
+        if "summary" in said:  # the precision decided on a first batch, and the checks
+            self.said = said["summary"]
+            self.decided = str(self.said["precision"])
         if "done" in said:
             self.landed.add(int(said["done"]))
         else:
@@ -216,6 +237,7 @@ class RemoteDevice:
         log.warning("%s: this job goes on with its own net", lost)
         self.channel.close()
         self.own = self.make_own()
+        self.sizes.clear()  # the job's own device sizes its batches (and compiles them) itself
         for slab_index, _, tag, count, shape in self.in_flight:
             pixels = self.slabs[slab_index].pixels(0, (count, *shape))
             self.own.submit(list(pixels.copy()), tag)
@@ -344,11 +366,15 @@ class RemoteDevice:
 
     def summary(self) -> dict[str, Any]:
         """The precision decision and the resident device's word, for the job's result (or,
-        once it ended, the job's own device's, and the word that it ended)."""
-        said = self._or_own(lambda: self._answer({"op": SUMMARY})["summary"])
-        if self.own is None:
-            return said  # type: ignore[no-any-return]
-        return {**self.own.summary(), "resident": {"ended_during_the_job": True}}
+        once it ended during the job, the job's own device's, and the word that it ended)."""
+        if self.own is not None:
+            return {**self.own.summary(), "resident": {"ended_during_the_job": True}}
+        if not self.said:  # no batch went through it (every image done before, or a problem)
+            with contextlib.suppress(ResidentLost):
+                self.said = self._answer({"op": SUMMARY})["summary"]
+        return self.said or {"device": self.where.device, "precision": self.decided,
+                             "checks": [], "compile": self.where.compile, "compile_checks": [],
+                             "resident": {"ended_after_the_last_batch": True}}  # fmt: skip
 
     def close(self) -> None:
         self.channel.close()

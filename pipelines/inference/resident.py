@@ -66,7 +66,8 @@ class Resident:
     def __init__(self, device: ModuleType) -> None:
         self.device = device  # pipelines.inference.device (torch), imported once bound
         self.lock = threading.Lock()
-        self.nets: OrderedDict[str, Any] = OrderedDict()  # by sha256, the last used last
+        # by sha256 and device, the last used last
+        self.nets: OrderedDict[tuple[str, str], Any] = OrderedDict()
         # by model and parameters: (precision, its checks, the job whose first batch decided)
         self.decided: dict[tuple[Any, ...], tuple[str, list[Any], str]] = {}
         self.jobs = 0
@@ -85,16 +86,17 @@ class Resident:
         rules = Rules(int(hello["min_area"]), float(hello["split_neck"]), fsync_each=False)
         torch = self.device.torch
         with self.lock:
-            loaded = version.sha256 in self.nets
-            if not loaded:
-                self.nets[version.sha256] = self.device.load_model(version)
-                while len(self.nets) > MAX_MODELS:
-                    self.nets.popitem(last=False)
-            self.nets.move_to_end(version.sha256)
             cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
             where = choose_device(int(hello["gpus"]), os.environ, cuda, params)
-            stage = self.device.DeviceStage(self.nets[version.sha256], where,
-                                            float(params["threshold"]), rules)  # fmt: skip
+            model = (version.sha256, where.device)  # a job given no GPU: its net on the CPU
+            loaded = model in self.nets
+            if not loaded:
+                self.nets[model] = self.device.load_model(version).to(where.device)
+                while len(self.nets) > MAX_MODELS:
+                    self.nets.popitem(last=False)
+            self.nets.move_to_end(model)
+            stage = self.device.DeviceStage(self.nets[model], where, float(params["threshold"]),
+                                            rules)  # fmt: skip
             key = (version.sha256, where.device, float(params["threshold"]), rules.min_area,
                    rules.split_neck, where.candidates())  # fmt: skip
             decided_by = ""
@@ -132,10 +134,13 @@ class Resident:
                 return
             send(channel, said)
             Connection(self, stage, key, job, channel, slabs, said).run()
-        except Exception as exc:  # a job's failure is its own: the others go on
+        except Exception as exc:  # a job's failure is its own: the others go on ...
             log.exception("job %s: failed", job)
             with contextlib.suppress(OSError):
                 send(channel, {"error": f"{type(exc).__name__}: {exc}"})
+            if _broken(exc):  # ... but not CUDA's own: the executor starts another process
+                log.error("CUDA failed: this resident device ends")
+                os._exit(1)
         finally:
             channel.close()
             for slab in slabs.values():
@@ -173,8 +178,7 @@ class Connection:
             elif op == PROBABILITIES:
                 self._probabilities(message)
             elif op == SUMMARY:
-                summary = {**self.stage.summary(), "resident": self._word()}
-                send(self.channel, {"summary": summary})
+                send(self.channel, {"summary": self._summary()})
             else:
                 raise ValueError(f"no such request: {op!r}")
 
@@ -206,7 +210,7 @@ class Connection:
             slab = self.slabs[slab_index]
             slab.mask(masks_at, (count, *shape))[...] = masks
             np.frombuffer(slab.map, np.float64, count, confidences_at)[...] = confidences
-            send(self.channel, {"done": number, "precision": self.stage.precision})
+            send(self.channel, {"done": number, "summary": self._summary()})
 
     def _probabilities(self, message: dict[str, Any]) -> None:
         count, shape = int(message["count"]), tuple(message["shape"])
@@ -215,12 +219,23 @@ class Connection:
             found = self.stage.probabilities(windows)
             self.resident.note(self.stage, self.key, self.job)
         windows[...] = found
-        send(self.channel, {"probabilities": count, "precision": self.stage.precision})
+        send(self.channel, {"probabilities": count, "summary": self._summary()})
 
-    def _word(self) -> dict[str, Any]:
-        return {"pid": self.said["pid"], "jobs_served": self.resident.jobs,
+    def _summary(self) -> dict[str, Any]:
+        """The job's device summary (its precision, the checks that decided it), as the job's
+        result has it, with the resident device's word: sent with every batch back, so that
+        the job has it should this process end before the job does."""
+        word = {"pid": self.said["pid"], "jobs_served": self.resident.jobs,
                 "model_was_loaded": self.said["model_was_loaded"],
                 "decided_by": self.said["decided_by"]}  # fmt: skip
+        return {**self.stage.summary(), "resident": word}
+
+
+def _broken(exc: BaseException) -> bool:
+    """Whether ``exc`` is a CUDA error, which leaves the process's CUDA context unusable (an
+    illegal address, an ECC error): every later job would fail."""
+    accelerator = getattr(sys.modules.get("torch"), "AcceleratorError", None)
+    return (accelerator is not None and isinstance(exc, accelerator)) or "CUDA error" in str(exc)
 
 
 def _end_with_input() -> None:

@@ -34,15 +34,21 @@ if TYPE_CHECKING:
     from conftest import InferredBatch, JobRun
 
 
-@pytest.fixture
-def resident(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+def start_resident(folder: Path) -> tuple[subprocess.Popen[bytes], str]:
     """A resident device started as the executor starts one: its socket, its stdin a pipe."""
-    socket_path = str(tmp_path / "resident.sock")
-    with open(tmp_path / "resident.log", "wb") as log:
+    socket_path = str(folder / "resident.sock")
+    with open(folder / "resident.log", "wb") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "pipelines.inference.resident", socket_path],
             stdin=subprocess.PIPE, stderr=log, env={**os.environ, "OMP_NUM_THREADS": "1"},
         )  # fmt: skip
+    return server, socket_path
+
+
+@pytest.fixture
+def resident(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A resident device, listening."""
+    server, socket_path = start_resident(tmp_path)
     deadline = time.monotonic() + 30
     while not os.path.exists(socket_path):
         assert server.poll() is None and time.monotonic() < deadline, "it never listened"
@@ -75,6 +81,26 @@ def same_as_the_sessions(inferred: InferredBatch, batch_dir: Path) -> None:
         theirs = read_mask(inferred.batch_dir / "results" / "masks" / item.path)
         assert np.array_equal(mine, theirs), item.path
     assert rows_of(batch_dir) == rows_of(inferred.batch_dir, "table-0000.csv", "table-0001.csv")
+
+
+def connected(
+    inferred: InferredBatch, socket_path: str, made: list[Any]
+) -> remote.RemoteDevice | None:
+    """The job's side of the session's model on the resident device at ``socket_path``;
+    ``made`` gets the job's own device stage, if one is made."""
+    from pipelines.inference.device import DeviceStage, load_model
+    from pipelines.inference.placement import choose_device
+
+    version = catalog.resolve(inferred.model.registry, inferred.model.name, "latest")
+    rules = Rules(min_area=4, split_neck=0.0, fsync_each=False)
+    params = {"threshold": 0.5, "min_object_area": 4, "split_neck": 0.0}
+
+    def own() -> DeviceStage:
+        made.append(DeviceStage(load_model(version), choose_device(0, {}, 0, params), 0.5, rules))
+        return made[-1]
+
+    return remote.connect(socket_path, "a job", str(inferred.model.registry), version, params,
+                          0, rules, own)  # fmt: skip
 
 
 def test_jobs_handed_to_a_resident_device_make_the_masks_and_rows_of_jobs_with_their_own_net(
@@ -183,21 +209,9 @@ def test_a_job_whose_resident_device_ends_goes_on_with_its_own_net(
     job loads its own net, gives it that batch again and every one after, and its summary says
     the resident device ended. The masks are those the resident device made of the same
     images."""
-    from pipelines.inference.device import DeviceStage, load_model
-    from pipelines.inference.placement import choose_device
-
     server, socket_path = resident
-    version = catalog.resolve(inferred.model.registry, inferred.model.name, "latest")
-    rules = Rules(min_area=4, split_neck=0.0, fsync_each=False)
-    params = {"threshold": 0.5, "min_object_area": 4, "split_neck": 0.0}
-    made = []
-
-    def own() -> DeviceStage:
-        made.append(DeviceStage(load_model(version), choose_device(0, {}, 0, params), 0.5, rules))
-        return made[-1]
-
-    device = remote.connect(socket_path, "a job", str(inferred.model.registry), version, params,
-                            0, rules, own)  # fmt: skip
+    made: list[Any] = []
+    device = connected(inferred, socket_path, made)
     assert device is not None
     try:
         images = [np.random.default_rng(k).random((64, 64), np.float32) for k in range(3)]
@@ -221,6 +235,45 @@ def test_a_job_whose_resident_device_ends_goes_on_with_its_own_net(
         np.testing.assert_allclose(found[0][2], wanted[1])
         assert len(made) == 1 and device.where.device == "cpu" and device.precision == "fp32"
         assert device.summary()["resident"] == {"ended_during_the_job": True}
+    finally:
+        device.close()
+
+
+def test_a_job_started_with_its_resident_device_waits_for_it_to_listen(
+    inferred: InferredBatch, tmp_path: Path
+) -> None:
+    """The executor starts a resident device as the first job that needs it starts: the job
+    waits for it to listen rather than run a net of its own."""
+    server, socket_path = start_resident(tmp_path)
+    try:
+        assert not os.path.exists(socket_path)
+        device = connected(inferred, socket_path, [])
+        assert device is not None
+        device.close()
+    finally:
+        server.kill()
+        server.wait()
+        assert server.stdin is not None
+        server.stdin.close()
+
+
+def test_a_resident_device_that_ends_after_the_last_batch_leaves_the_job_its_summary(
+    inferred: InferredBatch, resident: tuple[subprocess.Popen[bytes], str]
+) -> None:
+    """The daemon restarts as a job hands in its last batch: the job's summary is the one the
+    resident device sent with that batch, and the job loads no net to write it."""
+    server, socket_path = resident
+    made: list[Any] = []
+    device = connected(inferred, socket_path, made)
+    assert device is not None
+    try:
+        device.submit([np.zeros((64, 64), np.float32)], "last")
+        assert len(device.done(wait=True)) == 1
+        server.kill()
+        server.wait()
+        summary = device.summary()
+        assert summary["resident"]["pid"] == server.pid and summary["precision"] == "fp32"
+        assert made == [] and not device.busy
     finally:
         device.close()
 
@@ -258,6 +311,14 @@ def test_the_local_executor_starts_a_resident_device_names_it_to_inference_jobs_
             result = json.loads((spec.job_dir / "result.json").read_text())
             assert result["summary"]["inference"]["resident"]["pid"] == started.pid
             same_as_the_sessions(inferred, batch_dir)
+        # the warm start behind the last job, its imports done, holds no torch
+        (spare,) = [s for s in executor.spares.waiting() if s.module == Pipeline.INFER.module]
+        ready_by = time.monotonic() + 120
+        while not spare.says_ready():
+            assert time.monotonic() < ready_by, "the spare never said its imports were done"
+            time.sleep(0.05)
+        maps = Path(f"/proc/{spare.pid}/maps").read_text()
+        assert "_nd_image" in maps and "libtorch" not in maps  # the workers' code, no net
     finally:
         executor.close()
     assert not os.path.exists(folder)
