@@ -19,8 +19,9 @@ In order:
    across jobs; ``--skip resident`` leaves those rows out). ``--old CHECKOUT`` adds the
    old code's 256² batch (four jobs of one CPU, as it was measured); ``--base CHECKOUT`` a
    baseline code's, run as the new code's is. Before them, how long a warm start
-   (``daemon/executors/spares.py``) of the inference job and of the report takes to say its
-   imports are done, twice each, started as the daemon starts one.
+   (``daemon/executors/spares.py``) of the inference job (also as one starts with resident
+   devices: no torch) and of the report takes to say its imports are done, twice each, started
+   as the daemon starts one.
 4. A ``--slide``² slide, 30 % tissue: one job on the GPU, one on 8 CPU threads (targets:
    ≥ 8× faster, ≥ 80 Mpx/s over the slide's area).
 5. The host pipeline alone: the 256² batch through one job whose net is a zero-cost stand-in
@@ -67,7 +68,7 @@ from bench_batch import BatchDaemon, one_run
 from bench_share import _commit
 from standin_job import THRESHOLD
 
-from daemon.contract.jobspec import ModelRef, Pipeline, Resources
+from daemon.contract.jobspec import RESIDENT_DEVICES_ENV, ModelRef, Pipeline, Resources
 from models import registry
 from models.unet import UNet, segmentation_loss
 from pipelines.images import decode
@@ -235,16 +236,19 @@ def make_batch(folder: Path, count: int, size: int) -> list[Path]:
 # -- through the daemon ---------------------------------------------------------------------
 
 
-def spare_ready(module: str, cpus: int, times: int = 2) -> list[float]:
+def spare_ready(
+    module: str, cpus: int, times: int = 2, env: dict[str, str] | None = None
+) -> list[float]:
     """Seconds from a spare's start to its word that its imports are done, ``times`` in a row
-    (on the H100 it took over 4.4 s, on a 2-core VM 1.5: a job waits for one only so long)."""
+    (on the H100 it took over 4.4 s, on a 2-core VM 1.5: a job waits for one only so long),
+    started in this environment and ``env``."""
     from daemon.executors.spares import Spares
 
     took = []
     for _ in range(times):
         spares = Spares(sys.executable, 1, [module])
         started = time.monotonic()
-        spares.top_up(module, {**os.environ, "OMP_NUM_THREADS": str(cpus)})
+        spares.top_up(module, {**os.environ, "OMP_NUM_THREADS": str(cpus), **(env or {})})
         (spare,) = spares.waiting()
         while not spare.says_ready():
             if not spare.alive() or time.monotonic() - started > 120:
@@ -421,9 +425,12 @@ def main() -> int:
         table.add(f"bare forward {size}², fp32 / fp16", f"{found['fp32']:,.0f} / "
                   f"{found['fp16']:,.0f} images/s")  # fmt: skip
 
-    for module in ("pipelines.infer", "pipelines.report"):
-        took = spare_ready(module, args.cpus_per_job)
-        table.add(f"warm start of {module}, ready after",
+    resident_spare = {RESIDENT_DEVICES_ENV: "1"}  # with resident devices: no torch in it
+    for module, env, said in (("pipelines.infer", None, ""),
+                              ("pipelines.infer", resident_spare, " (resident devices)"),
+                              ("pipelines.report", None, "")):  # fmt: skip
+        took = spare_ready(module, args.cpus_per_job, env=env)
+        table.add(f"warm start of {module}{said}, ready after",
                   " / ".join(f"{seconds:.2f} s" for seconds in took))  # fmt: skip
 
     gpu = cuda and not args.quick
