@@ -304,6 +304,14 @@ def main() -> int:
 
 
 def _commit(checkout: Path) -> str:
+    """The commit ``checkout`` is (``git describe``); "?" where it is not the top of a git work
+    tree: an archive of a commit unpacked inside another repository would show that one's."""
+    top = subprocess.run(
+        ["git", "-C", str(checkout), "rev-parse", "--show-toplevel"],
+        capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    if not top or Path(top).resolve() != checkout.resolve():
+        return "?"
     done = subprocess.run(
         ["git", "-C", str(checkout), "describe", "--always", "--dirty"],
         capture_output=True, text=True,
