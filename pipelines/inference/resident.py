@@ -264,9 +264,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     listener.listen(64)  # bound before torch's imports: a job that comes meanwhile waits
     _end_with_input()
     from pipelines.inference import device
+    from pipelines.job import settle_collector
 
+    # imported with the collector off (python -m pipelines...): what was made is frozen, and a
+    # process that lives as long as the daemon collects its garbage from now on
+    frozen = settle_collector()
     resident = Resident(device)
-    log.info("listening on %s, torch imported", args[0])
+    log.info("listening on %s, torch imported, %d objects frozen", args[0], frozen)
     while True:
         channel, _ = listener.accept()
         threading.Thread(target=resident.serve, args=(channel,), daemon=True).start()

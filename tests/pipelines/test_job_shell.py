@@ -178,13 +178,14 @@ def test_a_job_imports_with_the_collector_off_and_freezes_what_it_imported(
 def test_every_module_run_with_m_turns_the_collector_on_again() -> None:
     """``python -m pipelines.<name>`` imports with the collector off (pipelines/__init__.py):
     every module of the package that can be run so is a job that goes through ``run_job``
-    (itself, or :func:`pipelines.job.main`, which ends the process after it)."""
+    (itself, or :func:`pipelines.job.main`, which ends the process after it), or turns it on
+    itself (the resident device: :func:`pipelines.job.settle_collector`)."""
     package = Path(__file__).resolve().parents[2] / "pipelines"
     runnable = [
         path for path in package.rglob("*.py") if '__name__ == "__main__"' in path.read_text()
     ]
     assert len(runnable) >= 5  # infer, report, assemble, train, sweep
-    through = re.compile(r"\b(run_job|main)\(Pipeline\.")
+    through = re.compile(r"\b(run_job|main)\(Pipeline\.|\bsettle_collector\(\)")
     assert [path.name for path in runnable if not through.search(path.read_text())] == []
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -138,6 +139,11 @@ def test_jobs_handed_to_a_resident_device_make_the_masks_and_rows_of_jobs_with_t
                                          "model_was_loaded": bool(turn), "decided_by": ""}  # fmt: skip
         same_as_the_sessions(inferred, batch_dir)
     assert server.poll() is None  # it stays for the next job
+    # started with -m, it imported with the collector off (pipelines/__init__.py): it froze what
+    # its imports made and collects from then on, as long as it lives
+    said = (tmp_path / "resident.log").read_text()
+    frozen = re.search(r"torch imported, (\d+) objects frozen", said)
+    assert frozen is not None and int(frozen.group(1)) > 10_000, said
 
 
 def test_a_slide_through_a_resident_device_is_the_label_image_of_its_own_net(
