@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -144,6 +145,36 @@ def test_jobs_handed_to_a_resident_device_make_the_masks_and_rows_of_jobs_with_t
     said = (tmp_path / "resident.log").read_text()
     frozen = re.search(r"torch imported, (\d+) objects frozen", said)
     assert frozen is not None and int(frozen.group(1)) > 10_000, said
+
+
+def test_jobs_at_once_on_one_resident_device_each_get_their_own_masks(
+    inferred: InferredBatch,
+    resident: tuple[subprocess.Popen[bytes], str],
+    tmp_path: Path,
+    job_spec: Callable[..., Any],
+    run: Callable[..., JobRun],
+    infer_params: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three jobs side by side, each in a thread of the resident device of its own, their
+    batches interleaved under its lock: each job's masks and rows are the session's."""
+    server, socket_path = resident
+    monkeypatch.setenv(RESIDENT_DEVICE_ENV, socket_path)
+    specs = []
+    for name in ("one", "two", "three"):
+        copy_batch(inferred, tmp_path / name)
+        specs.append(job_spec(tmp_path / name, Pipeline.INFER, inferred.inputs,
+                              registry=inferred.model.registry, params=infer_params,
+                              model=ModelRef(inferred.model.name, "latest")))  # fmt: skip
+    with ThreadPoolExecutor(len(specs)) as pool:
+        jobs = list(pool.map(run, specs))
+    for job in jobs:
+        assert job.returncode == 0 and job.result is not None, job.log
+        assert job.result.summary["inference"]["resident"]["pid"] == server.pid
+        same_as_the_sessions(inferred, Path(job.spec.batch_dir))
+    said = (tmp_path / "resident.log").read_text()
+    assert sorted(re.findall(r"job (infer-0000): model", said)) == ["infer-0000"] * 3, said
+    assert server.poll() is None
 
 
 def test_a_slide_through_a_resident_device_is_the_label_image_of_its_own_net(
