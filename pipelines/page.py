@@ -137,6 +137,11 @@ def _checked(job: Mapping[str, Any]) -> str:
         for c in job["checks"]
     ]
     said = f"{job['job']} on {job['device']}: {', '.join(tried)} → {job['precision']}"
+    resident = job.get("resident", {})  # a resident device's (pipelines/inference/resident.py)
+    if resident.get("decided_by"):
+        said += f" (as {resident['decided_by']} decided on the resident device)"
+    if resident.get("ended_during_the_job"):
+        said += " (its resident device ended during the job: the rest on its own net)"
     compiled = [  # gpu_compile's first full batch of each size against fp32's eager masks
         f"{c['shape']} " + (f"{c['agreement']:.5f}" if "agreement" in c else "failed")
         + f" ({'compiled' if c['kept'] else 'eager'})"

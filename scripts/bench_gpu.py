@@ -286,8 +286,11 @@ def decided(batch_dir: Path) -> str:
                                  f"{c['images']})")
                               + ("" if c["kept"] else ", not kept")
                               for c in job["checks"])  # fmt: skip
+            decided_by = job.get("resident", {}).get("decided_by")  # a resident device's word
             said.add(
-                f"{job['precision']} on {job['device']}" + (f" (tried: {tried})" if tried else "")
+                f"{job['precision']} on {job['device']}"
+                + (f" (tried: {tried})" if tried else "")
+                + (f" as {decided_by} decided" if decided_by else "")
             )
     return "; ".join(sorted(said)) or "no summary.json"
 

@@ -440,6 +440,12 @@ def test_the_precision_each_image_was_made_in_and_the_checks_that_decided_it_are
                                                 "checks": specked}},
             {"job": "infer-0001", "inference": {"device": "cuda:0", "precision": "fp16",
                                                 "checks": checks} | compiled},
+            {"job": "infer-0002", "inference": {"device": "cuda:0", "precision": "fp16",
+                                                "checks": specked, "resident": {
+                                                    "pid": 7, "decided_by": "infer-0000"}}},
+            {"job": "infer-0003", "inference": {"device": "cuda:0", "precision": "fp32",
+                                                "checks": checks, "resident": {
+                                                    "ended_during_the_job": True}}},
             {"job": "report"}]  # fmt: skip
     summary["precision_checks"] = precision_checks(jobs)
     meta = {"batch": {"id": 1, "revision": 1, "kind": "inference", "title": "t", "dir": "d"},
@@ -453,5 +459,9 @@ def test_the_precision_each_image_was_made_in_and_the_checks_that_decided_it_are
         "0.99999 of pixels, same object counts in 127 of 128 images (kept) → fp16; "
         "infer-0001 on cuda:0: fp16 "
         "0.99987 of pixels, same object counts (kept) → fp16; gpu_compile graphs: "
-        "128×256×256 0.99995 (compiled), 8×1024×1024 failed (eager)</td>"
+        "128×256×256 0.99995 (compiled), 8×1024×1024 failed (eager); "
+        "infer-0002 on cuda:0: fp16 0.99999 of pixels, same object counts in 127 of 128 images "
+        "(kept) → fp16 (as infer-0000 decided on the resident device); "
+        "infer-0003 on cuda:0: fp16 0.99987 of pixels, same object counts (kept) → fp32 (its "
+        "resident device ended during the job: the rest on its own net)</td>"
     ) in page
