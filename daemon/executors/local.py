@@ -91,7 +91,6 @@ class LocalExecutor:
         self.spares = Spares(self.python, self.limits.warm_starts, warm)
         self.residents: Residents | None = None  # the inference jobs' nets (resident_device)
         if self.limits.resident_device:
-            self.env[RESIDENT_DEVICES_ENV] = "1"  # the inference jobs' warm starts import no torch
             threads = {"OMP_NUM_THREADS": str(self.limits.cpus_per_job)}
             self.residents = Residents(self.python, gpus, {**self.env, **threads})
 
@@ -123,13 +122,27 @@ class LocalExecutor:
     def expect(self, pipeline: Pipeline, given: Resources) -> None:
         """Start the warm starts of ``pipeline``'s coming jobs now, so that even the first job
         of a burst finds one ready (none for a pipeline not warmed)."""
-        self.spares.top_up(pipeline.module, self._job_env({}, given.cpus))
-        if self.residents is not None and pipeline is Pipeline.INFER:
+        resident = self._resident(pipeline.module, given.gpus)
+        if resident and self.residents is not None:
             self.residents.start_all()  # torch imported, CUDA started, while the batch settles
+        self.spares.top_up(pipeline.module, self._job_env({}, given.cpus, resident))
 
-    def _job_env(self, extra: Mapping[str, str], cpus: int) -> dict[str, str]:
-        """A job's environment (its GPUs aside): the executor's, the submission's, its CPUs."""
-        return {**self.env, **extra, "OMP_NUM_THREADS": str(cpus)}
+    def _resident(self, module: str, gpus: int) -> bool:
+        """Whether a job of ``module`` given ``gpus`` GPUs hands its batches to a resident
+        device: an inference job, where there are resident devices, given a GPU where they are
+        handed out."""
+        if self.residents is None or module != Pipeline.INFER.module:
+            return False
+        return gpus > 0 or self.seats is None
+
+    def _job_env(self, extra: Mapping[str, str], cpus: int, resident: bool = False
+                 ) -> dict[str, str]:  # fmt: skip
+        """A job's environment (its GPUs aside): the executor's, the submission's, its CPUs,
+        and whether resident devices run the nets (its warm start then imports no torch)."""
+        env = {**self.env, **extra, "OMP_NUM_THREADS": str(cpus)}
+        if resident:
+            env[RESIDENT_DEVICES_ENV] = "1"
+        return env
 
     def _watch(self, handle: str) -> str:
         if self._exits is not None:
@@ -151,7 +164,8 @@ class LocalExecutor:
         supervisor = [self.python, "-m", LAUNCHER, str(sub.job_dir), str(limit), str(stall), "--"]
         job = [self.python, "-m", sub.module, str(sub.job_dir)]
         command = [*supervisor, *job]
-        env = self._job_env(sub.env, sub.cpus)
+        resident = self._resident(sub.module, sub.gpus)
+        env = self._job_env(sub.env, sub.cpus, resident)
         gpus: tuple[int, ...] = ()
         if self.seats is not None:  # each job its own GPUs
             found = self.seats.free(sub.gpus * sub.tasks)
@@ -160,7 +174,7 @@ class LocalExecutor:
                                 f"{len(self.seats.jobs)}: every one has its jobs")  # fmt: skip
             gpus = found
             env.update(visible(gpus))
-        if self.residents is not None and sub.module == Pipeline.INFER.module:
+        if resident and self.residents is not None:
             env.update(self.residents.env_for(gpus))
         try:
             with sub.held_job_dir() as held:

@@ -215,11 +215,10 @@ class DeviceStage:
         if shape not in self.sizes:
             if not self.bytes_per_pixel and self.where.batch_size <= 0:
                 self.bytes_per_pixel = self._probe(shape)
+            # what torch keeps cached for reuse counts as free once given back (a resident
+            # device's other jobs and batches leave some: pipelines/inference/resident.py)
+            torch.cuda.empty_cache()  # type: ignore[no-untyped-call]
             free, _ = torch.cuda.mem_get_info(self.where.device)
-            # what torch keeps cached for reuse is free to this process (a resident device's
-            # other jobs and batches leave some: pipelines/inference/resident.py)
-            cached = torch.cuda.memory_reserved(self.where.device)
-            free += cached - torch.cuda.memory_allocated(self.where.device)
             self.sizes[shape] = size = sized_batch(math.prod(shape), self.bytes_per_pixel,
                                                    free, self.where.batch_size)  # fmt: skip
             log.info("%d image(s) of %s at once on the GPU", size, "×".join(map(str, shape)))

@@ -93,7 +93,11 @@ def receive(
     at the end of the connection. TimeoutError when none came in ``timeout`` seconds."""
     if timeout is not None and not select.select([channel], [], [], timeout)[0]:
         raise TimeoutError(f"no answer in {timeout:.0f} s")
-    data, fds, _, _ = socket.recv_fds(channel, MAX_MESSAGE, 1, socket.MSG_CMSG_CLOEXEC)
+    data, fds, flags, _ = socket.recv_fds(channel, MAX_MESSAGE, 1, socket.MSG_CMSG_CLOEXEC)
+    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        for fd in fds:
+            socket.close(fd)
+        raise ValueError(f"a message longer than {MAX_MESSAGE} bytes")
     if not data:
         for fd in fds:
             socket.close(fd)
@@ -173,6 +177,7 @@ class RemoteDevice:
         self.placement = Placement(str(said["device"]), int(said["batch_size"]),
                                bool(said["mixed_precision"]), str(said["reason"]),
                                str(said["compile"]))  # fmt: skip
+        self.hello = dict(said)  # what it said to the job's hello
         self.decided = str(said["precision"])  # as the resident device says
         self.said: dict[str, Any] = {}  # its last summary of the job's device
         self.slabs = [Slab.make() for _ in range(IN_FLIGHT + 1)]  # the last: a slide's windows
@@ -374,7 +379,9 @@ class RemoteDevice:
                 self.said = self._answer({"op": SUMMARY})["summary"]
         return self.said or {"device": self.where.device, "precision": self.decided,
                              "checks": [], "compile": self.where.compile, "compile_checks": [],
-                             "resident": {"ended_after_the_last_batch": True}}  # fmt: skip
+                             "resident": {"pid": self.hello["pid"],
+                                          "decided_by": self.hello["decided_by"],
+                                          "ended_before_the_summary": True}}  # fmt: skip
 
     def close(self) -> None:
         self.channel.close()

@@ -70,6 +70,7 @@ class Resident:
         self.nets: OrderedDict[tuple[str, str], Any] = OrderedDict()
         # by model and parameters: (precision, its checks, the job whose first batch decided)
         self.decided: dict[tuple[Any, ...], tuple[str, list[Any], str]] = {}
+        self.loading: dict[tuple[str, str], threading.Lock] = {}  # by model: held while it loads
         self.jobs = 0
 
     def stage(self, hello: dict[str, Any]) -> tuple[Any, dict[str, Any], tuple[Any, ...]]:
@@ -89,14 +90,19 @@ class Resident:
             cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
             where = choose_device(int(hello["gpus"]), os.environ, cuda, params)
             model = (version.sha256, where.device)  # a job given no GPU: its net on the CPU
-            loaded = model in self.nets
-            if not loaded:
-                self.nets[model] = self.device.load_model(version).to(where.device)
-                while len(self.nets) > MAX_MODELS:
-                    self.nets.popitem(last=False)
+            loading = self.loading.setdefault(model, threading.Lock())
+        with loading:  # one load of a model at a time, beside the other jobs' batches
+            with self.lock:
+                net = self.nets.get(model)
+            loaded = net is not None
+            if net is None:
+                net = self.device.load_model(version).to(where.device)
+        with self.lock:
+            self.nets[model] = net
             self.nets.move_to_end(model)
-            stage = self.device.DeviceStage(self.nets[model], where, float(params["threshold"]),
-                                            rules)  # fmt: skip
+            while len(self.nets) > MAX_MODELS:
+                self.nets.popitem(last=False)
+            stage = self.device.DeviceStage(net, where, float(params["threshold"]), rules)
             key = (version.sha256, where.device, float(params["threshold"]), rules.min_area,
                    rules.split_neck, where.candidates())  # fmt: skip
             decided_by = ""
@@ -157,6 +163,7 @@ class Connection:
     ) -> None:  # fmt: skip
         self.resident, self.stage, self.key, self.job = resident, stage, key, job
         self.channel, self.slabs, self.said = channel, slabs, said
+        self.sent: dict[str, Any] = {}  # the summary the job has
 
     def run(self) -> None:
         while True:
@@ -210,7 +217,7 @@ class Connection:
             slab = self.slabs[slab_index]
             slab.mask(masks_at, (count, *shape))[...] = masks
             np.frombuffer(slab.map, np.float64, count, confidences_at)[...] = confidences
-            send(self.channel, {"done": number, "summary": self._summary()})
+            send(self.channel, {"done": number, **self._summary_if_new()})
 
     def _probabilities(self, message: dict[str, Any]) -> None:
         count, shape = int(message["count"]), tuple(message["shape"])
@@ -219,7 +226,16 @@ class Connection:
             found = self.stage.probabilities(windows)
             self.resident.note(self.stage, self.key, self.job)
         windows[...] = found
-        send(self.channel, {"probabilities": count, "summary": self._summary()})
+        send(self.channel, {"probabilities": count, **self._summary_if_new()})
+
+    def _summary_if_new(self) -> dict[str, Any]:
+        """The summary, where it changed since the job last had it (a precision decided, a
+        size compiled)."""
+        summary = self._summary()
+        if summary == self.sent:
+            return {}
+        self.sent = summary
+        return {"summary": summary}
 
     def _summary(self) -> dict[str, Any]:
         """The job's device summary (its precision, the checks that decided it), as the job's
@@ -232,10 +248,19 @@ class Connection:
 
 
 def _broken(exc: BaseException) -> bool:
-    """Whether ``exc`` is a CUDA error, which leaves the process's CUDA context unusable (an
-    illegal address, an ECC error): every later job would fail."""
-    accelerator = getattr(sys.modules.get("torch"), "AcceleratorError", None)
-    return (accelerator is not None and isinstance(exc, accelerator)) or "CUDA error" in str(exc)
+    """Whether ``exc`` left the process's CUDA context unusable (an illegal address, an ECC
+    error: every later job would fail), as a small operation on the GPU then fails too; not a
+    memory shortage, which the next jobs may not meet."""
+    torch = sys.modules.get("torch")
+    accelerator = getattr(torch, "AcceleratorError", None)
+    cuda = (accelerator is not None and isinstance(exc, accelerator)) or "CUDA" in str(exc)
+    if torch is None or not cuda or not torch.cuda.is_available():
+        return False
+    try:
+        torch.ones(1, device="cuda").add_(1).item()
+    except Exception:  # any failure: the context is gone
+        return True
+    return False
 
 
 def _end_with_input() -> None:

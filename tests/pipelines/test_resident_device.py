@@ -25,7 +25,13 @@ from inferjobs import MAIN_IMPORTS, read_mask, through_executor
 from jobrun import work_dir_for
 from labelimages import zarr_levels
 
-from daemon.contract.jobspec import RESIDENT_DEVICE_ENV, ModelRef, Pipeline, Resources
+from daemon.contract.jobspec import (
+    RESIDENT_DEVICE_ENV,
+    RESIDENT_DEVICES_ENV,
+    ModelRef,
+    Pipeline,
+    Resources,
+)
 from daemon.executors.local import LocalExecutor
 from daemon.site.config import LocalExecutorSection
 from models import catalog
@@ -277,13 +283,13 @@ def test_a_job_whose_resident_device_ends_goes_on_with_its_own_net(
 
 
 def test_a_job_started_with_its_resident_device_waits_for_it_to_listen(
-    inferred: InferredBatch, tmp_path: Path
+    inferred: InferredBatch, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The executor starts a resident device as the first job that needs it starts: the job
     waits for it to listen rather than run a net of its own."""
+    monkeypatch.setattr(remote, "CONNECT_SECONDS", 60.0)  # a loaded machine starts it slowly
     server, socket_path = start_resident(tmp_path)
     try:
-        assert not os.path.exists(socket_path)
         device = connected(inferred, socket_path, [])
         assert device is not None
         device.close()
@@ -361,3 +367,34 @@ def test_the_local_executor_starts_a_resident_device_names_it_to_inference_jobs_
     assert not os.path.exists(folder)
     with pytest.raises(ProcessLookupError):
         os.kill(started.pid, 0)
+
+
+def test_where_gpus_are_handed_out_a_job_given_none_runs_its_own_net_and_starts_no_resident(
+    inferred: InferredBatch,
+    tmp_path: Path,
+    job_spec: Callable[..., Any],
+    infer_params: dict[str, Any],
+) -> None:
+    """``gpus = 1`` and inference on the CPU (``inference_gpus = 0``): no resident device is
+    started for the batch, the job is named none and runs its own net, and its warm start
+    imports torch as ever (its kind of warm start is not the one of jobs with a resident
+    device)."""
+    limits = LocalExecutorSection(resident_device=True, gpus=1, max_gpus=1)
+    executor = LocalExecutor(max_parallel=1, limits=limits,
+                             env={**os.environ, "WANDB_MODE": "offline"})  # fmt: skip
+    try:
+        executor.expect(Pipeline.INFER, Resources(cpus=1))
+        assert executor.residents is not None and executor.residents.running == {}
+        (spare,) = executor.spares.waiting()
+        assert RESIDENT_DEVICES_ENV not in spare.env
+        batch_dir = tmp_path / "cpu"
+        copy_batch(inferred, batch_dir)
+        spec = job_spec(batch_dir, Pipeline.INFER, inferred.inputs,
+                        registry=inferred.model.registry, params=infer_params,
+                        model=ModelRef(inferred.model.name, "latest"))  # fmt: skip
+        log = through_executor(executor, spec, warm=True)
+        assert "resident device" not in log and "inference on cpu" in log, log
+        assert executor.residents.running == {}
+        same_as_the_sessions(inferred, batch_dir)
+    finally:
+        executor.close()
