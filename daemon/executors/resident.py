@@ -40,12 +40,12 @@ import structlog
 
 from daemon.contract.jobspec import RESIDENT_DEVICE_ENV
 from daemon.executors.gpus import visible
+from daemon.executors.spares import FAILED_PAUSE_SECONDS
 from daemon.site.subprocesses import exited, process_start_ticks, reap, spawn
 
 MODULE = "pipelines.inference.resident"
 END_GRACE_SECONDS = 10.0
 EARLY_END_SECONDS = 30.0
-FAILED_PAUSE_SECONDS = 60.0
 MAX_FOLDER = 64  # characters of TMPDIR, for the socket's path to stay under its limit
 
 log = structlog.get_logger("watchd")

@@ -48,6 +48,7 @@ from pipelines.inference.placement import (
     EAGER,
     FULL,
     HALF,
+    IN_FLIGHT,
     TF32,
     Placement,
     Verdict,
@@ -58,7 +59,6 @@ from pipelines.inference.placement import (
 )
 
 log = logging.getLogger("pipelines")
-IN_FLIGHT = 3  # GPU batches queued at once: one copied in, one running, one copied out
 Result = tuple[Any, np.ndarray, np.ndarray]  # (tag, masks (N, H, W) uint8 0/1, confidences)
 Forward = Callable[[torch.Tensor], torch.Tensor]  # a batch (N, 1, H, W) → probabilities (N, H, W)
 

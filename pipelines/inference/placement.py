@@ -52,6 +52,10 @@ COUNT_AGREEMENT = 0.99  # of its images with as many objects as in full precisio
 BATCH_PIXELS = 2**23  # pixels of one GPU batch when its size is not given (8 Mpx)
 MEMORY_SHARE = 0.5  # of the GPU's free memory one batch's forward pass may take
 MOST_AT_ONCE = 1024
+# batches on their way to a GPU at once: one copied in, one running, one copied out (the job's
+# own device stage's pinned buffers, pipelines/inference/device.py, or its transfer slabs to a
+# resident device, pipelines/inference/remote.py)
+IN_FLIGHT = 3
 EAGER = "off"
 COMPILE_MODES: tuple[str, ...] = get_args(GpuCompile)  # off, compile, graphs
 

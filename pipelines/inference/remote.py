@@ -51,11 +51,10 @@ import numpy as np
 from daemon.contract.jobspec import RESIDENT_DEVICE_ENV
 from models.catalog import ModelError, ModelVersion
 from pipelines.inference.masks import Rules
-from pipelines.inference.placement import Placement
+from pipelines.inference.placement import IN_FLIGHT, Placement
 from pipelines.inference.slabs import Slab, aligned
 
 log = logging.getLogger("pipelines")
-IN_FLIGHT = 3  # batches on their way at once: as pipelines.inference.device.IN_FLIGHT
 MAX_MESSAGE = 1 << 16  # a message is a small JSON object: every pixel crosses in a slab
 CONNECT_SECONDS = 5.0  # for a resident device started with the job to listen
 HELLO_SECONDS = 120.0  # for the answer to the first message: the model may be loading
@@ -178,7 +177,6 @@ class RemoteDevice:
                                bool(said["mixed_precision"]), str(said["reason"]),
                                str(said["compile"]))  # fmt: skip
         self.hello = dict(said)  # what it said to the job's hello
-        self.decided = str(said["precision"])  # as the resident device says
         self.said: dict[str, Any] = {}  # its last summary of the job's device
         self.slabs = [Slab.make() for _ in range(IN_FLIGHT + 1)]  # the last: a slide's windows
         self.shared = [False] * len(self.slabs)  # its descriptor sent
@@ -221,7 +219,6 @@ class RemoteDevice:
             raise ResidentLost(f"the resident device failed: {said['error']}")
         if "summary" in said:  # the precision decided on a first batch, and the checks
             self.said = said["summary"]
-            self.decided = str(self.said["precision"])
         if "done" in said:
             self.landed.add(int(said["done"]))
         else:
@@ -271,7 +268,9 @@ class RemoteDevice:
 
     @property
     def precision(self) -> str:
-        return str(self.own.precision) if self.own is not None else self.decided
+        if self.own is not None:
+            return str(self.own.precision)
+        return str((self.said or self.hello)["precision"])  # its last word
 
     def submit(self, images: list[np.ndarray], tag: Any) -> None:
         """Hand the resident device ``images`` (one shape); the result comes from
@@ -377,7 +376,7 @@ class RemoteDevice:
         if not self.said:  # no batch went through it (every image done before, or a problem)
             with contextlib.suppress(ResidentLost):
                 self.said = self._answer({"op": SUMMARY})["summary"]
-        return self.said or {"device": self.where.device, "precision": self.decided,
+        return self.said or {"device": self.where.device, "precision": self.precision,
                              "checks": [], "compile": self.where.compile, "compile_checks": [],
                              "resident": {"pid": self.hello["pid"],
                                           "decided_by": self.hello["decided_by"],

@@ -41,6 +41,8 @@ from pipelines.inference.masks import Rules
 if TYPE_CHECKING:
     from conftest import InferredBatch, JobRun
 
+    from daemon.contract.jobspec import JobSpec
+
 
 def start_resident(folder: Path) -> tuple[subprocess.Popen[bytes], str]:
     """A resident device started as the executor starts one: its socket, its stdin a pipe."""
@@ -69,9 +71,17 @@ def resident(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     server.stdin.close()
 
 
-def copy_batch(inferred: InferredBatch, batch_dir: Path) -> None:
+def session_job(
+    job_spec: Callable[..., JobSpec], inferred: InferredBatch, batch_dir: Path,
+    params: dict[str, Any], cpus: int = 1,
+) -> JobSpec:  # fmt: skip
+    """A copy of the session's batch in ``batch_dir``, and the spec of one inference job over
+    all of it with the session's model."""
     for folder in ("images", "plate 2 ü"):
         shutil.copytree(inferred.batch_dir / folder, batch_dir / folder)
+    return job_spec(batch_dir, Pipeline.INFER, inferred.inputs, registry=inferred.model.registry,
+                    params=params, model=ModelRef(inferred.model.name, "latest"),
+                    resources=Resources(cpus=cpus))  # fmt: skip
 
 
 def rows_of(batch_dir: Path, *parts: str) -> dict[str, dict[str, str]]:
@@ -128,11 +138,7 @@ def test_jobs_handed_to_a_resident_device_make_the_masks_and_rows_of_jobs_with_t
     monkeypatch.setenv(RESIDENT_DEVICE_ENV, socket_path)
     for turn, name in enumerate(("first", "second")):
         batch_dir = tmp_path / name
-        copy_batch(inferred, batch_dir)
-        spec = job_spec(batch_dir, Pipeline.INFER, inferred.inputs,
-                        registry=inferred.model.registry, params=infer_params,
-                        model=ModelRef(inferred.model.name, "latest"),
-                        resources=Resources(cpus=2))  # fmt: skip
+        spec = session_job(job_spec, inferred, batch_dir, infer_params, cpus=2)
         job = run(spec, MAIN_IMPORTS)
         assert job.returncode == 0 and job.result is not None, job.log
         imported = [line for line in job.log.splitlines() if line.startswith("the main process")]
@@ -166,12 +172,8 @@ def test_jobs_at_once_on_one_resident_device_each_get_their_own_masks(
     batches interleaved under its lock: each job's masks and rows are the session's."""
     server, socket_path = resident
     monkeypatch.setenv(RESIDENT_DEVICE_ENV, socket_path)
-    specs = []
-    for name in ("one", "two", "three"):
-        copy_batch(inferred, tmp_path / name)
-        specs.append(job_spec(tmp_path / name, Pipeline.INFER, inferred.inputs,
-                              registry=inferred.model.registry, params=infer_params,
-                              model=ModelRef(inferred.model.name, "latest")))  # fmt: skip
+    specs = [session_job(job_spec, inferred, tmp_path / name, infer_params)
+             for name in ("one", "two", "three")]  # fmt: skip
     with ThreadPoolExecutor(len(specs)) as pool:
         jobs = list(pool.map(run, specs))
     for job in jobs:
@@ -233,10 +235,7 @@ def test_a_resident_device_not_there_leaves_the_job_its_own_net_and_says_why(
     gone = str(tmp_path / "gone.sock")
     monkeypatch.setenv(RESIDENT_DEVICE_ENV, gone)
     batch_dir = tmp_path / "alone"
-    copy_batch(inferred, batch_dir)
-    spec = job_spec(batch_dir, Pipeline.INFER, inferred.inputs, registry=inferred.model.registry,
-                    model=ModelRef(inferred.model.name, "latest"), params=infer_params)  # fmt: skip
-    job = run(spec)
+    job = run(session_job(job_spec, inferred, batch_dir, infer_params))
     assert job.returncode == 0 and job.result is not None, job.log
     assert f"resident device {gone} not reached" in job.log
     assert "this job runs its own" in job.log
@@ -342,11 +341,7 @@ def test_the_local_executor_starts_a_resident_device_names_it_to_inference_jobs_
     try:
         for name in ("first", "second"):
             batch_dir = tmp_path / name
-            copy_batch(inferred, batch_dir)
-            spec = job_spec(batch_dir, Pipeline.INFER, inferred.inputs,
-                            registry=inferred.model.registry, params=infer_params,
-                            model=ModelRef(inferred.model.name, "latest"),
-                            resources=Resources(cpus=2))  # fmt: skip
+            spec = session_job(job_spec, inferred, batch_dir, infer_params, cpus=2)
             log = through_executor(executor, spec, warm=True)
             assert f"(pid {started.pid}) on cpu" in log, log
             launch = json.loads((spec.job_dir / "launch.json").read_text())
@@ -388,10 +383,7 @@ def test_where_gpus_are_handed_out_a_job_given_none_runs_its_own_net_and_starts_
         (spare,) = executor.spares.waiting()
         assert RESIDENT_DEVICES_ENV not in spare.env
         batch_dir = tmp_path / "cpu"
-        copy_batch(inferred, batch_dir)
-        spec = job_spec(batch_dir, Pipeline.INFER, inferred.inputs,
-                        registry=inferred.model.registry, params=infer_params,
-                        model=ModelRef(inferred.model.name, "latest"))  # fmt: skip
+        spec = session_job(job_spec, inferred, batch_dir, infer_params)
         log = through_executor(executor, spec, warm=True)
         assert "resident device" not in log and "inference on cpu" in log, log
         assert executor.residents.running == {}
