@@ -76,9 +76,10 @@ def config_for(tmp_path: Path, drop_root: Path, registry: Path) -> Callable[...,
 def staged(tmp_path: Path) -> Callable[..., Path]:
     """Generate an inference batch (images + manifest) in a staging folder outside the root."""
 
-    def make(name: str = "staged", count: int = 6, **manifest_options: object) -> Path:
+    def make(name: str = "staged", count: int = 6, size: int = 64, **manifest_options: object
+             ) -> Path:  # fmt: skip
         folder = tmp_path / "staging" / name
-        synth.make_batch(folder, "inference", count=count, size=64, seed=7)
+        synth.make_batch(folder, "inference", count=count, size=size, seed=7)
         (folder / "manifest.toml").write_bytes(
             manifest_text(folder, Kind.INFERENCE, model=MODEL, version="latest", **manifest_options)
         )

@@ -108,15 +108,19 @@ def test_a_second_owners_batch_is_done_before_the_first_owners_backlog(
     at once (no grace: her short shards would end soon enough for bob to wait for one) and
     resumes later; bob's batch ends first, ann's ends done with every mask."""
     ann, bob, _ = people
-    config = config_for(planner={"shard_size": 2}, accounts={"preempt_grace_seconds": 0})
+    # ann's shards long enough (10 images of 512²) that neither ends before bob's batch is
+    # planned, and bob's staged beforehand: with 2 images of 64² a shard (a warm start, under
+    # 1 s), one of ann's once ended as bob's batch came, and bob took its slot without a yield
+    config = config_for(planner={"shard_size": 10}, accounts={"preempt_grace_seconds": 0})
+    ann_images, bobs = 30, staged("b", count=2)
     with Replay(config) as replay:
-        drop(staged("a", count=12), drop_root, "plate ann", ann)
+        drop(staged("a", count=ann_images, size=512), drop_root, "plate ann", ann)
 
         def ann_holds_both(service: Service) -> bool:
             return len(service.store.jobs(states=[JobState.RUNNING])) == 2
 
         replay.run(until=ann_holds_both, timeout=120)
-        drop(staged("b", count=2), drop_root, "plate bob", bob)
+        drop(bobs, drop_root, "plate bob", bob)
         replay.run(timeout=300)
     store = Store.open(config.daemon.database)
     done = {b.folder: b for b in store.batches()}
@@ -128,7 +132,7 @@ def test_a_second_owners_batch_is_done_before_the_first_owners_backlog(
     assert yielded and f"to user:{bob.user}" in yielded[0].reason
     jobs = store.jobs([ann_batch.id])
     assert all(j.state is JobState.SUCCEEDED and j.tries == 1 for j in jobs)
-    assert len(list((Path(ann_batch.run_dir) / "masks").rglob("*.png"))) == 12
+    assert len(list((Path(ann_batch.run_dir) / "masks").rglob("*.png"))) == ann_images
 
 
 def test_a_batch_over_its_owners_quota_waits_queued_saying_why_until_an_operator_raises_it(
