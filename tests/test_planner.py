@@ -171,16 +171,20 @@ def test_a_training_batch_is_one_job_with_images_and_masks() -> None:
     assert train.pipeline is Pipeline.TRAIN and len(train.inputs) == 10
 
 
-def test_a_batch_whose_inputs_settle_has_its_first_jobs_expected_by_the_executor() -> None:
-    """All inputs there, settling: the executor is told what the first jobs will be, so that
-    it can start them ahead (a warm start); not while inputs are missing, nor for a batch whose
-    jobs would not go out (its root paused or held elsewhere, the daemon stopping)."""
+def test_a_batch_whose_inputs_settle_has_its_first_jobs_and_report_expected() -> None:
+    """All inputs there, settling: the executor is told what the first jobs will be, and that
+    the report follows them, so that it can start both ahead (warm starts); not while inputs
+    are missing, nor for a batch whose jobs would not go out (its root paused or held
+    elsewhere, the daemon stopping)."""
     settling = Waiting((), Settle("fp", 9.0))
     for kind in ("inference", "training", "sweep"):
         m = manifest(kind)
         view = BatchView(batch(kind=Kind(kind)), m, (), settling)
         first = compute_jobs(batch(kind=Kind(kind)), m, m.files, POLICY.shards, "local")[0]
-        assert plan(snap(view)) == [Expect(1, first.pipeline, m.resources)]
+        assert plan(snap(view)) == [
+            Expect(1, first.pipeline, m.resources),
+            Expect(1, Pipeline.REPORT, m.resources),
+        ]
         assert first_pipeline(m) is first.pipeline
     view = BatchView(batch(), manifest(), (), settling)
     missing = Problem("manifest.toml, files[0]", "'a' is missing", "not copied yet?")

@@ -413,8 +413,8 @@ def test_no_spare_is_started_where_warm_starts_is_0_or_for_modules_not_warmed(
 def test_an_expected_job_finds_its_warm_start_ready_when_it_comes(
     tmp_path: Path, pipeline: Pipeline, cpus: int
 ) -> None:
-    """Told that jobs of a warmed pipeline come (a batch's inputs settle: its shards; its
-    shards run: its report), the executor starts one spare for them, however often told, in
+    """Told that jobs of a warmed pipeline come (a batch's inputs settle: its shards and its
+    report; its shards run: its report), the executor starts one spare for them, however often told, in
     their environment; the first such job is forked from it. Nothing is started for a
     pipeline not warmed (training)."""
     executor = LocalExecutor(max_parallel=1, env=dict(os.environ))

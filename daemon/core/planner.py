@@ -379,11 +379,16 @@ def _revive(view: BatchView) -> list[Action]:
 
 def _plan_waiting(view: BatchView, policy: Policy, going: bool) -> list[Action]:
     """A waiting batch: failed, queued with its jobs planned, or left to wait (its first jobs
-    expected where its inputs are all there and settle, and jobs of its root may go out)."""
+    and its report expected where its inputs are all there and settle, and jobs of its root
+    may go out)."""
     verdict, batch = view.verdict, view.batch
     settling = isinstance(verdict, Waiting) and not verdict.problems
     if settling and going and view.manifest is not None:
-        return [Expect(batch.id, first_pipeline(view.manifest), view.manifest.resources)]
+        # every batch ends with its report: its warm start imports while the inputs settle, so
+        # that it is ready even after shards shorter than its imports (a resident device's)
+        first = first_pipeline(view.manifest)
+        return [Expect(batch.id, pipeline, view.manifest.resources)
+                for pipeline in dict.fromkeys((first, Pipeline.REPORT))]  # fmt: skip
     if isinstance(verdict, NotReady):
         return [
             *_cancel_jobs(view.jobs, "batch failed"),  # a requeued batch's jobs wait pending

@@ -6,11 +6,11 @@ keeps ``executor.local.warm_starts`` *spares* per job module it warms (the infer
 and the report's, whose imports take ~0.9 s before the last step of every batch):
 ``python -m daemon.executors.local_job --spare MODULE`` (see there), started when the planner
 expects a job of that module (:class:`daemon.core.planner.Expect`, passed on by
-:meth:`daemon.executors.local.LocalExecutor.expect`: a batch's first jobs while its inputs
-settle, the next stage's job while the stage before runs) and after a job of that module is
-handed over (they import while that job runs). The next job of the module goes to a spare
-(:meth:`Spares.take`, then :func:`hand_over`): the spare becomes its launcher, its handle is
-the spare's, and the job is forked from it, its imports already done.
+:meth:`daemon.executors.local.LocalExecutor.expect`: a batch's first jobs and its report while
+its inputs settle, the next stage's job while the stage before runs) and after a job of that
+module is handed over (they import while that job runs). The next job of the module goes to a
+spare (:meth:`Spares.take`, then :func:`hand_over`): the spare becomes its launcher, its handle
+is the spare's, and the job is forked from it, its imports already done.
 
 A spare serves a job only once it said its imports are done (:data:`READY`: a job handed to
 one still importing would wait for it without its time limit, and be lost with a spare that
