@@ -19,6 +19,15 @@ the CLI client, the array throttled to ``--cpus`` tasks and a status query at mo
 every sbatch, squeue, scancel and scontrol they run is counted (through a folder of wrappers
 first on their PATH).
 
+``--standin``: the daemons' jobs run with the net replaced by a zero-cost stand-in
+(``scripts/standin_job.py``, put in every process of theirs by a ``sitecustomize`` first on
+their PYTHONPATH), without the object step (the stand-in's masks make it ~14× as costly as a
+trained net's), and the limit is the host side's instead: one stand-in job of the new code over
+the whole batch on ``--cpus`` cores, its images/s over its images alone (start-up aside, as the
+forward pass's limit leaves it aside). What a batch then loses against it is the daemon's and
+the jobs' fixed costs (planning, starts, waves of shards, the report): on a GPU node, where the
+net costs next to nothing per image, that is what stands between a batch and the GPU's rate.
+
 ``--resume`` then drops one more batch on the new code, kills the daemon and its jobs (SIGKILL,
 as a node that dies) when about half the images are done, starts it again and counts the
 images segmented twice (ledger lines beyond one per image, in the run's ledgers in the daemon's
@@ -27,6 +36,7 @@ Local executor only.
 
     .venv/bin/python scripts/bench_batch.py --old ../wt-old [--images 1500] [--rounds 2]
     .venv/bin/python scripts/bench_batch.py --old ../wt-old --slurm --images 10000 --rounds 1
+    .venv/bin/python scripts/bench_batch.py --old ../wt-old --standin --images 4096
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import synth
 from bench_share import Daemon, _commit
 from slurm_scenario import start_cluster
+from standin_job import THRESHOLD, site_folder
 
 from daemon.contract import spool
 from daemon.core.records import Batch, Job
@@ -293,6 +304,8 @@ def main() -> int:
     parser.add_argument("--limit-images", type=int, default=500)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--slurm", action="store_true", help="jobs to the local test cluster")
+    parser.add_argument("--standin", action="store_true",
+                        help="a zero-cost net: the host side's limit, the fixed costs")  # fmt: skip
     args = parser.parse_args()
     slurm_conf = start_cluster() if args.slurm else None
     work = Path(tempfile.mkdtemp(prefix="watchd-bench-batch-"))
@@ -302,14 +315,17 @@ def main() -> int:
                       {"architecture": net.architecture()})  # fmt: skip
     template = work / "template"
     files = synth.make_batch(template, "inference", args.images, args.size, seed=7)
+    standin = {"threshold": THRESHOLD, "min_object_area": 16, "split_neck": 0.0}
+    params = [f"--param={k}={v}" for k, v in standin.items()] if args.standin else []
     subprocess.run(
         [str(REPO / ".venv/bin/watchctl"), "manifest", str(template), "--kind", "inference",
-         "--model", MODEL, "--owner", "Bench"],
+         "--model", MODEL, "--owner", "Bench", *params],
         check=True, capture_output=True,
     )  # fmt: skip
     decoded = [decode(p.read_bytes()) for p in files[: args.limit_images]]
     print(f"old: {args.old.resolve()} ({_commit(args.old)}); new: {REPO} ({_commit(REPO)})")
     where = f"Slurm test cluster ({slurm_conf}), throttle %{args.cpus}" if args.slurm else "local"
+    where += ", the net stood in" if args.standin else ""
     print(f"{args.images:,} images {args.size}², {args.cpus} cores, {where}; work in {work}")
     daemons = [
         BatchDaemon(name, code, work / name, work / name / "drop", work / name / "state",
@@ -322,6 +338,24 @@ def main() -> int:
             d.slurm = {"client": "cli", "slurm_conf": str(slurm_conf), "python": sys.executable,
                        "array_throttle": args.cpus, "poll_seconds": 2.0,
                        "result_grace_seconds": 0.0, "memory_mb": 3072}  # fmt: skip
+    if args.standin:
+        for d in daemons:
+            d.env["PYTHONPATH"] = str(site_folder(work / d.name / "standin"))
+
+    def measure_limit() -> None:
+        if args.standin:
+            from bench_host import host_rate  # (it imports this module, through bench_slide)
+
+            whole, inner = host_rate(template, work / "registry", MODEL, args.cpus, standin)
+            limits.append(inner)
+            print(f"limit: {inner:.1f} images/s (one stand-in job on {args.cpus} cores, over "
+                  f"its images; {whole:.1f} start to end)")  # fmt: skip
+            return
+        threaded, processes = limit(net, decoded, args.cpus)
+        limits.append(max(threaded, processes))
+        print(f"limit: {threaded:.1f} images/s (1 process × {args.cpus} threads), "
+              f"{processes:.1f} ({args.cpus} processes × 1 thread)")  # fmt: skip
+
     limits: list[float] = []
     rates: dict[str, list[dict[str, float]]] = {d.name: [] for d in daemons}
     try:
@@ -330,17 +364,13 @@ def main() -> int:
             d.start()
         for round_ in range(args.rounds):
             for d in daemons:
-                threaded, processes = limit(net, decoded, args.cpus)
-                limits.append(max(threaded, processes))
-                print(f"limit: {threaded:.1f} images/s (1 process × {args.cpus} threads), "
-                      f"{processes:.1f} ({args.cpus} processes × 1 thread)")  # fmt: skip
+                measure_limit()
                 run = one_run(d, template, f"round-{round_}", args.images)
                 rates[d.name].append(run)
                 print(f"{d.name}: {run['jobs']:.0f} jobs, queued → done {run['seconds']:.1f} s = "
                       f"{run['queued_to_done']:.1f} images/s; manifest → done "
                       f"{run['manifest_to_done']:.1f} images/s")  # fmt: skip
-        threaded, processes = limit(net, decoded, args.cpus)
-        limits.append(max(threaded, processes))
+        measure_limit()
         best = statistics.median(limits)
         print(f"machine limit (median of {len(limits)}): {best:.1f} images/s")
         for name, runs in rates.items():

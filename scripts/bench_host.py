@@ -179,6 +179,28 @@ def run_job(
     return wall, _result(job_dir, done.returncode, str(code))
 
 
+def host_rate(
+    batch_dir: Path, registry_dir: Path, model: str, cpus: int, params: dict[str, object]
+) -> tuple[float, float]:
+    """Images/s of one stand-in job of this tree over every image of ``batch_dir`` on its first
+    ``cpus`` cores, started cold: (over the job's whole run, over its images alone). The host
+    side's limit where the net costs nothing (``bench_gpu.py``, ``bench_batch.py --standin``)."""
+    images = sorted(p for p in (batch_dir / "images").iterdir() if p.is_file())
+    spec = JobSpec(
+        job_id=1, job_name=f"infer-host-{cpus}", pipeline=Pipeline.INFER, attempt=1,
+        batch_id=1, batch_revision=1, batch_kind="inference", batch_dir=str(batch_dir),
+        run_dir=str(batch_dir / "results"), work_dir=str(work_dir_for(batch_dir)),
+        manifest_sha256="0" * 64, inputs=jobrun.inputs_of(batch_dir, images, checksums=True),
+        model=ModelRef(model), registry_dir=str(registry_dir), params=params,
+        resources=Resources(cpus=cpus), title="host pipeline",
+    )  # fmt: skip
+    cores = sorted(os.sched_getaffinity(0))[:cpus]
+    wall, result = run_job(REPO, batch_dir, spec, cpus, cores)
+    jobrun.set_aside(batch_dir)  # its masks and ledger not found by the next run
+    segmented = int(result.summary["segmented"])
+    return segmented / wall, 1 / float(result.summary["seconds_per_image"])
+
+
 def run_warm(
     batch_dir: Path, spec: JobSpec, cpus: int, cores: list[int]
 ) -> tuple[float, JobResult]:

@@ -68,8 +68,9 @@ class Daemon:
         self.state.mkdir(parents=True, exist_ok=True)
         code = f"import sys; sys.argv = ['watchd', 'run', '--config', {str(self.config())!r}];"
         code += " from daemon.watchd import watchd_main; watchd_main()"
-        # the code first; then what the caller's path holds (wheels unpacked on a GPU node)
-        path = os.pathsep.join(filter(None, [str(self.code), os.environ.get("PYTHONPATH")]))
+        # the code first; then the daemon's own (env) and the caller's (wheels on a GPU node)
+        path = os.pathsep.join(filter(None, [str(self.code), self.env.get("PYTHONPATH"),
+                                             os.environ.get("PYTHONPATH")]))  # fmt: skip
         env = {**os.environ, **self.env, "PYTHONPATH": path}
         with open(self.state / "daemon.log", "ab") as log:
             self.process = subprocess.Popen(

@@ -1,5 +1,6 @@
 """The inference job with its net replaced by a zero-cost stand-in: for benchmarks of the job's
-host side only (scripts/bench_host.py, scripts/bench_gpu.py), never for real work.
+host side only (scripts/bench_host.py, scripts/bench_gpu.py, scripts/bench_batch.py), never for
+real work.
 
     PYTHONPATH=CODE python scripts/standin_job.py JOB_DIR
 
@@ -15,6 +16,7 @@ encoding and writing that follow; the forward pass costs nothing.
 
 is the same job's warm start (:mod:`daemon.executors.local_job`): a launcher that imports the
 job's code, the stand-in swapped in, and waits on its stdin for the job handed to it.
+:func:`site_folder` puts the same swap into every process of a whole daemon instead.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import importlib.machinery
 import importlib.util
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -69,6 +72,23 @@ class _SwapNet(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         self.real.exec_module(module)  # type: ignore[attr-defined]
         module.UNet = stand_in(module.torch)  # type: ignore[attr-defined]
+
+
+def site_folder(folder: Path) -> Path:
+    """``folder`` made to hold a ``sitecustomize`` that swaps the stand-in in for the net in
+    every Python process that has it first on PYTHONPATH: a whole daemon's jobs, warm starts
+    and resident devices (``bench_batch.py --standin``), of whichever code tree they run."""
+    folder.mkdir(parents=True, exist_ok=True)
+    scripts = str(Path(__file__).resolve().parent)
+    (folder / "sitecustomize.py").write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {scripts!r})\n"
+        "from standin_job import _SwapNet\n"
+        f"sys.path.remove({scripts!r})\n"
+        "sys.meta_path.insert(0, _SwapNet())\n",
+        encoding="utf-8",
+    )
+    return folder
 
 
 def main() -> int:
