@@ -24,7 +24,7 @@ from daemon.executors import Accepted, Deferred, Status, Submission, spares
 from daemon.executors.local import LAUNCH_FILE, LocalExecutor
 from daemon.executors.local_job import TIMED_OUT, Forked
 from daemon.site.config import LocalExecutorSection
-from daemon.site.subprocesses import exited
+from daemon.site.subprocesses import exited, process_start_ticks
 
 # A job module: says at import and at run what a test checks; WARM_IMPORTS what its spare imports.
 JOB = """\
@@ -187,7 +187,8 @@ def test_a_job_waits_only_for_a_spare_past_half_the_imports_of_the_last_one(
     """Once a spare of its kind said ready after R seconds, a job waits for a spare still
     importing only if it has been at it for R/2 or more (a cold start overlaps its imports with
     its workers' reads): earlier, the job starts cold. Each spare here imports until the test
-    lets it (a file named by its pid)."""
+    lets it (a file named by its pid); the copy made of the first is ended, so that the next
+    spare is started, and imports."""
     gate = tmp_path / "gate"
     gate.mkdir()
     (lib / "gated.py").write_text(
@@ -214,14 +215,19 @@ def test_a_job_waits_only_for_a_spare_past_half_the_imports_of_the_last_one(
         ready(first)
         assert first.ready_after is not None and 1.0 <= first.ready_after < 10  # its own word
         assert offer("two") == Accepted(first.handle)
-        (second,) = executor.spares.waiting()  # started behind "two", importing
-        cold = offer("three")  # the second spare has been importing for less than 0.5 s
+        (copy,) = executor.spares.waiting()  # a copy of it, ready: ended here
+        assert copy.copied and copy.says_ready()
+        spares.end(copy)
+        assert isinstance(offer("three"), Accepted)  # cold
+        (second,) = executor.spares.waiting()  # started behind "three", importing
+        assert not second.copied
+        cold = offer("four")  # the second spare has been importing for less than 0.5 s
         assert isinstance(cold, Accepted) and cold.handle != second.handle
         time.sleep(0.6)
-        assert isinstance(offer("four"), Deferred)  # now past half: it waits
+        assert isinstance(offer("five"), Deferred)  # now past half: it waits
         (gate / str(second.pid)).touch()
         ready(second)
-        assert offer("four") == Accepted(second.handle)
+        assert offer("five") == Accepted(second.handle)
     finally:
         executor.close()
 
@@ -320,6 +326,8 @@ def test_a_warm_job_is_kept_to_its_time_limit(lib: Path, tmp_path: Path) -> None
     os.close(log_fd)
     _, status = os.waitpid(spare.pid, 0)
     assert os.waitstatus_to_exitcode(status) == TIMED_OUT
+    assert spares.end_word(spare.channel) == TIMED_OUT  # its last word says it too
+    spare.channel.close()
     assert 2 <= time.monotonic() - started < 30
     log = (job_dir / "log.txt").read_text().splitlines()
     assert log[-2].split()[-1] == "True"  # it ran warm
@@ -341,8 +349,9 @@ def test_a_warm_job_outlives_its_daemon_and_is_adopted_while_idle_spares_end(
     (accepted,) = executor.submit([sub])
     assert accepted == Accepted(spare.handle)
     (behind,) = executor.spares.waiting()
+    assert behind.copied  # a copy of the spare: no child here, init reaps it
     executor.close()
-    assert not Path(f"/proc/{behind.pid}").exists()  # the idle spare ended and was reaped
+    assert process_start_ticks(behind.pid) is None  # the idle spare ended
     again = executor_for(lib, SLEEP="300")
     try:
         assert again.submit([sub]) == [Accepted(spare.handle)]
@@ -510,7 +519,8 @@ def test_a_job_killed_by_a_signal_ends_its_launcher_by_it_cold_or_warm(
     lib: Path, tmp_path: Path, signum: int
 ) -> None:
     """The daemon reads the launcher's end as the job's: one killed by SIGKILL (the kernel's
-    out-of-memory killer) or interrupted ends by that signal, started cold or forked."""
+    out-of-memory killer) or interrupted ends by that signal, started cold or forked, from a
+    spare or from a copy of one (which says it on its socket: it is no child of the daemon)."""
     executor = executor_for(lib, KILL=str(int(signum)))
     try:
         cold = submit(executor, tmp_path / "one")
@@ -520,5 +530,85 @@ def test_a_job_killed_by_a_signal_ends_its_launcher_by_it_cold_or_warm(
         warm = submit(executor, tmp_path / "two")
         assert warm == spare.handle
         assert until_ended(executor, warm).exit_code == -signum
+        (copy,) = executor.spares.waiting()
+        assert copy.copied and submit(executor, tmp_path / "three") == copy.handle
+        assert until_ended(executor, copy.handle).exit_code == -signum
     finally:
+        executor.close()
+
+
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_wave_of_jobs_starts_warm_from_copies_of_one_spare_that_imported_once(
+    lib: Path, tmp_path: Path
+) -> None:
+    """With one warm start, three jobs submitted at once all start warm: the spare runs the
+    first, copies of it forked in turn (no children of the daemon, each in a session of its
+    own) the others; the imports ran once, in the spare (every log starts with its pid), and
+    each job's exit status comes back."""
+    executor = LocalExecutor(
+        max_parallel=4, warm=("warmjob",), limits=LocalExecutorSection(warm_starts=1),
+        env={**os.environ, "PYTHONPATH": f"{lib}:{os.environ.get('PYTHONPATH', '')}",
+             "CODE": "3", "SLEEP": "1"},
+    )  # fmt: skip
+    names = ("one", "two", "three", "four")
+    for name in names:
+        (tmp_path / name).mkdir()
+    try:
+        (cold,) = executor.submit([Submission(1, "one", "warmjob", tmp_path / "one")])
+        assert isinstance(cold, Accepted)
+        (spare,) = executor.spares.waiting()
+        ready(spare)
+        wave = executor.submit([Submission(n, name, "warmjob", tmp_path / name)
+                                for n, name in enumerate(names[1:], start=2)])  # fmt: skip
+        handles = [h.handle for h in wave if isinstance(h, Accepted)]
+        assert len(set(handles)) == 3 and handles[0] == spare.handle
+        pids = [int(h.split(":")[1]) for h in handles]
+        assert parent(pids[0]) == os.getpid()
+        assert all(parent(pid) != os.getpid() and os.getsid(pid) == pid for pid in pids[1:])
+        (behind,) = executor.spares.waiting()  # a copy of the last, for the next job
+        assert behind.copied and behind.pid not in pids
+        for handle in [*handles, cold.handle]:
+            assert until_ended(executor, handle) == Status(Phase.ENDED, 3, "")
+    finally:
+        executor.close()
+    for name in names[1:]:
+        log = (tmp_path / name / "log.txt").read_text().splitlines()
+        assert log[0] == f"imported {spare.pid}" and log[-1].split()[-1] == "True"
+        assert json.loads((tmp_path / name / LAUNCH_FILE).read_text())["warm"] is True
+
+
+def test_a_copys_job_is_cancelled_alone_and_a_copy_killed_unsaid_is_left_to_its_result(
+    lib: Path, tmp_path: Path
+) -> None:
+    """A cancel of a job forked from a copy ends its group (the copy and its job), not the
+    spare it was copied from; a copy's launcher killed before it could say its end gives an
+    unknown status, which the daemon settles by the job's result, as for a job adopted."""
+    executor = executor_for(lib, SLEEP="300")
+    try:
+        cold = submit(executor, tmp_path / "one")
+        (spare,) = executor.spares.waiting()
+        ready(spare)
+        warm = submit(executor, tmp_path / "two")
+        (copy,) = executor.spares.waiting()
+        assert submit(executor, tmp_path / "three") == copy.handle
+        (second,) = executor.spares.waiting()
+        assert submit(executor, tmp_path / "four") == second.handle
+        deadline = time.monotonic() + 30
+        while not all("ran" in (tmp_path / n / "log.txt").read_text() for n in ("three", "four")):
+            assert time.monotonic() < deadline, "the jobs did not start"
+            time.sleep(0.05)
+        job = int((tmp_path / "three" / "log.txt").read_text().split("ran ")[1].split()[0])
+        executor.cancel([copy.handle])
+        while process_start_ticks(copy.pid) is not None or process_start_ticks(job):
+            assert time.monotonic() < deadline, "the copy's job outlived its cancel"
+            time.sleep(0.05)
+        assert executor.poll([warm])[warm].phase is Phase.RUNNING
+        os.kill(second.pid, signal.SIGKILL)  # its launcher, with no word said
+        assert until_ended(executor, second.handle) == Status(Phase.UNKNOWN)
+    finally:
+        for handle in (cold, warm):
+            executor.cancel([handle])
         executor.close()

@@ -22,6 +22,7 @@ import errno
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -84,6 +85,9 @@ class LocalExecutor:
         self.python = python or sys.executable
         self.env = dict(env or {})
         self._children: dict[str, int] = {}  # handle → pid of the jobs this executor started
+        # handle → socket of the jobs handed to copies of spares (no children: their launchers'
+        # exit statuses come on these, spares.end_word)
+        self._reports: dict[str, socket.socket] = {}
         self._ending: list[int] = []  # children cancelled, not yet seen to exit
         self._exits: ExitWatch | None = None
         gpus = self.limits.gpus
@@ -178,11 +182,13 @@ class LocalExecutor:
             env.update(self.residents.env_for(gpus))
         try:
             with sub.held_job_dir() as held:
-                spare = self.spares.take(sub.module, env, promised)
+                # a batch's report is its last job: no spare of its kind is kept behind it
+                replace = sub.module != Pipeline.REPORT.module
+                spare = self.spares.take(sub.module, env, promised, replace)
                 if spare is None:
                     if coming := self._coming(sub, env, promised):
                         return coming
-                    spare = self.spares.take(sub.module, env, promised)  # ready meanwhile
+                    spare = self.spares.take(sub.module, env, promised, replace)  # ready now
                 handle = None
                 if spare is not None:
                     handle = self._warm_start(held, spare, job, limit, stall, env, gpus)
@@ -195,7 +201,7 @@ class LocalExecutor:
             reason = f"cannot start {sub.name}: {exc}"
             return Deferred(reason) if exc.errno in PASSING else Refused(reason)
         if sub.module != Pipeline.REPORT.module:  # a batch's last: the planner expects the next
-            self.spares.top_up(sub.module, env)  # importing while this job runs
+            self.spares.top_up(sub.module, env)  # where none was copied: imports while this runs
         return Accepted(self._watch(handle))
 
     def _coming(self, sub: Submission, env: dict[str, str], promised: set[int]) -> Deferred | None:
@@ -231,7 +237,11 @@ class LocalExecutor:
             return None
         finally:
             os.close(log_fd)
-        return self._keep(spare.handle, spare.pid, gpus)
+        if not spare.copied:
+            spare.channel.close()  # our child: its exit status is waited for
+            return self._keep(spare.handle, spare.pid, gpus)
+        self._reports[spare.handle] = spare.channel
+        return self._keep(spare.handle, 0, gpus)
 
     def _started(
         self, held: HeldFolder, pid: int, command: list[str], gpus: tuple[int, ...]
@@ -245,7 +255,9 @@ class LocalExecutor:
         return handle
 
     def _keep(self, handle: str, pid: int, gpus: tuple[int, ...]) -> str:
-        self._children[handle] = pid
+        """Keep a job started here (``pid``: our child; 0: a copy's, :attr:`_reports`)."""
+        if pid:
+            self._children[handle] = pid
         if self.seats is not None:
             self.seats.hold(handle, gpus)
         return handle
@@ -290,6 +302,8 @@ class LocalExecutor:
         return {h: self._status(h) for h in handles}
 
     def _status(self, handle: str) -> Status:
+        if handle in self._reports:
+            return self._reported(handle)
         pid = self._children.get(handle)
         if pid is None:
             if _alive(handle):
@@ -303,6 +317,19 @@ class LocalExecutor:
         self._free(handle)
         return Status(Phase.ENDED, code, ended_why(code))
 
+    def _reported(self, handle: str) -> Status:
+        """The status of a job handed to a copy of a spare: its launcher's last word, read
+        after it was seen alive or gone (a word said just before it ended is not missed)."""
+        alive = _alive(handle)
+        code = spares.end_word(self._reports[handle])
+        if code is None and alive:
+            return Status(Phase.RUNNING)
+        self._reports.pop(handle).close()
+        self._free(handle)
+        if code is None:  # killed with no word (SIGKILL): its result says, as for an adopted job
+            return Status(Phase.UNKNOWN)
+        return Status(Phase.ENDED, code, ended_why(code))
+
     def _free(self, handle: str) -> None:
         if self.seats is not None:
             self.seats.release(handle)
@@ -314,6 +341,8 @@ class LocalExecutor:
             pid = self._children.pop(handle, None)
             if pid is not None:
                 self._ending.append(pid)
+            if (channel := self._reports.pop(handle, None)) is not None:
+                channel.close()
             self._free(handle)
 
     def close(self) -> None:
@@ -323,6 +352,9 @@ class LocalExecutor:
             reap(pid, CANCEL_GRACE_SECONDS)
         self._ending.clear()
         self._children.clear()
+        for channel in self._reports.values():
+            channel.close()  # their launchers' last words go unsaid: a later daemon adopts them
+        self._reports.clear()
         self.spares.close()
         if self.residents is not None:
             self.residents.close()

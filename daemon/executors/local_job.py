@@ -26,7 +26,14 @@ resets its peer), and waits. The executor hands it one job: a JSON request (the 
 folder, the limits, the command the job would have been started with, its environment) and the
 job's open log. From then on it is that job's launcher, as above, but the job is forked from it
 with its imports done, and runs MODULE as ``python -m`` would, in the job's environment. What
-the imports printed goes to the head of the job's log. An end of file instead of a job (the
+the imports printed goes to the head of the job's log. Before its job, a spare may be asked for
+a copy of itself (:data:`COPY`, with one end of a new socket): it forks one, its imports done,
+in a session of its own and a child of no process of ours (forked twice, as a daemon is: it is
+not left a zombie of a launcher that runs a long job), serving on that socket as this one does,
+and answers :data:`COPIED` and the copy's pid. The executor thus gets the next job's spare in
+milliseconds, without importing again. As a launcher, a spare says the exit status it ends with
+(:data:`ENDED` and the status) on its socket: the executor, which is not a copy's parent,
+learns it there. An end of file instead of a job (the
 daemon stopped, or is gone) ends it; so does waiting :data:`SPARE_IDLE_SECONDS` (it stops
 reading first: a job sent after that is refused, one sent before is run). Where the imports
 failed, or left CUDA started (a fork cannot use it), the job is started as the command says,
@@ -63,6 +70,9 @@ USAGE = ("usage: python -m daemon.executors.local_job JOB_DIR TIME_LIMIT_S STALL
          "       python -m daemon.executors.local_job --spare MODULE")  # fmt: skip
 SPARE = "--spare"
 READY = b"R"  # a spare's word that its imports are done: only then is it handed a job
+COPY = b"copy"  # a request for a copy of a spare, with one end of the copy's socket
+COPIED = b"C"  # a spare's answer to it: C and the copy's pid (C alone: no copy)
+ENDED = b"E"  # a launcher's last word on its socket: E and its exit status
 SPARE_IDLE_SECONDS = 600.0  # a spare no job came for by then ends
 MAX_REQUEST_BYTES = 1 << 20  # a request is a job folder, two numbers, a command, an environment
 POLL_SECONDS = 0.05  # how often a forked job's end is looked for, where there are no pidfds
@@ -198,10 +208,11 @@ class Forked:
                 os.kill(self.pid, signum)
 
 
-def _warm(module: str, job_dir: str) -> Callable[[], Child]:
+def _warm(module: str, job_dir: str, channel: socket.socket) -> Callable[[], Child]:
     def start() -> Child:
         pid = os.fork()
         if pid == 0:
+            channel.close()  # the launcher's: its end of file is the launcher's end
             _run_module(module, job_dir)
         return Forked(pid)
 
@@ -267,8 +278,8 @@ def _preload(module: str) -> str:
 
 
 def serve(module: str) -> int:
-    """A spare (see the module's docstring): its imports, then one job, or none (0; 2 for a
-    request it could not read)."""
+    """A spare (see the module's docstring): its imports, then copies of itself where asked,
+    then one job, or none (0; 2 for a request it could not read)."""
     kept = os.memfd_create("preload-output")  # what the imports say, for the job's log
     os.dup2(kept, 1)
     os.dup2(kept, 2)
@@ -279,29 +290,78 @@ def serve(module: str) -> int:
     why_cold = _preload(module)
     try:
         channel.sendall(READY + f"{time.monotonic():.6f}".encode())  # the executor's clock too
-        if not select.select([channel], [], [], SPARE_IDLE_SECONDS)[0]:
-            channel.shutdown(socket.SHUT_RD)  # a job sent from now on is refused (EPIPE) …
-        text, fds, _, _ = socket.recv_fds(channel, MAX_REQUEST_BYTES, 1)  # … one sent is run
-        channel.close()
+        channel, text, fds = _await_job(channel)
     except OSError:
         return 0  # the daemon is gone
     if not fds:
         return 0  # end of file: the daemon stopped, ended the spare, or it waited too long
+    code = _launch(module, why_cold, kept, channel, text, fds[0])
+    with contextlib.suppress(OSError):  # the daemon that is not its parent learns it here
+        channel.sendall(ENDED + str(code).encode())
+    return code
+
+
+def _await_job(channel: socket.socket) -> tuple[socket.socket, bytes, list[int]]:
+    """Serve requests for copies until a job's request comes (or the end of file: no fds):
+    the socket it came on (a copy's own, in a copy), the request and its fds."""
+    while True:
+        if not select.select([channel], [], [], SPARE_IDLE_SECONDS)[0]:
+            channel.shutdown(socket.SHUT_RD)  # a job sent from now on is refused (EPIPE) …
+        text, fds, _, _ = socket.recv_fds(channel, MAX_REQUEST_BYTES, 1)  # … one sent is run
+        if text != COPY or len(fds) != 1:
+            return channel, text, fds
+        channel = _copy(channel, fds[0]) or channel
+
+
+def _copy(channel: socket.socket, copy_fd: int) -> socket.socket | None:
+    """Fork a copy of this spare that serves on ``copy_fd``, through a process that ends at
+    once (the copy is nobody's child here: init reaps it), and answer its pid on ``channel``:
+    in the copy, its socket; here, None."""
+    read, write = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        copy = -1
+        with contextlib.suppress(OSError):
+            copy = os.fork()
+        if copy == 0:
+            os.close(read)
+            os.close(write)
+            os.setsid()  # a cancel's signal to a launcher's group reaches its job, not others
+            channel.close()
+            return socket.socket(fileno=copy_fd)
+        try:
+            os.write(write, str(max(copy, 0)).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.close(copy_fd)
+    pid = os.read(read, 32)
+    os.close(read)
+    os.waitpid(middle, 0)
+    channel.sendall(COPIED + (pid if pid != b"0" else b""))
+    return None
+
+
+def _launch(
+    module: str, why_cold: str, kept: int, channel: socket.socket, text: bytes, log_fd: int
+) -> int:
+    """Run the job of the request ``text`` as its launcher, its output to ``log_fd`` (after
+    what the imports printed, in the memfd ``kept``): the exit status."""
     try:
         request = json.loads(text)
         job_dir, command = str(request["job_dir"]), [str(part) for part in request["command"]]
         limit, stall = float(request["limit"]), float(request["stall"])
         env = {str(key): str(value) for key, value in request["env"].items()}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        _append_all(fds[0], f"watchd: a spare could not read its job's request: {exc!r}\n"
+        _append_all(log_fd, f"watchd: a spare could not read its job's request: {exc!r}\n"
                     .encode())  # fmt: skip
         return 2
     sys.stdout.flush()
     sys.stderr.flush()
-    _append_all(fds[0], os.pread(kept, MAX_PRELOAD_OUTPUT, 0))
-    os.dup2(fds[0], 1)
-    os.dup2(fds[0], 2)
-    for fd in (*fds, kept):
+    _append_all(log_fd, os.pread(kept, MAX_PRELOAD_OUTPUT, 0))
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    for fd in (log_fd, kept):
         os.close(fd)
     os.environ.clear()
     os.environ.update(env)
@@ -310,7 +370,7 @@ def serve(module: str) -> int:
     if why_cold:
         print(f"watchd: the job starts cold: the process started ahead for it: {why_cold}",
               flush=True)  # fmt: skip
-    start = _cold(command) if why_cold else _warm(module, command[-1])
+    start = _cold(command) if why_cold else _warm(module, command[-1], channel)
     return supervise(Path(job_dir), limit, stall, start)
 
 

@@ -12,6 +12,15 @@ module is handed over (they import while that job runs). The next job of the mod
 spare (:meth:`Spares.take`, then :func:`hand_over`): the spare becomes its launcher, its handle
 is the spare's, and the job is forked from it, its imports already done.
 
+A spare's imports are paid once, not once per job: where a ready spare of the kind waits, the
+spares that follow it are *copies* of it (:meth:`Spares.take` with ``replace``, and
+:meth:`Spares.top_up`), forked from it in milliseconds, their imports done and their memory
+shared with it until written (the copies' protocol: :mod:`daemon.executors.local_job`). Every
+shard of a wave then starts warm, not only the first, and no shard's cores go to importing torch
+again (~1.5 CPU-s each on this project's 2-core machines). A copy is no child of the daemon: it
+says its launcher's exit status on its socket (:func:`end_word`), which the executor keeps open
+for it.
+
 A spare serves a job only once it said its imports are done (:data:`READY`: a job handed to
 one still importing would wait for it without its time limit, and be lost with a spare that
 cannot serve), and only where the job would have been started in the very environment the
@@ -34,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import socket
 import time
@@ -43,7 +53,7 @@ from dataclasses import dataclass
 import structlog
 
 from daemon.contract.jobspec import RESIDENT_DEVICE_ENV
-from daemon.executors.local_job import READY, SPARE, SPARE_IDLE_SECONDS
+from daemon.executors.local_job import COPIED, COPY, ENDED, READY, SPARE, SPARE_IDLE_SECONDS
 from daemon.site.subprocesses import exited, process_start_ticks, reap, spawn
 
 LAUNCHER = "daemon.executors.local_job"
@@ -57,6 +67,8 @@ FAILED_PAUSE_SECONDS = 60.0
 # A job waits for a spare of its kind still importing while the spare is younger than this;
 # an older one is taken for stuck (a share that hangs an import), and the job starts cold.
 READY_WAIT_SECONDS = 30.0
+# A spare asked for a copy answers within this (two forks: milliseconds), or none is made.
+COPY_WAIT_SECONDS = 5.0
 
 log = structlog.get_logger("watchd")
 
@@ -74,6 +86,7 @@ class Spare:
     started: float = 0.0  # time.monotonic() when it was started
     watched: bool = False  # the executor's loop wakes at its word
     ready_after: float | None = None  # seconds from its start to its word
+    copied: bool = False  # forked from another spare, not started by the daemon: no child of it
 
     @property
     def handle(self) -> str:
@@ -118,16 +131,20 @@ class Spares:
         self._imports: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
 
     def take(
-        self, module: str, env: Mapping[str, str], promised: Set[int] = frozenset()
-    ) -> Spare | None:
+        self, module: str, env: Mapping[str, str], promised: Set[int] = frozenset(),
+        replace: bool = False,
+    ) -> Spare | None:  # fmt: skip
         """The longest-waiting live spare of ``module`` started in the job's ``env`` whose
         imports are done, not in ``promised`` (spares that other jobs wait for: :meth:`coming`;
-        the caller hands it the job or ends it), or None (always, for a module not warmed)."""
+        the caller hands it the job or ends it), or None (always, for a module not warmed).
+        ``replace``: a copy of it waits in its place (where one can be made)."""
         self.tend()
         for spare in self._of_kind(module, env, promised):
             if self._ready(spare):
                 self._waiting.remove(spare)
                 self._failing.pop(_kind(spare.module, spare.env), None)
+                if replace and (copy := _copy(spare)) is not None:
+                    self._waiting.append(copy)
                 return spare
         return None
 
@@ -165,18 +182,21 @@ class Spares:
         return None
 
     def top_up(self, module: str, env: Mapping[str, str]) -> None:
-        """Start spares of ``module`` in the job's ``env`` until ``count`` wait (none for a
-        module not warmed; a spare that cannot be started is left out: the jobs start cold)."""
+        """Start spares of ``module`` in the job's ``env`` until ``count`` wait, copies of a
+        ready one where one waits (none for a module not warmed; a spare that cannot be started
+        is left out: the jobs start cold)."""
         if module not in self.modules:
             return
         wanted = spare_env(env)
         failing = self._failing.get(_kind(module, wanted))
         if failing is not None and time.monotonic() < failing[1]:
             return
-        waiting = sum(1 for s in self._waiting if s.module == module and s.env == wanted)
-        for _ in range(self.count - waiting):
+        kind = self._of_kind(module, wanted, frozenset())
+        template = next((s for s in kind if self._ready(s) and s.alive()), None)
+        for _ in range(self.count - len(kind)):
+            spare = _copy(template) if template is not None else None
             try:
-                self._waiting.append(self._start(module, wanted))
+                self._waiting.append(spare or self._start(module, wanted))
             except OSError:
                 return
 
@@ -229,6 +249,45 @@ def _kind(module: str, env: Mapping[str, str]) -> tuple[str, frozenset[tuple[str
     return module, frozenset(env.items())
 
 
+def _copy(template: Spare) -> Spare | None:
+    """A copy of the ready spare ``template``, forked from it, ready at once; None where it
+    cannot make one in :data:`COPY_WAIT_SECONDS` (gone, no processes left: the caller starts
+    one, or the job starts cold)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    word = b""
+    try:
+        socket.send_fds(template.channel, [COPY], [theirs.fileno()])
+        if select.select([template.channel], [], [], COPY_WAIT_SECONDS)[0]:
+            word = template.channel.recv(64)
+    except OSError:
+        pass
+    finally:
+        theirs.close()
+    pid = int(word[len(COPIED) :]) if word[len(COPIED) :].isdigit() else 0
+    ticks = process_start_ticks(pid) if word.startswith(COPIED) and pid else None
+    if ticks is None:
+        ours.close()  # a copy made too late reads its end of file, and ends
+        return None
+    return Spare(pid, ticks, template.module, template.env, ours, ready=True,
+                 started=time.monotonic(), copied=True)  # fmt: skip
+
+
+def end_word(channel: socket.socket) -> int | None:
+    """The exit status a launcher said as its last word on ``channel`` (:data:`ENDED`), or
+    None: none yet, or none comes (it was killed; its end of file)."""
+    while True:
+        try:
+            word = channel.recv(64, socket.MSG_DONTWAIT)
+        except OSError:
+            return None
+        if not word:
+            return None
+        with contextlib.suppress(ValueError):
+            if word.startswith(ENDED):
+                return int(word[len(ENDED) :])
+        # else the answer to a copy request that came too late: read past it
+
+
 def end(spare: Spare) -> None:
     """End a spare with no job (mid-import or waiting) and reap it."""
     spare.channel.close()
@@ -242,10 +301,8 @@ def hand_over(
     env: Mapping[str, str], log_fd: int,
 ) -> None:  # fmt: skip
     """Give ``spare`` its job: the request and the job's open log. OSError: it is gone (the
-    caller reaps it with :func:`end` and starts the job cold)."""
+    caller reaps it with :func:`end` and starts the job cold). The caller keeps the spare's
+    socket (its launcher's exit status, :func:`end_word`) or closes it."""
     request = {"job_dir": job_dir, "limit": limit, "stall": stall, "command": list(command),
                "env": dict(env)}  # fmt: skip
-    try:
-        socket.send_fds(spare.channel, [json.dumps(request).encode()], [log_fd])
-    finally:
-        spare.channel.close()
+    socket.send_fds(spare.channel, [json.dumps(request).encode()], [log_fd])

@@ -152,10 +152,11 @@ def runs(pid: int, argv_tail: Sequence[str]) -> bool:
 
 
 def reap(pid: int, grace: float) -> None:
-    """Wait for our child ``pid``, told to stop; kill its group if it takes over ``grace``."""
+    """Wait for our child ``pid`` (or a process of ours that is no child: until it is gone),
+    told to stop; kill its group if it takes over ``grace``."""
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
-        if exited(pid) is not None:
+        if exited(pid) is not None or process_start_ticks(pid) is None:
             return
         time.sleep(0.05)
     signal_group(pid, signal.SIGKILL)
