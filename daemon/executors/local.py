@@ -9,7 +9,8 @@ while the daemon is away); the job's exit status is its own. An inference or rep
 handed to such a launcher started ahead, its imports done, where one waits (``warm_starts``,
 :mod:`daemon.executors.spares`: started behind an inference job, and where the planner expects
 a job, :meth:`LocalExecutor.expect`); ``launch.json`` says so (``"warm": true``), and names it
-before the job is handed over.
+before the job is handed over. Such a launcher may be a copy forked from another (no child of
+this process): its exit status comes as its last word on its socket, kept open for it.
 
 The job's folder is in the spool (:mod:`daemon.contract.spool`, the service's own): its log is
 opened there by the daemon and handed to the child.
