@@ -612,3 +612,26 @@ def test_a_copys_job_is_cancelled_alone_and_a_copy_killed_unsaid_is_left_to_its_
         for handle in (cold, warm):
             executor.cancel([handle])
         executor.close()
+
+
+def test_a_spare_taken_is_replaced_by_a_copy_only_while_fewer_than_count_wait(lib: Path) -> None:
+    """Two spares of a kind wait where one is kept (the setting lowered): taking one leaves
+    the other, and no copy; taking that one then leaves a copy of it, forked at once."""
+    env = {**os.environ, "PYTHONPATH": str(lib)}
+    waiting = spares.Spares(sys.executable, 2, ["warmjob"])
+    try:
+        waiting.top_up("warmjob", env)
+        for spare in waiting.waiting():
+            ready(spare)
+        waiting.count = 1
+        first = waiting.take("warmjob", env, replace=True)
+        assert first is not None and len(waiting.waiting()) == 1
+        (other,) = waiting.waiting()
+        assert not other.copied
+        assert waiting.take("warmjob", env, replace=True) is other
+        (copy,) = waiting.waiting()
+        assert copy.copied and copy.says_ready() and process_start_ticks(copy.pid) is not None
+        for taken in (first, other):
+            spares.end(taken)
+    finally:
+        waiting.close()

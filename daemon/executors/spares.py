@@ -137,13 +137,15 @@ class Spares:
         """The longest-waiting live spare of ``module`` started in the job's ``env`` whose
         imports are done, not in ``promised`` (spares that other jobs wait for: :meth:`coming`;
         the caller hands it the job or ends it), or None (always, for a module not warmed).
-        ``replace``: a copy of it waits in its place (where one can be made)."""
+        ``replace``: a copy of it waits in its place (where one can be made, and fewer than
+        ``count`` others of its kind wait)."""
         self.tend()
         for spare in self._of_kind(module, env, promised):
             if self._ready(spare):
                 self._waiting.remove(spare)
                 self._failing.pop(_kind(spare.module, spare.env), None)
-                if replace and (copy := _copy(spare)) is not None:
+                others = len(self._of_kind(module, env, frozenset()))
+                if replace and others < self.count and (copy := _copy(spare)) is not None:
                     self._waiting.append(copy)
                 return spare
         return None
