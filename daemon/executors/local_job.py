@@ -131,6 +131,8 @@ def supervise(job_dir: Path, limit: float, stall: float, start: Callable[[], Chi
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     child = start()
+    if stopping:  # told before its job was there: the signal to the group missed the job
+        child.terminate()
     started = time.time()
     progressed = started
     period = max(0.2, min(5.0, (stall or limit or 5.0) / 10))

@@ -156,7 +156,10 @@ def reap(pid: int, grace: float) -> None:
     told to stop; kill its group if it takes over ``grace``."""
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
-        if exited(pid) is not None or process_start_ticks(pid) is None:
+        if exited(pid) is not None:
+            return
+        if process_start_ticks(pid) is None:  # gone, or a zombie: a child that just ended
+            exited(pid)  # is reaped (a process that is no child of ours: init reaps it)
             return
         time.sleep(0.05)
     signal_group(pid, signal.SIGKILL)
