@@ -86,21 +86,59 @@ def child_pids() -> set[int]:
     return found
 
 
+TEST_MARK = "WATCHD_TEST_RUN"  # in the environment of every process a test starts
+LAUNCHER = b"daemon.executors.local_job"
+
+
+def launchers_of(mark: str) -> set[int]:
+    """Live launchers, spares and the jobs forked from them (their command line names
+    ``local_job``) started in an environment holding ``mark``: children of nobody here too,
+    as copies of spares are, and jobs whose launcher was killed."""
+    wanted, found = f"{TEST_MARK}={mark}\0".encode(), set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if LAUNCHER not in Path(f"/proc/{entry}/cmdline").read_bytes():
+                continue
+            if wanted not in Path(f"/proc/{entry}/environ").read_bytes():
+                continue
+            text = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if text[text.rindex(")") + 2] != "Z":
+            found.add(int(entry))
+    return found
+
+
 @pytest.fixture(autouse=True)
-def no_leaks() -> Iterator[None]:
-    """Every test leaves no thread and no child process behind."""
+def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test leaves no thread, no child process and no launcher it started behind (a
+    test sharing a module's fixtures may leave that fixture's)."""
     threads_before = set(threading.enumerate())
     children_before = child_pids()
-    yield
+    mark = f"{os.getpid()}-{time.monotonic_ns()}"
+    before = os.environ.get(TEST_MARK)
+    os.environ[TEST_MARK] = mark
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(TEST_MARK, None)
+        else:
+            os.environ[TEST_MARK] = before
+    shared = _uses_a_module_fixture(request.node)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         threads = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
         children = child_pids() - children_before
-        if not threads and not children:
+        launchers = set() if shared else launchers_of(mark)
+        if not threads and not children and not launchers:
             return
         time.sleep(0.1)
     assert not threads, f"threads left running: {threads}"
     assert not children, f"child processes left running: {children}"
+    assert not launchers, f"launchers or spares left running: {launchers}"
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import structlog
 
 from daemon.contract.jobspec import Pipeline, Resources
 from daemon.core.states import Phase
-from daemon.executors import Accepted, Deferred, Status, Submission, spares
+from daemon.executors import Accepted, Deferred, Status, Submission, local_job, spares
 from daemon.executors.local import LAUNCH_FILE, LocalExecutor
 from daemon.executors.local_job import TIMED_OUT, Forked
 from daemon.site.config import LocalExecutorSection
@@ -606,7 +606,7 @@ def test_a_copys_job_is_cancelled_alone_and_a_copy_killed_unsaid_is_left_to_its_
             assert time.monotonic() < deadline, "the copy's job outlived its cancel"
             time.sleep(0.05)
         assert executor.poll([warm])[warm].phase is Phase.RUNNING
-        os.kill(second.pid, signal.SIGKILL)  # its launcher, with no word said
+        os.killpg(second.pid, signal.SIGKILL)  # its launcher and job, with no word said
         assert until_ended(executor, second.handle) == Status(Phase.UNKNOWN)
     finally:
         for handle in (cold, warm):
@@ -635,3 +635,21 @@ def test_a_spare_taken_is_replaced_by_a_copy_only_while_fewer_than_count_wait(li
             spares.end(taken)
     finally:
         waiting.close()
+
+
+def test_a_launcher_told_to_stop_before_its_job_was_started_ends_the_job(tmp_path: Path) -> None:
+    """A cancel's SIGTERM to the launcher's group that comes before the job is forked (a
+    job just handed to a spare) misses the job: the launcher ends it itself, not 300 s later."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def start() -> subprocess.Popen[bytes]:
+        os.kill(os.getpid(), signal.SIGTERM)  # the group's signal, before the job is there
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+
+    started = time.monotonic()
+    try:
+        assert local_job.supervise(tmp_path, 0, 0, start) == -signal.SIGTERM
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert time.monotonic() - started < 30
