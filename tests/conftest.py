@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from daemon.site.subprocesses import process_start_ticks
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))  # the synthetic data generator
 
@@ -103,10 +105,9 @@ def launchers_of(mark: str) -> set[int]:
                 continue
             if wanted not in Path(f"/proc/{entry}/environ").read_bytes():
                 continue
-            text = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        if text[text.rindex(")") + 2] != "Z":
+        if process_start_ticks(int(entry)) is not None:  # a zombie counts as gone
             found.add(int(entry))
     return found
 
