@@ -61,7 +61,7 @@ READ, FINISH, STOP, FAILED = "read", "finish", "stop", "failed"
 PART, WINDOWS, LARGE = "part", "windows", "large"
 SLABS_PER_WORKER = 4  # chunks a worker has at once: reading, waiting for the net, finishing
 # Added to a worker's nice value (from the job's): the main process, which steers the stages
-# and feeds the device in input order, gets a CPU first when it has work; the workers take
+# and feeds the device the chunks read, gets a CPU first when it has work; the workers take
 # whatever it leaves (docs/benchmarks.md)
 WORKER_NICENESS = 10
 _PR_SET_PDEATHSIG = 1

@@ -3,14 +3,17 @@ device (the net, in this process) → finish (the workers label, measure and wri
 (masks made durable together, then their ledger lines).
 
 The main process only steers: it asks the workers for runs of inputs (chunks) as their slabs
-come free, feeds the net the chunks' images in input order, in batches of one size, hands each
-chunk back to its worker once every image of it has its mask, and passes what the workers
-finished to the :class:`Committer`. It waits only when nothing is ready: for the device when
-a batch is in flight, for a worker otherwise; a partial batch goes to an idle device rather
-than leave it waiting. A run a worker cut short (its slab full) is asked for again before any
-later run, the lowest first: the slabs that come free go to the images the net needs next,
-never all to chunks ahead of them that wait for them. An image too large to decode whole is
-segmented here, window by window (the ``tiled`` callback), when its turn comes.
+come free, feeds the net each chunk's images as soon as the chunk is read (the lowest first of
+those read), in batches of one size, hands each chunk back to its worker once every image of it
+has its mask, and passes what the workers finished to the :class:`Committer`. It waits only
+when nothing is ready: for the device when a batch is in flight, for a worker otherwise; a
+partial batch goes to an idle device rather than leave it waiting. No chunk read waits for one
+before it: a slab is held only while its chunk is read, on the device or finished (what the
+table and the ledger record does not depend on the order; the table is written in input
+order). A run a worker cut short (its slab full) is asked for again, split into runs that fit,
+before any later run, the lowest first: every slab that comes free reads a part of it, side by
+side (docs/benchmarks.md, "Large images"). An image too large to decode whole is segmented
+here, window by window (the ``tiled`` callback), when its chunk is taken.
 
 How many images a run holds: a share of a batch at first (:func:`chunk_images`), then, once a
 chunk is read, as many of its size as a slab holds, up to :data:`MAX_CHUNK_IMAGES`
@@ -118,7 +121,7 @@ class Chunk:
     end: int
     entries: list[Entry] | None = None  # once read
     waiting: int = 0  # its images still on their way through the device
-    consumed: bool = False  # every entry taken in order (to the device, or done with)
+    consumed: bool = False  # every entry taken (to the device, or done with)
     confidences: dict[int, float] = field(default_factory=dict)
 
 
@@ -137,10 +140,10 @@ class Stages:
         self.items, self.workers = items, workers
         self.whole, self.chunk_images = whole, chunk_images
         self.problems: list[Problem] = []
-        self.cursor = self.next_read = 0  # next input to take in order; next to ask for
+        self.next_read = 0  # the next input to ask for
         self.again: list[tuple[int, int]] = []  # runs a worker did not get to: a heap
         self.tasks: dict[int, Chunk] = {}
-        self.by_first: dict[int, Chunk] = {}
+        self.read: list[tuple[int, int]] = []  # (first, task) of the chunks read, not taken: a heap
         self.pending: list[tuple[Chunk, Entry]] = []
         self.digests: dict[int, str] = {}
         self.asked = 0  # read tasks asked for: the next one's number
@@ -178,7 +181,8 @@ class Stages:
         return self.problems
 
     def _over(self) -> bool:
-        return self.cursor >= len(self.items) and not self.tasks and not self.device.busy
+        return (self.next_read >= len(self.items) and not self.again and not self.tasks
+                and not self.device.busy)  # fmt: skip
 
     def _ask(self) -> None:
         """Give workers with a slab free the next runs of inputs to read."""
@@ -193,16 +197,17 @@ class Stages:
                 end = self.next_read = min(first + self.chunk_images, len(self.items))
             task, self.asked = self.asked, self.asked + 1
             slab = self.workers.read(worker, task, [(i, self.items[i]) for i in range(first, end)])
-            self.tasks[task] = self.by_first[first] = Chunk(task, worker, slab, first, end)
+            self.tasks[task] = Chunk(task, worker, slab, first, end)
 
     def _advance(self) -> bool:
-        """Take the chunks read, in input order, to the device; whether one was taken."""
-        taken = False
-        while (chunk := self.by_first.get(self.cursor)) is not None and chunk.entries is not None:
-            del self.by_first[self.cursor]
+        """Take the chunks read to the device, the lowest first; whether one was taken."""
+        taken = bool(self.read)
+        while self.read:
+            chunk = self.tasks[heapq.heappop(self.read)[1]]
+            assert chunk.entries is not None
             for entry in chunk.entries:
                 self._take(chunk, entry)
-            chunk.consumed, self.cursor, taken = True, chunk.end, True
+            chunk.consumed = True
             self._maybe_finish(chunk)
         return taken
 
@@ -271,11 +276,14 @@ class Stages:
             if any(entry.tiled for entry in entries):
                 self.workers.large_comes()
             read_to = entries[-1].index + 1
-            if read_to < chunk.end:  # the slab was full: the rest is asked for again
-                heapq.heappush(self.again, (read_to, chunk.end))
-                chunk.end = read_to
             self.chunk_images = images_that_fit(entries, self.workers.chunk_bytes,
                                                 self.chunk_images)  # fmt: skip
+            # the slab was full: the rest is asked for again, in runs that fit, so that every
+            # slab that comes free reads a part of it side by side
+            for first in range(read_to, chunk.end, self.chunk_images):
+                heapq.heappush(self.again, (first, min(first + self.chunk_images, chunk.end)))
+            chunk.end = min(chunk.end, read_to)
+            heapq.heappush(self.read, (chunk.first, task))
             return
         assert kind == FINISH
         failed = []

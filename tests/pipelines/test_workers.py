@@ -6,6 +6,7 @@ imported their code, and die with it."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import errno
@@ -360,60 +361,121 @@ def test_failures_cross_the_pipe_as_what_they_were() -> None:
     assert isinstance(bug, RuntimeError) and "ValueError: a bug" in str(bug)
 
 
-def test_runs_cut_short_go_out_again_in_input_order_so_the_next_image_always_gets_a_slab(
-    tmp_path: Path,
-) -> None:
-    """Images large for their slabs (two to a slab), more chunks than slabs: each chunk is cut
-    short and its rest asked again. The rest the net needs next is asked first, so the slabs
-    freed go to it, never all to chunks ahead of it that wait for it (a job of 1,024² images on
-    a GPU hung so: 7 workers, chunks of 10, 4 images a slab). Every image is segmented, in a
-    bounded time, as one chunk each would segment it."""
-    import threading
+def _grey_pngs(batch_dir: Path, count: int, shape: tuple[int, int], seed: int) -> list[InputFile]:
+    """``count`` PNGs of random grey in ``batch_dir/images``, as the inputs of a shard."""
+    rng = np.random.default_rng(seed)
+    images = batch_dir / "images"
+    images.mkdir(parents=True)
+    items = []
+    for number in range(count):
+        path = images / f"{number:03d}.png"
+        Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)).save(path)
+        items.append(
+            InputFile(f"images/{path.name}", hashlib.sha256(path.read_bytes()).hexdigest())
+        )
+    return items
 
+
+@contextlib.contextmanager
+def _shard_run(
+    batch_dir: Path, budget: int | None = None, device_stage: type | None = None
+) -> Iterator[tuple[Workers, Any, Any]]:
+    """Two real workers over ``batch_dir`` (slabs of ``budget`` bytes, else the job's), the
+    committer of their masks, and a CPU device stage (of class ``device_stage``) with a small
+    net, 4 images at once; the workers stopped and everything closed after."""
     import torch
 
     from models.unet import UNet
     from pipelines.inference.device import DeviceStage
     from pipelines.inference.placement import Placement
-    from pipelines.inference.stages import Committer, Stages
+    from pipelines.inference.stages import Committer
     from pipelines.ledger import Ledger
 
-    rng = np.random.default_rng(3)
-    images = tmp_path / "batch" / "images"
-    images.mkdir(parents=True)
-    items = []
-    for number in range(48):
-        Image.fromarray(rng.integers(0, 256, (40, 60), dtype=np.uint8)).save(
-            images / f"{number:02d}.png"
-        )
-        path = images / f"{number:02d}.png"
-        items.append(
-            InputFile(f"images/{path.name}", hashlib.sha256(path.read_bytes()).hexdigest())
-        )
     torch.manual_seed(0)
-    net = UNet(depth=1, width=2).eval()
     rules = Rules(0, 0.0, False)
-    with HeldFolder.open(tmp_path / "batch") as batch, batch.folder("results", create=True) as run, \
+    setup = {} if budget is None else {"chunk_bytes": budget}
+    with HeldFolder.open(batch_dir) as batch, batch.folder("results", create=True) as run, \
             batch.folder("work", create=True) as work:  # fmt: skip
-        workers = Workers(2, Setup(batch, run, MAX_PIXELS, None, rules, 2 * (40 * 60 * 5) + 1))
+        workers = Workers(2, Setup(batch, run, MAX_PIXELS, None, rules, **setup))
         ledger = Ledger(work, "shard-0000.jsonl", "0" * 64, {})
         committer = Committer(run, ledger, lambda count: None, False, {})
-        device = DeviceStage(net, Placement("cpu", 4, False, "test"), 0.5, rules)
+        net = UNet(depth=1, width=2).eval()
+        device = (device_stage or DeviceStage)(net, Placement("cpu", 4, False, "test"), 0.5, rules)
+        try:
+            yield workers, committer, device
+        finally:
+            workers.close()  # (a hung main loop then ends on the closed pipes)
+            committer.close()
+            ledger.close()
+
+
+def test_runs_cut_short_go_out_again_in_input_order_so_the_next_image_always_gets_a_slab(
+    tmp_path: Path,
+) -> None:
+    """Images large for their slabs (two to a slab), more chunks than slabs: each chunk is cut
+    short and its rest asked again, before any later run, the lowest first; no slab is held by
+    a chunk that waits for another (a job of 1,024² images on a GPU hung so, when chunks went
+    to the net in input order and rests were asked newest first: 7 workers, chunks of 10, 4
+    images a slab). Every image is segmented, in a bounded time, as one chunk each would
+    segment it."""
+    import threading
+
+    from pipelines.inference.stages import Stages
+
+    items = _grey_pngs(tmp_path / "batch", 48, (40, 60), seed=3)
+    found: list[Any] = []
+    with _shard_run(tmp_path / "batch", 2 * (40 * 60 * 5) + 1) as (workers, committer, device):
         stages = Stages(items, workers, True, 10)
-        found: list[Any] = []
         thread = threading.Thread(
             target=lambda: found.append(stages.run(device, committer, lambda item: [])), daemon=True
         )
         thread.start()
         thread.join(60)
         hung = thread.is_alive()
-        workers.close()  # (a hung main loop then ends on the closed pipes)
-        committer.close()
-        ledger.close()
     assert not hung, "the job's main loop waits forever: every slab is held by chunks ahead"
     assert found == [[]]
     assert sorted(committer.rows) == sorted(item.path for item in items)
     assert stages.chunk_images == 2, "later runs are not sized to what a slab holds"
+
+
+def test_a_chunk_read_goes_to_the_net_at_once_and_a_cut_runs_rest_is_read_side_by_side(
+    tmp_path: Path,
+) -> None:
+    """Large images (two to a slab) and the shard spread over every slab before any is read
+    (runs of 6): every run is cut after 2 images. Each chunk read goes to the net at once, not
+    after the images before it that are still unread (a 2-CPU job of 200 images of 1,024² had
+    6 of its 8 slabs held so, by chunks waiting for the one slab that read the rest, and made
+    83 images/s where one CPU made 67); each rest is asked again in runs that fit (2 images),
+    so the slabs that come free read its parts side by side. Every image is segmented once."""
+    from pipelines.inference.device import DeviceStage
+    from pipelines.inference.stages import Stages
+
+    class Recorded(DeviceStage):
+        """The device stage, the images it was given recorded in the order it got them."""
+
+        def submit(self, images: Any, tag: Any) -> None:
+            given.extend(entry.index for _, entry in tag)
+            super().submit(images, tag)
+
+    given: list[int] = []
+    items = _grey_pngs(tmp_path / "batch", 48, (40, 60), seed=7)
+    budget = 2 * (40 * 60 * 5) + 1
+    with _shard_run(tmp_path / "batch", budget, Recorded) as (workers, committer, device):
+        stages = Stages(items, workers, True, 4)
+        stages.ahead()  # 48 images over 8 slabs: runs of 6, each cut after 2
+        replies: list[tuple[int, Any]] = []
+        while len(replies) < 8:  # every slab's chunk read before the net is there
+            replies += workers.replies(None)
+        for worker, reply in replies:
+            stages._reply(worker, reply)
+        assert sorted(stages.read) == [(6 * k, task) for k, task in enumerate(range(8))]
+        assert sorted(stages.again) == [(6 * k + part, 6 * k + part + 2)
+                                        for k in range(8) for part in (2, 4)]  # fmt: skip
+        assert stages.run(device, committer, lambda item: []) == []
+    # the 8 chunks read went to the net first, none waiting for the rests before it
+    assert given[:16] == [6 * k + image for k in range(8) for image in (0, 1)]
+    assert sorted(given) == list(range(48))
+    assert sorted(committer.rows) == sorted(item.path for item in items)
 
 
 def test_the_workers_read_the_shard_spread_over_every_slab_before_the_device_is_there(
@@ -422,49 +484,21 @@ def test_the_workers_read_the_shard_spread_over_every_slab_before_the_device_is_
     """While the job's main process imports torch and loads the model, every slab of every
     worker is given a run to read: the shard spread over them all, up to MAX_CHUNK_IMAGES a run,
     in input order. Read so, the shard then goes through the device whole, as without."""
-    import torch
-
-    from models.unet import UNet
-    from pipelines.inference.device import DeviceStage
-    from pipelines.inference.placement import Placement
     from pipelines.inference.pool import SLABS_PER_WORKER
-    from pipelines.inference.stages import MAX_CHUNK_IMAGES, Committer, Stages
-    from pipelines.ledger import Ledger
+    from pipelines.inference.stages import MAX_CHUNK_IMAGES, Stages
 
-    rng = np.random.default_rng(5)
-    images = tmp_path / "batch" / "images"
-    images.mkdir(parents=True)
-    items = []
-    for number in range(360):
-        path = images / f"{number:03d}.png"
-        Image.fromarray(rng.integers(0, 256, (24, 32), dtype=np.uint8)).save(path)
-        items.append(
-            InputFile(f"images/{path.name}", hashlib.sha256(path.read_bytes()).hexdigest())
-        )
-    torch.manual_seed(0)
-    rules = Rules(0, 0.0, False)
-    with HeldFolder.open(tmp_path / "batch") as batch, batch.folder("results", create=True) as run, \
-            batch.folder("work", create=True) as work:  # fmt: skip
-        workers = Workers(2, Setup(batch, run, MAX_PIXELS, None, rules))
-        ledger = Ledger(work, "shard-0000.jsonl", "0" * 64, {})
-        committer = Committer(run, ledger, lambda count: None, False, {})
-        net = UNet(depth=1, width=2).eval()
-        device = DeviceStage(net, Placement("cpu", 4, False, "test"), 0.5, rules)
-        try:
-            # 60 images over 8 slabs: runs of 8; 300: runs of MAX_CHUNK_IMAGES (32)
-            for shard, run_images in ((items[:60], 8), (items[60:], MAX_CHUNK_IMAGES)):
-                stages = Stages(shard, workers, True, 4)
-                stages.ahead()
-                runs = sorted((chunk.first, chunk.end) for chunk in stages.tasks.values())
-                assert len(runs) == 2 * SLABS_PER_WORKER  # every slab of both workers
-                assert runs == [(k * run_images, min((k + 1) * run_images, len(shard)))
-                                for k in range(len(runs))]  # fmt: skip
-                assert not workers.free[0] and not workers.free[1]
-                assert stages.run(device, committer, lambda item: []) == []
-        finally:
-            workers.close()
-            committer.close()
-            ledger.close()
+    items = _grey_pngs(tmp_path / "batch", 360, (24, 32), seed=5)
+    with _shard_run(tmp_path / "batch") as (workers, committer, device):
+        # 60 images over 8 slabs: runs of 8; 300: runs of MAX_CHUNK_IMAGES (32)
+        for shard, run_images in ((items[:60], 8), (items[60:], MAX_CHUNK_IMAGES)):
+            stages = Stages(shard, workers, True, 4)
+            stages.ahead()
+            runs = sorted((chunk.first, chunk.end) for chunk in stages.tasks.values())
+            assert len(runs) == 2 * SLABS_PER_WORKER  # every slab of both workers
+            assert runs == [(k * run_images, min((k + 1) * run_images, len(shard)))
+                            for k in range(len(runs))]  # fmt: skip
+            assert not workers.free[0] and not workers.free[1]
+            assert stages.run(device, committer, lambda item: []) == []
     assert sorted(committer.rows) == sorted(item.path for item in items)
 
 
