@@ -24,9 +24,10 @@ In order:
    as the daemon starts one.
 4. A ``--slide``² slide, 30 % tissue: one job on the GPU, one on 8 CPU threads (targets:
    ≥ 8× faster, ≥ 80 Mpx/s over the slide's area).
-5. The host pipeline alone: the 256² batch through one job whose net is a zero-cost stand-in
-   (scripts/standin_job.py), on ``--cpus-per-job`` CPUs, without the object step (the
-   stand-in's masks make it ~14× as costly as a trained net's): what the host side can feed.
+5. The host pipeline alone: the 256² batch and the ``--big-size``² one, each through one job
+   whose net is a zero-cost stand-in (scripts/standin_job.py), on ``--cpus-per-job`` CPUs,
+   without the object step (the stand-in's masks make it ~14× as costly as a trained net's):
+   what the host side can feed, beside the batches' rates of step 3.
 6. Last, since a short lease can spare it: the same forward as the job runs it with
    ``gpu_compile`` (:func:`pipelines.inference.device.fast_forward`), at one batch per image
    size (the job's own: about 8 Mpx), in fp32 and fp16: "compile" (torch.compile) and
@@ -483,11 +484,15 @@ def main() -> int:
     if "slide" not in args.skip:
         slide_rows(table, work, args.slide, args.cpus_per_job, device, gpu)
     if "host" not in args.skip:
-        whole, inner = host_pipeline(small, work / "registry", args.cpus_per_job)
-        table.add(
-            f"host pipeline alone (stand-in net, no object step), {args.cpus_per_job} CPUs",
-            f"{whole:,.0f} images/s start to end, {inner:,.0f} over its images",
-        )
+        for size, batch_dir, count in ((256, small, args.images), (args.big_size, big, args.big)):
+            if not count:
+                continue
+            whole, inner = host_pipeline(batch_dir, work / "registry", args.cpus_per_job)
+            table.add(
+                f"host pipeline alone (stand-in net, no object step), {size}², "
+                f"{args.cpus_per_job} CPUs",
+                f"{whole:,.0f} images/s start to end, {inner:,.0f} over its images",
+            )
     if "compile" not in args.skip:  # last: its builds are the step a short lease can spare
         spent = compiled_rows(table, net, decoded, 256, device, args.compile_seconds)
         if cuda:  # (on the CPU one compilation, 1-2 min here, shows that it works)
