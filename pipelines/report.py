@@ -424,7 +424,7 @@ def _inference(
         "rows": rows,
         "overlays": sample_overlays(spec, rows, batch, run),
         "slides": slide_overviews(rows, run),
-        "histogram": figures.png_uri(histogram),
+        "histogram": figures.svg_uri(histogram),
         "truth": [] if scored is None else scored.rows,
     }
     return summary, page

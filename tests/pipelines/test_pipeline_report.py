@@ -12,6 +12,7 @@ import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from xml.etree import ElementTree
 
 import numpy as np
 import tifffile
@@ -38,10 +39,16 @@ def assert_self_contained(page: str) -> None:
     assert page.startswith("<!DOCTYPE html>")
     assert "http" not in page and 'src="//' not in page
     assert "<script" not in page and "<link" not in page
-    assert re.findall(r'src="([^"]*)"', page)
-    assert all(
-        src.startswith("data:image/png;base64,") for src in re.findall(r'src="([^"]*)"', page)
-    )
+    sources = re.findall(r'src="([^"]*)"', page)
+    assert sources
+    for src in sources:
+        if src.startswith("data:image/svg+xml;base64,"):  # drawn by us: nothing it runs or loads
+            svg = ElementTree.fromstring(base64.b64decode(src.split(",", 1)[1]))
+            tags = {element.tag.rsplit("}", 1)[-1] for element in svg.iter()}
+            assert tags <= {"svg", "rect", "line", "text"}, tags
+            assert not any(key.endswith("href") for element in svg.iter() for key in element.attrib)
+        else:
+            assert src.startswith("data:image/png;base64,"), src[:40]
 
 
 def report_spec(
@@ -91,7 +98,8 @@ def test_inference_report_merges_tables_and_summarises(
     page = (run_dir / "report.html").read_text(encoding="utf-8")
     assert f"<th>net precision</th><td>fp32: {len(inferred.inputs)} image(s)</td>" in page
     assert_self_contained(page)
-    assert page.count("data:image/png;base64,") >= 2
+    assert page.count("data:image/png;base64,") >= 1  # the overlays
+    assert page.count("data:image/svg+xml;base64,") == 1  # the histogram
     assert "it&#39;s a &#34;test&#34;.png" in page and "plate 2 ü" in page  # escaped by Jinja
 
 
@@ -465,3 +473,27 @@ def test_the_precision_each_image_was_made_in_and_the_checks_that_decided_it_are
         "infer-0003 on cuda:0: fp16 0.99987 of pixels, same object counts (kept) → fp32 (its "
         "resident device ended during the job: the rest on its own net)</td>"
     ) in page
+
+
+def test_the_reports_histogram_is_an_svg_drawn_to_its_counts() -> None:
+    """The object-size histogram is SVG text (no rendering on the report's path): one bar per
+    bin, left to right, each as tall as its count against the highest, all as wide; the title
+    and the axis label escaped; no values give empty axes."""
+    from pipelines import figures
+
+    values = np.random.default_rng(2).normal(100.0, 20.0, 500)
+    counts, _ = np.histogram(values, bins=20)
+    svg = ElementTree.fromstring(figures.histogram("size <µm²>", values, "area & more"))
+    bars = [e for e in svg.iter() if e.tag.endswith("rect") and e.get("fill") == "#1f77b4"]
+    assert len(bars) == 20
+    xs = [float(bar.get("x", "")) for bar in bars]
+    assert xs == sorted(xs)
+    widths = {round(float(bar.get("width", "")), 1) for bar in bars}
+    assert len(widths) == 1
+    heights = np.array([float(bar.get("height", "")) for bar in bars])
+    assert np.allclose(heights / heights.max(), counts / counts.max(), atol=0.01)
+    texts = [e.text for e in svg.iter() if e.tag.endswith("text")]
+    assert "size <µm²>" in texts and "area & more" in texts and "images" in texts
+    empty = ElementTree.fromstring(figures.histogram("none", [], "area"))
+    assert not [e for e in empty.iter() if e.tag.endswith("rect") and e.get("fill") == "#1f77b4"]
+    assert figures.svg_uri(b"<svg/>") == "data:image/svg+xml;base64,PHN2Zy8+"
