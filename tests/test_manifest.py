@@ -287,7 +287,8 @@ def test_no_accepted_path_climbs_out_of_the_folder(parts: list[str]) -> None:
     path = "/".join(parts)
     if check_relative_path(path) is None:
         normal = posixpath.normpath(path)
-        assert not normal.startswith("..") and not posixpath.isabs(normal)
+        # (a name that merely starts with two dots, "..0", is a name: CI's random draw found it)
+        assert normal.split("/")[0] != ".." and not posixpath.isabs(normal)
         assert ".." not in normal.split("/")
 
 
