@@ -19,7 +19,11 @@ With ``gpu_compile`` (:func:`pipelines.inference.placement.compile_plan`), a GPU
 of one size run through :func:`fast_forward` (torch.compile, or a CUDA graph captured once per
 size), once the first of them gives masks that agree with full precision's eager ones under the
 precision rule (:func:`pipelines.inference.placement.precision_verdict`); if it does not, or the
-compiler fails, that size runs eager, and the log says why. Smaller batches run eager.
+compiler fails, that size runs eager, and the log says why. Smaller batches run eager. A process
+compiles one graph per size, precision and model; past torch's limit on them (8: a resident
+device that serves many jobs reaches it) torch would run the rest eager without a word, so here
+it raises instead, and that size runs eager under its own name, with the log and the summary
+saying so.
 
 Windows of a slide take :meth:`DeviceStage.probabilities` instead: they are blended, so their
 probabilities come back whole.
@@ -94,6 +98,27 @@ def _fp32_math(tf32: bool) -> None:
 _AUTOCAST = {HALF: torch.float16, BFLOAT: torch.bfloat16}
 
 
+def _bf16_native() -> bool:
+    """Whether the GPU computes in bfloat16 itself (Ampere and later). Before torch 2.4 that is
+    what ``is_bf16_supported`` said; since, it also says yes where bfloat16 is only emulated
+    (a V100, a T4), and there cuDNN has no bfloat16 convolutions for the net."""
+    try:
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:  # torch before 2.4: no emulation counted
+        return bool(torch.cuda.is_bf16_supported())
+
+
+def _first_line(exc: BaseException) -> str:
+    """What a log line says of ``exc``: its message's first line, or its type's name."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _graph_limit(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's refusal to compile one more graph in this process
+    (``torch._dynamo.exc.FailOnRecompileLimitHit``, raised as :func:`fast_forward` asks)."""
+    return type(exc).__name__ == "FailOnRecompileLimitHit"
+
+
 def forward(net: torch.nn.Module, images: torch.Tensor, precision: str, cache: bool = True
             ) -> torch.Tensor:  # fmt: skip
     """Sigmoid probabilities (N, H, W) of a batch (N, 1, H, W) on the GPU, the net run under
@@ -113,6 +138,9 @@ def fast_forward(net: torch.nn.Module, mode: str, example: torch.Tensor, precisi
     buffers of its own: a result must be used before the next call). Built and run once on
     ``example`` here, so that the compilation or capture happens now."""
     if mode == "compile":
+        # past its limit of graphs per process torch would run the net eager, silently: raise
+        # (FailOnRecompileLimitHit), so that the caller says so and runs eager itself
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
         compiled = torch.compile(net, dynamic=False)
         run: Forward = lambda images: forward(compiled, images, precision)  # noqa: E731
         run(example)
@@ -249,7 +277,25 @@ class DeviceStage:
         if shape not in self.fast:
             self.fast[shape] = self._build(batch, shape)
         run = self.fast[shape]
-        return self._probabilities(batch, self.precision) if run is None else run(batch)
+        if run is not None:
+            try:
+                return run(batch)
+            except Exception as exc:  # torch compiles again where its guards fail (another
+                if not _graph_limit(exc):  # job of a resident device, its TF32 switch): ...
+                    raise
+                self.fast[shape] = None  # ... and at its limit this size runs eager here
+                self._not_compiled(count, shape, exc, "eager from now on")
+        return self._probabilities(batch, self.precision)
+
+    def _not_compiled(self, count: int, shape: tuple[int, ...], exc: BaseException,
+                      then: str) -> None:  # fmt: skip
+        """Say in the log and the summary that batches of ``count`` × ``shape`` run eager."""
+        size, first = "×".join(map(str, (count, *shape))), _first_line(exc)
+        if _graph_limit(exc):
+            limit = torch._dynamo.config.recompile_limit
+            first = f"this process has compiled the net {limit} times, torch's limit"
+        log.warning("gpu_compile %r failed for %s, %s: %s", self.compile, size, then, first)
+        self.compile_checks.append({"shape": size, "kept": False, "error": first})
 
     def _build(self, batch: torch.Tensor, shape: tuple[int, ...]) -> Forward | None:
         """The compiled forward of batches like ``batch``, if it builds and its masks of this
@@ -258,11 +304,10 @@ class DeviceStage:
         _fp32_math(self.precision == TF32)
         try:
             run = fast_forward(self.net, self.compile, batch, self.precision)
-        except RuntimeError as exc:  # no compiler, a capture refused: the eager path is whole
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            log.warning("gpu_compile %r failed for %s, eager instead: %s", self.compile, size,
-                        first)  # fmt: skip
-            self.compile_checks.append({"shape": size, "kept": False, "error": first})
+        except Exception as exc:  # no compiler, a capture refused, torch's limit of graphs
+            if not isinstance(exc, RuntimeError) and not _graph_limit(exc):
+                raise
+            self._not_compiled(len(batch), shape, exc, "eager instead")
             return None
         built = time.monotonic() - started
         full = (self._probabilities(batch, FULL) > self.threshold).cpu().numpy()
@@ -283,9 +328,16 @@ class DeviceStage:
         """Decide the precision on this first batch: full precision against each candidate."""
         full = (self._probabilities(images, FULL) > self.threshold).cpu().numpy()
         for candidate in self.where.candidates():
-            if candidate == BFLOAT and not torch.cuda.is_bf16_supported():
+            if candidate == BFLOAT and not _bf16_native():
                 continue
-            faster = (self._probabilities(images, candidate) > self.threshold).cpu().numpy()
+            try:
+                faster = (self._probabilities(images, candidate) > self.threshold).cpu().numpy()
+            except torch.cuda.OutOfMemoryError:  # the full precision's own would fail too
+                raise
+            except RuntimeError as exc:  # no kernels for it on this GPU: not kept
+                first = _first_line(exc)
+                log.warning("precision %s failed on this GPU, not kept: %s", candidate, first)
+                continue
             verdict = precision_verdict(candidate, list(full), list(faster), self._count)
             self.verdicts.append(verdict)
             log.info("precision %s", verdict.said())

@@ -4,6 +4,7 @@ machine."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -170,6 +171,35 @@ def test_on_the_cpu_the_stage_gives_the_masks_and_confidences_the_job_always_mad
     assert stage.summary() == {"device": "cpu", "precision": FULL, "checks": [],
                                "compile": "off", "compile_checks": []}  # fmt: skip
     assert Placement("cpu", 1, True, "").candidates() == ()
+
+
+def test_past_torchs_limit_of_compiled_graphs_a_size_runs_eager_and_says_so(
+    net: UNet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process compiles the net once per size, precision and model; past torch's limit (8;
+    here 1) torch would run it eager and the summary would still say compiled. A resident
+    device serving many jobs gets there. The size past it runs eager under its own name.
+    (Compiled here by dynamo alone, which keeps the count: inductor's code generation would
+    only take time.)"""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", False)
+    stage = DeviceStage(net, Placement("cpu", 2, False, ""), 0.5, Rules(0, 0.0, False))
+    stage.compile = "compile"  # (on the CPU the job leaves it off: compile_plan)
+    rng = np.random.default_rng(2)
+    try:
+        with torch.inference_mode():
+            for side in (32, 48):
+                images = torch.from_numpy(rng.random((2, 1, side, side), dtype=np.float32))
+                stage.fast[(side, side)] = stage._build(images, (side, side))
+    finally:
+        torch._dynamo.reset()
+    assert stage.fast[(32, 32)] is not None and stage.fast[(48, 48)] is None
+    first, second = stage.summary()["compile_checks"]
+    assert first["shape"] == "2×32×32" and first["kept"]
+    assert second == {"shape": "2×48×48", "kept": False,
+                      "error": "this process has compiled the net 1 times, torch's limit"}  # fmt: skip
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on a GPU node)")
