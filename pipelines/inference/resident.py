@@ -125,7 +125,24 @@ class Resident:
             log.info("job %s decided the precision: %s", job, stage.precision)
 
     def serve(self, channel: socket.socket) -> None:
-        """One job's connection, to its end."""
+        """One job's connection, to its end; then the GPU memory torch keeps cached for reuse
+        goes back to the GPU (:meth:`give_back_memory`)."""
+        try:
+            self._serve(channel)
+        finally:  # (the job's stage gone with _serve's frame)
+            self.give_back_memory()
+
+    def give_back_memory(self) -> None:
+        """Hand the device memory that torch's allocator keeps cached, the ended jobs' batches'
+        and evicted models', back to the GPU. The executor's seats count this GPU free for
+        the jobs it starts next (a training, a job with a net of its own); a resident device
+        that kept its peak would leave them that much less, for as long as the daemon runs."""
+        torch = self.device.torch
+        if torch.cuda.is_initialized():
+            with self.lock:
+                torch.cuda.empty_cache()
+
+    def _serve(self, channel: socket.socket) -> None:
         job = "?"
         slabs: dict[int, Slab] = {}
         try:
@@ -250,11 +267,11 @@ class Connection:
 def _broken(exc: BaseException) -> bool:
     """Whether ``exc`` left the process's CUDA context unusable (an illegal address, an ECC
     error: every later job would fail), as a small operation on the GPU then fails too; not a
-    memory shortage, which the next jobs may not meet."""
+    memory shortage, which the next jobs may not meet. Any of torch's errors (RuntimeError)
+    is looked at so: after such a fault the next call may fail in cuDNN's or cuBLAS's own words
+    (CUDNN_STATUS_EXECUTION_FAILED), which name no CUDA."""
     torch = sys.modules.get("torch")
-    accelerator = getattr(torch, "AcceleratorError", None)
-    cuda = (accelerator is not None and isinstance(exc, accelerator)) or "CUDA" in str(exc)
-    if torch is None or not cuda or not torch.cuda.is_available():
+    if torch is None or not isinstance(exc, RuntimeError) or not torch.cuda.is_initialized():
         return False
     try:
         torch.ones(1, device="cuda").add_(1).item()
