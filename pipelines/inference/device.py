@@ -140,7 +140,8 @@ def fast_forward(net: torch.nn.Module, mode: str, example: torch.Tensor, precisi
     if mode == "compile":
         # past its limit of graphs per process torch would run the net eager, silently: raise
         # (FailOnRecompileLimitHit), so that the caller says so and runs eager itself
-        torch._dynamo.config.fail_on_recompile_limit_hit = True
+        if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):  # (torch 2.6 on)
+            torch._dynamo.config.fail_on_recompile_limit_hit = True
         compiled = torch.compile(net, dynamic=False)
         run: Forward = lambda images: forward(compiled, images, precision)  # noqa: E731
         run(example)
@@ -292,8 +293,9 @@ class DeviceStage:
         """Say in the log and the summary that batches of ``count`` × ``shape`` run eager."""
         size, first = "×".join(map(str, (count, *shape))), _first_line(exc)
         if _graph_limit(exc):
-            limit = torch._dynamo.config.recompile_limit
-            first = f"this process has compiled the net {limit} times, torch's limit"
+            limit = getattr(torch._dynamo.config, "recompile_limit", None)
+            first = (f"this process has compiled the net {limit} times, torch's limit" if limit
+                     else "this process has compiled the net as often as torch allows")  # fmt: skip
         log.warning("gpu_compile %r failed for %s, %s: %s", self.compile, size, then, first)
         self.compile_checks.append({"shape": size, "kept": False, "error": first})
 
