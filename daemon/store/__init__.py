@@ -37,9 +37,10 @@ class Store(BatchStore, JobStore, EventStore, OperationStore, UsageStore):
     """A handle on the watchd database; one per thread."""
 
     def __init__(self, path: Path) -> None:
+        """A handle on the database at ``path``, in the journal mode its file says (WAL, once
+        :meth:`open` made it): a reader's handle never switches it (:meth:`open`)."""
         self.path = Path(path)
         conn = sqlite3.connect(str(self.path), isolation_level=None, timeout=30.0)
-        conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA foreign_keys=ON")
         # Case-insensitive matching beyond ASCII (SQLite's lower() and LIKE know only ASCII).
@@ -51,6 +52,11 @@ class Store(BatchStore, JobStore, EventStore, OperationStore, UsageStore):
         """Open (creating folders and the file as needed) and bring the schema up to date."""
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         store = cls(path)
+        # Only the daemon's open sets WAL (kept in the file). A reader that set it too, on the
+        # file the daemon's first start had just made, could take the lock the daemon's first
+        # write needed: SQLite then refused the daemon at once ("database is locked", no wait:
+        # each waiting on the other), and the daemon ended before its first tick.
+        store.db.execute("PRAGMA journal_mode=WAL")
         store.migrate()
         return store
 
@@ -59,7 +65,19 @@ class Store(BatchStore, JobStore, EventStore, OperationStore, UsageStore):
         """Open a database that must already exist (for watchctl: never create one by accident)."""
         if not Path(path).is_file():
             raise NotFound(f"no database at {path}: has the daemon ever run with this config?")
-        return cls(path)
+        store = cls(path)
+        try:
+            made = store.db.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'migrations'"
+            ).fetchone()
+        except BaseException:
+            store.close()
+            raise
+        if made is None:  # the daemon's first start is making it, or ended before it could
+            store.close()
+            raise NotFound(f"the database at {path} has no tables yet: the daemon is making "
+                           "them, or its first start failed (its log says why)")  # fmt: skip
+        return store
 
     def close(self) -> None:
         self.db.close()

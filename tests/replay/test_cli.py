@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Callable
@@ -138,6 +139,15 @@ def test_a_missing_config_or_database_is_a_clear_error(tmp_path: Path) -> None:
     assert done.stderr.strip() == (
         f"Error: no database at {tmp_path}/state/watchd.sqlite: has the daemon ever run with this config?"
     )
+    # the file the daemon's first start has made, before its tables (or after it failed)
+    (tmp_path / "state").mkdir()
+    made = sqlite3.connect(tmp_path / "state" / "watchd.sqlite")
+    made.execute("PRAGMA user_version = 0")
+    made.close()
+    done = cli("watchctl", "status", "--config", str(config), check=False)
+    assert (done.returncode, done.stderr.strip()) == (1, (
+        f"Error: the database at {tmp_path}/state/watchd.sqlite has no tables yet: the daemon "
+        "is making them, or its first start failed (its log says why)"))  # fmt: skip
 
 
 def test_an_invalid_config_lists_every_problem(tmp_path: Path) -> None:
