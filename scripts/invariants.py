@@ -108,15 +108,21 @@ def logged_exceptions(log: Path) -> list[str]:
     """Log events that carry a traceback (anything the daemon did not expect is a bug), each
     told once with how often it came; and roots given up to another watchd (there is none)."""
     found: Counter[str] = Counter()
+    printed = False  # in a printed traceback: its last line (unindented) says what was raised
     for event in log_events(log):
         if isinstance(event, str):
             if "Traceback" in event:
-                found["the daemon printed a traceback"] += 1
+                printed = True
+            elif printed and event[:1] not in ("", " ", "\t"):
+                found[f"the daemon printed a traceback: {event.strip()[:200]}"] += 1
+                printed = False
         elif "exception" in event:
             last = str(event["exception"]).strip().splitlines()[-1][:200]
             found[f"the daemon logged {event.get('event')!r} with {last}"] += 1
         elif event.get("event") in LOST_ROOT:
             found[f"the daemon logged {event['event']!r} ({event.get('holder')})"] += 1
+    if printed:  # cut off (the daemon killed mid-print)
+        found["the daemon printed a traceback"] += 1
     return [f"{what} ({n} times)" if n > 1 else what for what, n in found.items()]
 
 
