@@ -6,7 +6,7 @@ The log is opened without following a link or waiting on a FIFO all the same."""
 from __future__ import annotations
 
 import os
-import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +95,27 @@ class Follower:
         return lines
 
 
+class Interrupt:
+    """Ctrl-C's word to :func:`follow`: a plain flag that a signal handler sets. A
+    ``threading.Event`` there could hang the process: its ``set()`` waits for the Event's lock,
+    which the very ``wait()`` the signal interrupted may hold (a handler runs in that thread,
+    between two of its steps); so a follow stopped by Ctrl-C once went on for ever."""
+
+    def __init__(self) -> None:
+        self.given = False
+
+    def set(self) -> None:
+        self.given = True
+
+    def is_set(self) -> bool:
+        return self.given
+
+    def wait(self, seconds: float) -> None:
+        """Sleep ``seconds`` (a signal's handler runs meanwhile, and the sleep goes on)."""
+        if not self.given:
+            time.sleep(seconds)
+
+
 def follow(
     store: Store,
     job_id: int,
@@ -102,14 +123,14 @@ def follow(
     emit: Callable[[str], None],
     *,
     poll_seconds: float = 0.5,
-    stop: threading.Event | None = None,
+    stop: Interrupt | None = None,
 ) -> None:
     """Emit the lines the log gains until the job has ended, or until ``stop`` is set.
 
     A job counts as ended when two polls in a row find it so: a failed job the daemon retries
     goes back to pending in the same tick, and following should go on through the retry.
     """
-    stop = stop or threading.Event()
+    stop = stop or Interrupt()
     ended_before = False
     while not stop.is_set():
         for line in follower.read():

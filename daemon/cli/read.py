@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import signal
 import sys
-import threading
 import time
 from collections.abc import Iterable, Sequence
 from typing import Annotated, Any
@@ -289,9 +288,10 @@ def _unreadable(log: joblog.LogFile, exc: OSError) -> WatchdError:
 
 
 def _follow(store: Store, job: Job, log: joblog.LogFile, lines: int) -> None:
-    """Follow the log until the job ends or Ctrl-C. Ctrl-C sets an event the loop waits on (a
-    KeyboardInterrupt raised where Python swallows it, in a finaliser, would follow forever)."""
-    stop = threading.Event()
+    """Follow the log until the job ends or Ctrl-C. Ctrl-C sets a flag the loop looks at
+    (:class:`~daemon.cli.joblog.Interrupt`; a KeyboardInterrupt raised where Python swallows
+    it, in a finaliser, would follow forever)."""
+    stop = joblog.Interrupt()
     previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         try:
