@@ -50,7 +50,11 @@ def png_bytes(image: Image.Image) -> bytes:
 
 def png_uri(png: bytes) -> str:
     """PNG bytes as a ``data:`` URI for an ``<img src>``."""
-    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+    return _uri("image/png", png)
+
+
+def _uri(mime: str, data: bytes) -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode("ascii")
 
 
 def data_uri(image: Image.Image) -> str:
@@ -221,7 +225,7 @@ def histogram(title: str, values: Sequence[float], x_label: str, bins: int = 20)
 
 def svg_uri(svg: bytes) -> str:
     """SVG bytes as a ``data:`` URI for an ``<img src>`` (an image so shown runs nothing)."""
-    return "data:image/svg+xml;base64," + base64.b64encode(svg).decode("ascii")
+    return _uri("image/svg+xml", svg)
 
 
 def _ticks(low: float, high: float, most: int, whole: bool = False) -> list[float]:

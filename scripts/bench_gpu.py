@@ -538,9 +538,10 @@ def slide_rows(
               "as fast", "≥ 8×", on_cpu / on_gpu >= 8 if gpu else None)  # fmt: skip
     write_manifest(slide, "min_object_area=16")
     for settings in filter(None, daemons):
-        how = "resident device" if settings.get("resident_device") else "its own net"
-        rate, _ = through_daemon(f"slide-{'resident' if 'resident' in how else 'own'}", REPO,
-                                 work, slide, 1, settings, timeout)  # fmt: skip
+        resident = bool(settings.get("resident_device"))
+        how = "resident device" if resident else "its own net"
+        rate, _ = through_daemon("slide-resident" if resident else "slide-own", REPO, work,
+                                 slide, 1, settings, timeout)  # fmt: skip
         label = f"slide {size:,}², queued → done through the daemon (warm, {how})"
         if rate is None:
             table.add(label, f"not done in {timeout:.0f} s", "≥ 80 Mpx/s", False)
